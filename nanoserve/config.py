@@ -1,0 +1,60 @@
+"""EngineConfig: one frozen, validated description of how the engine runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs. Values discovered at run time (how many KV blocks fit) are
+    returned by the engine, never written back here."""
+
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 512 * 2**20  # budget used when num_kv_blocks is None
+    max_num_seqs: int = 16  # slots: requests running at once
+    max_num_batched_tokens: int = 2048  # tokens forwarded in one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # prompt + output limit; None: the model's max positions
+    enable_chunked_prefill: bool = True  # a prompt longer than the token budget is split over steps
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0  # seeds the generator of requests that bring no seed of their own
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: leave torch's default
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r} must be None or an integer >= 1")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} must be >= 1")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(_DTYPES)}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"device={self.device!r} is not a torch device: {e}") from None
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads={self.num_threads!r} must be None or >= 1")
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_model_len="
+                f"{self.max_model_len}: without chunked prefill a long prompt could never be scheduled"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

@@ -1,0 +1,268 @@
+"""Engine: the step loop and the public methods. The only room that knows every other room."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanoserve.blocks import BlockAllocator
+from nanoserve.config import EngineConfig
+from nanoserve.inputs import build_inputs
+from nanoserve.model.kv_cache import KVCache, bytes_per_block
+from nanoserve.model.llama import LlamaModel
+from nanoserve.output import OutputProcessor, TokenBatch
+from nanoserve.params import SamplingParams
+from nanoserve.profiler import NULL_RECORDER
+from nanoserve.request import FinishReason, Request, RequestOutput
+from nanoserve.sampling import BatchedSampler
+from nanoserve.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, cdiv
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_steps: int
+
+
+class Engine:
+    """Continuous-batching inference over a paged KV cache.
+
+    Args:
+        model: a LlamaModel already on config.device in config.dtype.
+        tokenizer: a Hugging Face tokenizer, or None (then prompts must be token ids and text is "").
+        config: the EngineConfig.
+    Raises:
+        ValueError: when config.max_model_len exceeds what the model can position.
+    """
+
+    def __init__(self, model: LlamaModel, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        num_positions = model.cos.shape[0]
+        self.max_model_len = config.max_model_len or num_positions
+        if self.max_model_len > num_positions:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {num_positions} positions")
+        eos = set(model.config.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        num_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_memory_bytes // bytes_per_block(model.config, config.block_size, model.dtype)
+        )
+        self.kv = KVCache(model.config, num_blocks, config.block_size, model.dtype, self.device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.enable_chunked_prefill)
+        self.sampler = BatchedSampler()
+        self.output = OutputProcessor()
+        self.recorder = NULL_RECORDER
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self._generators: dict[str, torch.Generator] = {}  # seeded requests' own noise
+        self._default_generator = torch.Generator(self.device).manual_seed(config.seed)
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None = None, config: EngineConfig | None = None) -> Engine:
+        """Loads a Hugging Face Llama-family checkpoint directory; None loads the embedded default model."""
+        from transformers import AutoTokenizer
+
+        from nanoserve.model.default import default_model_dir
+        from nanoserve.model.weights import load_model
+
+        config = config or EngineConfig()
+        path = Path(path) if path is not None else default_model_dir()
+        model = load_model(path, config.torch_dtype, config.device, max_positions=config.max_model_len)
+        return cls(model, AutoTokenizer.from_pretrained(path), config)
+
+    # ---- requests in -------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Validates and queues one request; returns its id.
+
+        Raises:
+            ValueError: empty prompt, token id outside the vocabulary, prompt plus max_tokens over
+                max_model_len, a request the whole KV pool could not hold, or a duplicate id.
+        """
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        token_ids = self._tokenize(prompt)
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds max_model_len={self.max_model_len}")
+        blocks = cdiv(total, self.config.block_size)
+        if blocks > self.allocator.num_blocks:
+            raise ValueError(f"request needs {blocks} KV blocks at full length, the whole pool has "
+                             f"{self.allocator.num_blocks}")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)
+        if params.seed is not None:
+            self._generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: it needs at least 1 token")
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; this engine has none, pass token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("prompt is empty: it needs at least 1 token")
+        return token_ids
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Stops a request and returns its blocks to the pool.
+
+        Raises:
+            ValueError: the id is not an unfinished request of this engine.
+        """
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            raise ValueError(f"request_id {request_id!r} is not an unfinished request")
+        self.scheduler.finish(request)
+        request.finish(FinishReason.ABORT, time.perf_counter())
+        self._generators.pop(request_id, None)
+        return self._make_output(request)
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Runs one iteration: schedule, sync_rows, build_inputs, forward, sample, collect.
+
+        Returns the outputs of the requests that received a token (or finished) this step.
+        """
+        rec = self.recorder
+        rec.begin_step()
+        with rec.phase("schedule"):
+            sched = self.scheduler.schedule()
+        if sched.is_empty:
+            rec.end_step(num_rows=0, num_tokens=0, num_decode_rows=0)
+            return []
+        with rec.phase("sync_rows"):
+            rows = [item for item in sched.scheduled if item.samples]
+        with rec.phase("build_inputs"):
+            inputs = build_inputs(sched, self.config.block_size, self.device)
+        with rec.phase("forward"):
+            logits = self.model.forward(inputs, self.kv)  # [rows, V]
+        with rec.phase("sample"):
+            batch = self._sample(logits, rows)
+        with rec.phase("collect", syncs=True):
+            outputs = self._collect(sched, batch)
+        self.num_steps += 1
+        rec.end_step(num_rows=len(rows), num_tokens=sched.num_batched_tokens,
+                     num_decode_rows=sum(1 for item in sched.scheduled if item.num_new_tokens == 1))
+        return outputs
+
+    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> TokenBatch:
+        params = [item.request.params for item in rows]
+        generators = [self._generators.get(item.request.request_id) for item in rows] if self._generators else None
+        tokens = self.sampler.sample_batch_device(logits, params, generators, self._default_generator)
+        return TokenBatch(tokens, tuple(item.request.request_id for item in rows), self.output.readback)
+
+    def _collect(self, sched: SchedulerOutput, batch: TokenBatch) -> list[RequestOutput]:
+        for item in sched.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+        outputs: list[RequestOutput] = []
+        now = time.perf_counter()  # the tokens of one step arrive together, after its one readback
+
+        def append(request_id: str, token_id: int) -> None:
+            request = self.requests[request_id]
+            if request.append_token(token_id, now):
+                self.scheduler.finish(request)
+                del self.requests[request_id]
+                self._generators.pop(request_id, None)
+            outputs.append(self._make_output(request))
+
+        self.output.apply(batch, append)
+        return outputs
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        output_ids = request.output_token_ids
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=output_ids,
+            text=text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finished_time=request.finished_time,
+            token_times=list(request.token_times),
+            running_s=request.running_s,
+            num_preemptions=request.num_preemptions,
+        )
+
+    # ---- convenience -------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.allocator.num_free,
+            num_total_blocks=self.allocator.num_blocks,
+            num_steps=self.num_steps,
+        )
+
+    def check_invariants(self) -> None:
+        """Every KV block is free xor owned by exactly the requests that list it."""
+        self.allocator.check_invariants(self.scheduler.owners())
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Runs every prompt to completion; returns the final outputs in input order."""
+        params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        pending = set(ids)
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        while pending:
+            if not self.has_unfinished():
+                raise RuntimeError(f"requests {sorted(pending)} vanished without finishing")
+            for out in self.step():
+                if out.finished and out.request_id in pending:
+                    final[out.request_id] = out
+                    pending.discard(out.request_id)
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [final[i] for i in ids]

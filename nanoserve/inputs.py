@@ -1,0 +1,70 @@
+"""build_inputs: SchedulerOutput -> ModelInputs. The one place a step's tensors are born."""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.model.attention import AttentionMetadata
+from nanoserve.model.llama import ModelInputs
+from nanoserve.scheduler import SchedulerOutput
+
+
+def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+    """Flattens the scheduled token runs into one batch of T tokens with its attention metadata.
+
+    Each scheduled request contributes the tokens from num_computed_tokens up to
+    num_computed_tokens + num_new_tokens; its context for attention is everything up to there.
+    """
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    logits_indices: list[int] = []
+    query_lens: list[int] = []
+    context_lens: list[int] = []
+    block_tables: list[list[int]] = []
+    for item in sched.scheduled:
+        request, start = item.request, item.request.num_computed_tokens
+        end = start + item.num_new_tokens
+        blocks = request.block_ids
+        input_ids.extend(request.token_ids[start:end])
+        positions.extend(range(start, end))
+        slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
+        if item.samples:
+            logits_indices.append(len(input_ids) - 1)
+        query_lens.append(end - start)
+        context_lens.append(end)
+        block_tables.append(blocks)
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    num_seqs, max_query_len, max_context_len = len(query_lens), max(query_lens), max(context_lens)
+    positions_t = tensor(positions)
+    slot_mapping_t = tensor(slot_mapping)
+    if num_seqs == 1 and query_lens[0] == context_lens[0]:
+        # One sequence with nothing cached: plain causal attention over the new tokens.
+        attn = AttentionMetadata(slot_mapping_t, kv_slots=slot_mapping_t[None], mask=None, query_index=None,
+                                 query_valid=None, is_causal=True)
+        return ModelInputs(tensor(input_ids), positions_t, tensor(logits_indices), attn)
+
+    max_blocks = -(-max_context_len // block_size)
+    table = torch.tensor([b + [0] * (max_blocks - len(b)) for b in block_tables], dtype=torch.int64)  # [B, blocks]
+    key_pos = torch.arange(max_context_len)  # [L]
+    kv_slots = table[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, L]
+    if max_query_len == 1:
+        query_pos = torch.tensor(context_lens).sub_(1)[:, None]  # [B, 1]: the one query is the last position
+        query_index = query_valid = None
+    else:
+        offsets = torch.arange(max_query_len)  # [Tq]
+        lens = torch.tensor(query_lens)[:, None]  # [B, 1]
+        starts = torch.tensor(context_lens)[:, None] - lens  # [B, 1]: first new position
+        query_valid = offsets < lens  # [B, Tq]
+        query_pos = torch.where(query_valid, starts + offsets, 0)  # [B, Tq]; padding queries look at key 0
+        first_row = torch.cumsum(torch.tensor([0] + query_lens[:-1]), 0)[:, None]  # [B, 1]
+        query_index = torch.where(query_valid, first_row + offsets, 0).to(device)  # [B, Tq]
+        query_valid = query_valid.to(device)
+    mask = None
+    if num_seqs > 1 or max_query_len > 1:
+        mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None].to(device)  # [B, 1, Tq, L]
+    attn = AttentionMetadata(slot_mapping_t, kv_slots.to(device), mask, query_index, query_valid)
+    return ModelInputs(tensor(input_ids), positions_t, tensor(logits_indices), attn)

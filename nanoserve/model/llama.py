@@ -1,0 +1,136 @@
+"""The Llama forward as plain math: RMSNorm, rotary embeddings, GQA attention over paged K/V, SwiGLU.
+
+Dimension names: T tokens this step, R rows that sample, E hidden, H / Hkv heads, D head dim,
+I the SwiGLU width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.model.attention import AttentionMetadata, paged_attention
+from nanoserve.model.config import LlamaConfig
+from nanoserve.model.kv_cache import KVCache
+from nanoserve.model.rope import apply_rope, rope_table
+
+
+@dataclass
+class ModelInputs:
+    """What one step forwards. Built by nanoserve.inputs.build_inputs, the one place tensors are born."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, position of each token in its own sequence
+    logits_indices: torch.Tensor  # [R] int64: the rows of T whose next token is sampled
+    attn: AttentionMetadata
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [E]
+    qkv: torch.Tensor  # [(H + 2 Hkv) D, E]: q, k, v projections fused into one matmul
+    o: torch.Tensor  # [E, H D]
+    post_norm: torch.Tensor  # [E]
+    gate_up: torch.Tensor  # [2 I, E]: gate and up fused into one matmul
+    down: torch.Tensor  # [E, I]
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape, for every tensor the forward reads."""
+    E, I, D = config.hidden_size, config.intermediate_size, config.head_dim
+    H, Hkv = config.num_heads, config.num_kv_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, E), "model.norm.weight": (E,)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (E,),
+            p + "self_attn.q_proj.weight": (H * D, E),
+            p + "self_attn.k_proj.weight": (Hkv * D, E),
+            p + "self_attn.v_proj.weight": (Hkv * D, E),
+            p + "self_attn.o_proj.weight": (E, H * D),
+            p + "post_attention_layernorm.weight": (E,),
+            p + "mlp.gate_proj.weight": (I, E),
+            p + "mlp.up_proj.weight": (I, E),
+            p + "mlp.down_proj.weight": (E, I),
+        }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, E)
+    return shapes
+
+
+class LlamaModel:
+    """Weights and the forward pass. Call it under torch.inference_mode()."""
+
+    def __init__(self, config: LlamaConfig, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
+                 lm_head: torch.Tensor, max_positions: int | None = None) -> None:
+        self.config = config
+        self.embed = embed  # [V, E]
+        self.layers = layers
+        self.norm = norm  # [E]
+        self.lm_head = lm_head  # [V, E], the same tensor as embed when tied
+        self.dtype = embed.dtype
+        self.device = embed.device
+        # The table covers the positions the engine will use, not the model's 128k maximum.
+        num_positions = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
+        self.cos, self.sin = rope_table(config, num_positions, self.dtype, self.device)  # [P, D]
+
+    @classmethod
+    def from_state_dict(cls, config: LlamaConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                        device: torch.device | str, max_positions: int | None = None) -> LlamaModel:
+        """Builds the model from Hugging Face-named tensors.
+
+        Raises:
+            ValueError: naming a missing tensor, or a tensor whose shape differs, with both shapes.
+        """
+        for name, shape in expected_shapes(config).items():
+            if name not in tensors:
+                raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
+            got = tuple(tensors[name].shape)
+            if got != shape:
+                raise ValueError(f"tensor {name!r} has shape {list(got)}, expected {list(shape)}")
+
+        def get(name: str) -> torch.Tensor:
+            return tensors[name].to(device=device, dtype=dtype)
+
+        layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            layers.append(LayerWeights(
+                input_norm=get(p + "input_layernorm.weight"),
+                qkv=torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
+                o=get(p + "self_attn.o_proj.weight"),
+                post_norm=get(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]).contiguous(),
+                down=get(p + "mlp.down_proj.weight"),
+            ))
+        embed = get("model.embed_tokens.weight")
+        lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
+        return cls(config, embed, layers, get("model.norm.weight"), lm_head, max_positions)
+
+    def forward(self, inputs: ModelInputs, kv: KVCache) -> torch.Tensor:
+        """Runs one step and returns logits [R, V] for the rows that sample, in float32."""
+        c = self.config
+        H, Hkv, D, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        T = inputs.input_ids.shape[0]
+        split = [H * D, Hkv * D, Hkv * D]
+        h = F.embedding(inputs.input_ids, self.embed)  # [T, E]
+        cos = self.cos[inputs.positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[inputs.positions].unsqueeze(1)  # [T, 1, D]
+        for i, layer in enumerate(self.layers):
+            x = F.rms_norm(h, layer.input_norm.shape, layer.input_norm, eps)  # [T, E]
+            q, k, v = F.linear(x, layer.qkv).split(split, dim=-1)  # [T, H D], [T, Hkv D], [T, Hkv D]
+            q = apply_rope(q.view(T, H, D), cos, sin)  # [T, H, D]
+            k = apply_rope(k.view(T, Hkv, D), cos, sin)  # [T, Hkv, D]
+            attn = paged_attention(q, k, v.view(T, Hkv, D), kv.k[i], kv.v[i], inputs.attn)  # [T, H, D]
+            h = h + F.linear(attn.reshape(T, H * D), layer.o)  # [T, E]
+            x = F.rms_norm(h, layer.post_norm.shape, layer.post_norm, eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, I] each
+            h = h + F.linear(F.silu(gate) * up, layer.down)  # [T, E]
+        # Only the rows that sample need the norm and the [E, V] head: the rest of T is prefill.
+        h = F.rms_norm(h[inputs.logits_indices], self.norm.shape, self.norm, eps)  # [R, E]
+        return F.linear(h, self.lm_head).float()  # [R, V]
+
+    __call__ = forward

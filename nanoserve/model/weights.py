@@ -1,0 +1,57 @@
+"""Checkpoint directories: config.json, safetensors (single or sharded), generation_config.json.
+
+Weights are read with safetensors only: nothing here unpickles.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from nanoserve.model.config import LlamaConfig
+from nanoserve.model.llama import LlamaModel
+
+
+def load_config(path: str | Path) -> LlamaConfig:
+    """Reads config.json, taking EOS ids from generation_config.json where it has them."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} not found: a checkpoint directory needs config.json")
+    d = json.loads(config_file.read_text())
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        gen = json.loads(gen_file.read_text())
+        if gen.get("eos_token_id") is not None:
+            d["eos_token_id"] = gen["eos_token_id"]
+    return LlamaConfig.from_hf_dict(d)
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path} (nanoserve never loads pickled checkpoints)")
+    return files
+
+
+def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,
+               max_positions: int | None = None) -> LlamaModel:
+    config = load_config(path)
+    return LlamaModel.from_state_dict(config, load_tensors(path), dtype, device, max_positions)

@@ -1,0 +1,132 @@
+"""Request: one generation's token ids, progress counters and timestamps; RequestOutput."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from nanoserve.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # aborted by the caller
+
+
+class Request:
+    """A request as the engine tracks it.
+
+    Progress is two counters, not a phase: the request has `num_tokens` tokens (prompt plus
+    output so far) and the KV cache holds the first `num_computed_tokens` of them. Prefill,
+    a prefill chunk, a decode and a recompute after preemption are all "forward the tokens
+    from num_computed_tokens up to num_tokens".
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output, grows by one per step
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_ids: list[int] = []  # KV blocks owned, in position order
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_preemptions = 0
+        # Timestamps, all time.perf_counter() seconds.
+        self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.token_times: list[float] = []
+        self.running_s = 0.0  # seconds holding a running slot, summed over admissions
+        self._running_since: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def max_num_tokens(self) -> int:
+        """The most tokens this request can ever hold: what admission must be able to fit."""
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def mark_running(self, now: float) -> None:
+        self.status = RequestStatus.RUNNING
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = now
+        self._running_since = now
+
+    def mark_not_running(self, now: float) -> None:
+        if self._running_since is not None:
+            self.running_s += now - self._running_since
+            self._running_since = None
+
+    def append_token(self, token_id: int, now: float) -> bool:
+        """Appends one sampled token and applies the stop rules. Returns True if it finished."""
+        self.token_ids.append(token_id)
+        self.token_times.append(now)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        params = self.params
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            self.finish(FinishReason.STOP, now)
+        elif self.num_output_tokens >= params.max_tokens:
+            self.finish(FinishReason.LENGTH, now)
+        return self.is_finished
+
+    def finish(self, reason: FinishReason, now: float) -> None:
+        self.mark_not_running(now)
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.finished_time = now
+
+
+@dataclass
+class RequestOutput:
+    """What the caller sees of a request after a step (or at the end of generate)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # output tokens so far
+    text: str  # output text so far, special tokens skipped
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    token_times: list[float] = field(default_factory=list)  # one perf_counter stamp per output token
+    running_s: float = 0.0  # seconds holding a running slot
+    num_preemptions: int = 0

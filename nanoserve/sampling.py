@@ -1,0 +1,83 @@
+"""BatchedSampler: one step's next tokens for every sampling row, kept on the device.
+
+Greedy rows are an argmax. Sampled rows are temperature, then top-k / top-p / min-p filters on
+one sort of the batch, then an exponential race (argmax of p / E with E ~ Exp(1)), which draws
+from p exactly and lets a seeded row take its noise from its own generator, so its tokens do
+not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.params import SamplingParams
+
+
+class BatchedSampler:
+    def sample_batch_device(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None] | None = None,
+        default_generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Samples one token per row.
+
+        Args:
+            logits: [rows, V] float logits on the forward's device.
+            params: one SamplingParams per row.
+            generators: per-row generator (a seeded request's own) or None, on logits.device.
+            default_generator: used for the noise of unseeded sampled rows.
+        Returns:
+            [rows] int64 on logits.device; nothing is read back to the host.
+        """
+        if all(p.temperature == 0.0 for p in params):
+            return logits.argmax(dim=-1)  # the all-greedy fast path: no gather, no per-row work
+        greedy = logits.argmax(dim=-1)  # [rows]
+        sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
+        rows = sampled_rows if len(sampled_rows) < len(params) else None
+        sub = logits[sampled_rows] if rows is not None else logits  # [S, V]
+        sub_params = [params[i] for i in sampled_rows]
+        temps = torch.tensor([p.temperature for p in sub_params], dtype=sub.dtype, device=sub.device)
+        probs = torch.softmax(sub / temps[:, None], dim=-1)  # [S, V]
+        if any(p.has_filters for p in sub_params):
+            probs = _filter(probs, sub_params)
+        noise = torch.empty_like(probs)  # [S, V]
+        row_gens = [generators[i] for i in sampled_rows] if generators else []
+        if any(g is not None for g in row_gens):
+            for j, g in enumerate(row_gens):  # a seeded row draws from its own stream only
+                noise[j].exponential_(generator=g or default_generator)
+        else:
+            noise.exponential_(generator=default_generator)
+        tokens = probs.div_(noise).argmax(dim=-1)  # [S]
+        if rows is None:
+            return tokens
+        return greedy.index_copy(0, torch.tensor(sampled_rows, device=logits.device), tokens)
+
+    def sample_batch(self, logits: torch.Tensor, params: list[SamplingParams],
+                     generators: list[torch.Generator | None] | None = None,
+                     default_generator: torch.Generator | None = None) -> list[int]:
+        """sample_batch_device plus one .tolist(): the two paths cannot drift."""
+        return self.sample_batch_device(logits, params, generators, default_generator).tolist()
+
+
+def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zeroes the probability of tokens that top-k, top-p or min-p rule out. probs [S, V]."""
+    S, V = probs.shape
+    device = probs.device
+    sorted_probs, order = probs.sort(dim=-1, descending=True)  # [S, V]
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)  # [S, V] in sorted order
+    ranks = torch.arange(V, device=device)[None, :]  # [1, V]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=device)[:, None]  # [S, 1]
+    keep &= ranks < top_k
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=device)[:, None]  # [S, 1]
+    # As in vLLM, top-p reads the distribution top-k left (renormalised). It keeps the smallest
+    # prefix whose mass reaches top_p: a token stays if the mass ranked above it is < top_p.
+    after_k = sorted_probs * keep
+    after_k = after_k / after_k.sum(dim=-1, keepdim=True)
+    keep &= (after_k.cumsum(dim=-1) - after_k) < top_p
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)[:, None]  # [S, 1]
+    keep &= sorted_probs >= min_p * sorted_probs[:, :1]
+    keep[:, 0] = True  # the most likely token always survives
+    filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
+    return filtered / filtered.sum(dim=-1, keepdim=True)

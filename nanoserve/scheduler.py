@@ -1,0 +1,136 @@
+"""Scheduler: which requests run this step, how many tokens each, which blocks they own.
+
+Plain Python over request counters and block ids, no torch. One rule covers prefill, chunked
+prefill, decode and recompute after preemption: a scheduled request forwards the tokens from
+`num_computed_tokens` up to at most `num_tokens`, within the step's token budget.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from nanoserve.blocks import BlockAllocator
+from nanoserve.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens forwarded this step, from request.num_computed_tokens on
+    samples: bool  # True when this step reaches the request's last token: a new token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs, in row order. Decodes of running requests come first."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # sent back to the queue this step
+    num_batched_tokens: int = 0  # sum of num_new_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    """Continuous batching over a fixed pool of KV blocks.
+
+    Running requests are served first, in admission order; when one needs a block and none
+    is free, the most recently admitted running request is preempted by recompute (its blocks
+    are freed and it goes back to the head of the queue with its tokens kept). Waiting
+    requests are then admitted first come, first served while a slot, budget and blocks remain.
+    """
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is preempted first
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        return max(0, total - len(request.block_ids))
+
+    def _preempt(self, request: Request, now: float) -> None:
+        self.allocator.free(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        request.mark_not_running(now)
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        now = time.perf_counter()
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # 1. Running requests, oldest admission first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            need = self._blocks_needed(request, num_new)
+            while not self.allocator.can_allocate(need):
+                victim = self.running.pop()  # most recently admitted
+                self._preempt(victim, now)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break  # preempted itself: every later request has been preempted too
+            request.block_ids.extend(self.allocator.allocate(need))
+            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens + num_new == request.num_tokens))
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, first come first served, while slots, budget and blocks remain.
+        # A preempted request never re-enters in the step that preempted it.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            request = self.waiting[0]
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(remaining, budget)
+            need = self._blocks_needed(request, num_new)
+            if not self.allocator.can_allocate(need):
+                break
+            self.waiting.popleft()
+            request.block_ids.extend(self.allocator.allocate(need))
+            request.mark_running(now)
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens + num_new == request.num_tokens))
+            budget -= num_new
+
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def finish(self, request: Request) -> None:
+        """Releases a finished or aborted request's blocks and slot."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.allocator.free(request.block_ids)
+        request.block_ids = []
+
+    def owners(self) -> dict[str, list[int]]:
+        """request id -> blocks held, for the allocator's invariant check."""
+        return {r.request_id: r.block_ids for r in [*self.running, *self.waiting] if r.block_ids}
