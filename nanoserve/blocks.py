@@ -69,5 +69,5 @@ class BlockAllocator:
             for ids in owners.values():
                 for block_id in ids:
                     expected[block_id] += 1
-            for block_id, (want, got) in enumerate(zip(expected, self.ref_counts)):
+            for block_id, (want, got) in enumerate(zip(expected, self.ref_counts, strict=True)):
                 assert want == got, f"block {block_id}: owners hold it {want} times, count is {got}"

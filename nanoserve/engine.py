@@ -54,6 +54,9 @@ class Engine:
         self.max_model_len = config.max_model_len or num_positions
         if self.max_model_len > num_positions:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {num_positions} positions")
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens={config.max_num_batched_tokens} is below max_model_len="
+                             f"{self.max_model_len}: without chunked prefill a long prompt could never be scheduled")
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
@@ -113,8 +116,11 @@ class Engine:
         if blocks > self.allocator.num_blocks:
             raise ValueError(f"request needs {blocks} KV blocks at full length, the whole pool has "
                              f"{self.allocator.num_blocks}")
-        request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.requests:
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while request_id in self.requests:  # a caller may have chosen the next number already
+                request_id = str(next(self._ids))
+        elif request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)
         if params.seed is not None:
@@ -246,7 +252,14 @@ class Engine:
         params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params_list, strict=True):
+                ids.append(self.add_request(prompt, sp))
+        except ValueError:
+            for request_id in ids:  # all or nothing: no orphans left queued
+                self.abort(request_id)
+            raise
         pending = set(ids)
         final: dict[str, RequestOutput] = {}
         bar = None

@@ -56,9 +56,9 @@ def test_greedy_ids_equal_transformers_generate(reference, model_and_tokenizer, 
                           kv_cache_memory_bytes=64 * 2**20)
     engine = Engine(model, tokenizer, config)
     outputs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    for (prompt_ids, ref_ids), out in zip(reference, outputs):
+    for (prompt_ids, ref_ids), out in zip(reference, outputs, strict=False):
         assert out.prompt_token_ids == prompt_ids
-        assert out.token_ids == ref_ids, f"diverges at {next(i for i, (a, b) in enumerate(zip(out.token_ids, ref_ids)) if a != b)}"
+        assert out.token_ids == ref_ids, f"diverges at {next(i for i, (a, b) in enumerate(zip(out.token_ids, ref_ids, strict=True)) if a != b)}"
     if num_kv_blocks is not None:
         assert sum(out.num_preemptions for out in outputs) > 0, "the small pool was meant to force preemption"
     engine.check_invariants()
@@ -69,5 +69,5 @@ def test_text_matches_tokenizer_decode(reference, model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=4, max_model_len=512))
     outputs = engine.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    for (_, ref_ids), out in zip(reference, outputs):
+    for (_, ref_ids), out in zip(reference, outputs, strict=False):
         assert out.text == tokenizer.decode(ref_ids, skip_special_tokens=True)
