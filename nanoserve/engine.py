@@ -67,7 +67,8 @@ class Engine:
         self.kv = KVCache(model.config, num_blocks, config.block_size, model.dtype, self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.enable_chunked_prefill)
+                                   config.max_num_batched_tokens, config.enable_chunked_prefill,
+                                   config.enable_prefix_caching)
         self.sampler = BatchedSampler()
         self.output = OutputProcessor()
         self.recorder = NULL_RECORDER
@@ -193,8 +194,11 @@ class Engine:
         return TokenBatch(tokens, tuple(item.request.request_id for item in rows), self.output.readback)
 
     def _collect(self, sched: SchedulerOutput, batch: TokenBatch) -> list[RequestOutput]:
+        caching = self.scheduler.enable_prefix_caching
         for item in sched.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
+            if caching:
+                self.scheduler.cache_full_blocks(item.request)
         outputs: list[RequestOutput] = []
         now = time.perf_counter()  # the tokens of one step arrive together, after its one readback
 
@@ -226,6 +230,7 @@ class Engine:
             token_times=list(request.token_times),
             running_s=request.running_s,
             num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     # ---- convenience -------------------------------------------------------------------------

@@ -45,6 +45,8 @@ class Request:
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output, grows by one per step
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_ids: list[int] = []  # KV blocks owned, in position order
+        self.block_hashes: list[bytes] = []  # prefix-cache hashes of its leading full blocks
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
@@ -130,3 +132,4 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list)  # one perf_counter stamp per output token
     running_s: float = 0.0  # seconds holding a running slot
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

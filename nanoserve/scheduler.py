@@ -11,7 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanoserve.blocks import BlockAllocator
+from nanoserve.blocks import BlockAllocator, hash_block
 from nanoserve.request import Request, RequestStatus
 
 
@@ -49,12 +49,13 @@ class Scheduler:
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.enable_prefix_caching = enable_prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is preempted first
 
@@ -105,22 +106,55 @@ class Scheduler:
         # A preempted request never re-enters in the step that preempted it.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
-            remaining = request.num_tokens - request.num_computed_tokens
+            hits = self._cache_hits(request) if self.enable_prefix_caching else []
+            num_computed = len(hits) * self.block_size
+            remaining = request.num_tokens - num_computed
             if remaining > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(remaining, budget)
-            need = self._blocks_needed(request, num_new)
-            if not self.allocator.can_allocate(need):
+            need = cdiv(num_computed + num_new, self.block_size) - len(hits)
+            reclaimed = sum(1 for block_id in hits if self.allocator.ref_counts[block_id] == 0)
+            if not self.allocator.can_allocate(need + reclaimed):  # hits on the free list leave it too
                 break
             self.waiting.popleft()
-            request.block_ids.extend(self.allocator.allocate(need))
+            for block_id in hits:
+                self.allocator.take_cached(block_id)
+            request.block_ids = hits + self.allocator.allocate(need)
+            request.num_computed_tokens = num_computed
+            request.num_cached_tokens = num_computed
             request.mark_running(now)
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens + num_new == request.num_tokens))
+            out.scheduled.append(ScheduledRequest(request, num_new, num_computed + num_new == request.num_tokens))
             budget -= num_new
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _cache_hits(self, request: Request) -> list[int]:
+        """The cached blocks that hold this request's leading full blocks, in order.
+
+        At most (num_tokens - 1) // block_size blocks: the last token is always forwarded, since
+        its logits are what the next token is sampled from. The request's block_hashes keeps the
+        hashes of the hits only, so the blocks it computes itself are registered when they fill.
+        """
+        hashes, bs = request.block_hashes, self.block_size
+        hits: list[int] = []
+        for i in range((request.num_tokens - 1) // bs):
+            if i == len(hashes):
+                hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs:(i + 1) * bs]))
+            block_id = self.allocator.lookup(hashes[i])
+            if block_id is None:
+                break
+            hits.append(block_id)
+        del hashes[len(hits):]
+        return hits
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Registers the request's blocks that became full of computed tokens, so others can hit them."""
+        hashes, bs = request.block_hashes, self.block_size
+        for i in range(len(hashes), request.num_computed_tokens // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs:(i + 1) * bs]))
+            self.allocator.register(request.block_ids[i], hashes[i])
 
     def finish(self, request: Request) -> None:
         """Releases a finished or aborted request's blocks and slot."""
