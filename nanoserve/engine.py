@@ -20,7 +20,7 @@ from nanoserve.output import OutputProcessor, TokenBatch
 from nanoserve.params import SamplingParams
 from nanoserve.profiler import NULL_RECORDER
 from nanoserve.request import FinishReason, Request, RequestOutput
-from nanoserve.sampling import BatchedSampler
+from nanoserve.sampling import BatchedSampler, RowHistory
 from nanoserve.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, cdiv
 
 
@@ -76,6 +76,7 @@ class Engine:
         self._generators: dict[str, torch.Generator] = {}  # seeded requests' own noise
         self._default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self._ids = itertools.count()
+        self._pending_logprobs: tuple[list[int], torch.Tensor] | None = None  # rows, [rows, 1 + 2k] on device
         self.num_steps = 0
 
     @classmethod
@@ -104,6 +105,8 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop!r} needs a tokenizer; this engine has none")
         token_ids = self._tokenize(prompt)
         vocab = self.model.config.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
@@ -188,10 +191,33 @@ class Engine:
         return outputs
 
     def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> TokenBatch:
-        params = [item.request.params for item in rows]
-        generators = [self._generators.get(item.request.request_id) for item in rows] if self._generators else None
-        tokens = self.sampler.sample_batch_device(logits, params, generators, self._default_generator)
-        return TokenBatch(tokens, tuple(item.request.request_id for item in rows), self.output.readback)
+        requests = [item.request for item in rows]
+        params = [r.params for r in requests]
+        generators = [self._generators.get(r.request_id) for r in requests] if self._generators else None
+        histories = None
+        if any(p.needs_history for p in params):
+            histories = [
+                RowHistory(r.prompt_token_ids, r.output_token_ids, self.eos_token_ids | set(r.params.stop_token_ids))
+                if r.params.needs_history else None
+                for r in requests
+            ]
+        tokens = self.sampler.sample_batch_device(logits, params, generators, self._default_generator, histories)
+        self._pending_logprobs = None
+        if any(p.logprobs is not None for p in params):
+            self._pending_logprobs = self._logprobs(logits, tokens, params)
+        return TokenBatch(tokens, tuple(r.request_id for r in requests), self.output.readback)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> tuple[list[int], torch.Tensor]:
+        """The model's own log-probabilities (before penalties and temperature, as vLLM reports them)
+        of the sampled token and the top k, packed per row as [sampled, k values, k ids] on the device."""
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        k = max(params[i].logprobs for i in rows)
+        index = torch.tensor(rows, device=logits.device)
+        logprobs = torch.log_softmax(logits[index].float(), dim=-1)  # [L, V]
+        sampled = logprobs.gather(1, tokens[index][:, None])  # [L, 1]
+        top = logprobs.topk(k, dim=-1)  # [L, k] values and ids
+        return rows, torch.cat([sampled, top.values, top.indices.float()], dim=1)  # [L, 1 + 2k]
 
     def _collect(self, sched: SchedulerOutput, batch: TokenBatch) -> list[RequestOutput]:
         caching = self.scheduler.enable_prefix_caching
@@ -204,18 +230,56 @@ class Engine:
 
         def append(request_id: str, token_id: int) -> None:
             request = self.requests[request_id]
-            if request.append_token(token_id, now):
+            finished = request.append_token(token_id, now)
+            if not finished and request.params.stop and request.num_output_tokens >= request.params.min_tokens:
+                finished = self._check_stop_strings(request, now)
+            if finished:
                 self.scheduler.finish(request)
                 del self.requests[request_id]
                 self._generators.pop(request_id, None)
             outputs.append(self._make_output(request))
 
+        if self._pending_logprobs is not None:
+            self._attach_logprobs(batch)
         self.output.apply(batch, append)
         return outputs
 
+    def _attach_logprobs(self, batch: TokenBatch) -> None:
+        rows, packed = self._pending_logprobs
+        values = self.output.readback.fetch(packed.flatten())  # the one extra journey logprobs cost
+        width = packed.shape[1]
+        k = (width - 1) // 2
+        tokens = batch.resolve()
+        for n, row in enumerate(rows):
+            chunk = values[n * width:(n + 1) * width]
+            request = self.requests[batch.request_ids[row]]
+            want = request.params.logprobs
+            entry = {int(i): v for i, v in zip(chunk[1 + k:1 + k + want], chunk[1:1 + want], strict=True)}
+            entry[tokens[row]] = chunk[0]
+            request.logprobs.append(entry)
+
+    def _check_stop_strings(self, request: Request, now: float) -> bool:
+        """Ends the request at the first stop string in its text; the text is cut before the match."""
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        # Only a match that ends in the newest token's text is new: earlier text was checked already.
+        start = max(0, request.num_stop_scanned_chars - max(len(s) for s in request.params.stop) + 1)
+        request.num_stop_scanned_chars = len(text)
+        found = [(idx, stop) for stop in request.params.stop if (idx := text.find(stop, start)) >= 0]
+        if not found:
+            return False
+        idx, stop = min(found)
+        request.stop_text, request.stop_reason = text[:idx], stop
+        request.finish(FinishReason.STOP, now)
+        return True
+
     def _make_output(self, request: Request) -> RequestOutput:
         output_ids = request.output_token_ids
-        text = self.tokenizer.decode(output_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        if request.stop_text is not None:
+            text = request.stop_text
+        elif self.tokenizer is not None:
+            text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        else:
+            text = ""
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -231,6 +295,8 @@ class Engine:
             running_s=request.running_s,
             num_preemptions=request.num_preemptions,
             num_cached_tokens=request.num_cached_tokens,
+            stop_reason=request.stop_reason,
+            logprobs=list(request.logprobs) if request.logprobs is not None else None,
         )
 
     # ---- convenience -------------------------------------------------------------------------

@@ -47,6 +47,10 @@ class Request:
         self.block_ids: list[int] = []  # KV blocks owned, in position order
         self.block_hashes: list[bytes] = []  # prefix-cache hashes of its leading full blocks
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.stop_text: str | None = None  # output text cut before a matched stop string
+        self.num_stop_scanned_chars = 0  # output text already searched for stop strings
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
@@ -102,7 +106,10 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
         params = self.params
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+        if self.num_output_tokens <= params.min_tokens - 1:
+            pass  # too early for any stop rule (the sampler masked EOS and stop tokens anyway)
+        elif token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            self.stop_reason = token_id if token_id in params.stop_token_ids else None
             self.finish(FinishReason.STOP, now)
         elif self.num_output_tokens >= params.max_tokens:
             self.finish(FinishReason.LENGTH, now)
@@ -133,3 +140,5 @@ class RequestOutput:
     running_s: float = 0.0  # seconds holding a running slot
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
+    logprobs: list[dict[int, float]] | None = None  # per output token: sampled and top-k token -> logprob

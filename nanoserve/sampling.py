@@ -8,9 +8,20 @@ not depend on what else is in the batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from nanoserve.params import SamplingParams
+
+
+@dataclass
+class RowHistory:
+    """What penalties and min_tokens need to know of one row's request."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_token_ids: frozenset[int]  # EOS and stop tokens: masked while output < min_tokens
 
 
 class BatchedSampler:
@@ -20,6 +31,7 @@ class BatchedSampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None] | None = None,
         default_generator: torch.Generator | None = None,
+        histories: list[RowHistory | None] | None = None,
     ) -> torch.Tensor:
         """Samples one token per row.
 
@@ -28,9 +40,13 @@ class BatchedSampler:
             params: one SamplingParams per row.
             generators: per-row generator (a seeded request's own) or None, on logits.device.
             default_generator: used for the noise of unseeded sampled rows.
+            histories: per row, the request's tokens when its params need them (penalties,
+                min_tokens), else None.
         Returns:
             [rows] int64 on logits.device; nothing is read back to the host.
         """
+        if histories is not None and any(h is not None for h in histories):
+            logits = apply_history(logits, params, histories)
         if all(p.temperature == 0.0 for p in params):
             return logits.argmax(dim=-1)  # the all-greedy fast path: no gather, no per-row work
         greedy = logits.argmax(dim=-1)  # [rows]
@@ -56,9 +72,35 @@ class BatchedSampler:
 
     def sample_batch(self, logits: torch.Tensor, params: list[SamplingParams],
                      generators: list[torch.Generator | None] | None = None,
-                     default_generator: torch.Generator | None = None) -> list[int]:
+                     default_generator: torch.Generator | None = None,
+                     histories: list[RowHistory | None] | None = None) -> list[int]:
         """sample_batch_device plus one .tolist(): the two paths cannot drift."""
-        return self.sample_batch_device(logits, params, generators, default_generator).tolist()
+        return self.sample_batch_device(logits, params, generators, default_generator, histories).tolist()
+
+
+def apply_history(logits: torch.Tensor, params: list[SamplingParams], histories: list[RowHistory | None]) -> torch.Tensor:
+    """min_tokens masking and the three penalties, on a copy of logits [rows, V].
+
+    repetition_penalty (HF and vLLM): a token seen in prompt or output has its logit divided by
+    the penalty when positive, multiplied when negative. presence and frequency (OpenAI): a token
+    seen c > 0 times in the output loses presence + frequency * c.
+    """
+    logits = logits.clone()
+    device = logits.device
+    for i, (p, h) in enumerate(zip(params, histories, strict=True)):
+        if h is None:
+            continue
+        row = logits[i]  # [V], a view: edits land in logits
+        if len(h.output_token_ids) < p.min_tokens and h.stop_token_ids:
+            row[torch.tensor(sorted(h.stop_token_ids), device=device)] = float("-inf")
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(h.prompt_token_ids) | set(h.output_token_ids)), device=device)
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and h.output_token_ids:
+            counts = torch.bincount(torch.tensor(h.output_token_ids, device=device), minlength=row.shape[0])
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return logits
 
 
 def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
