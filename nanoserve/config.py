@@ -22,6 +22,7 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output limit; None: the model's max positions
     enable_chunked_prefill: bool = True  # a prompt longer than the token budget is split over steps
     enable_prefix_caching: bool = True  # full blocks shared by hash between requests with one prefix
+    deferred_output: bool = False  # resolve step N's tokens after step N+1 is launched (one token overshoot)
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0  # seeds the generator of requests that bring no seed of their own

@@ -16,12 +16,21 @@ from nanoserve.config import EngineConfig
 from nanoserve.inputs import build_inputs
 from nanoserve.model.kv_cache import KVCache, bytes_per_block
 from nanoserve.model.llama import LlamaModel
-from nanoserve.output import OutputProcessor, TokenBatch
+from nanoserve.output import OutputProcessor, TokenBatch, check_in_row_order
 from nanoserve.params import SamplingParams
 from nanoserve.profiler import NULL_RECORDER
 from nanoserve.request import FinishReason, Request, RequestOutput
 from nanoserve.sampling import BatchedSampler, RowHistory
-from nanoserve.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, cdiv
+from nanoserve.scheduler import Scheduler, SchedulerOutput, cdiv
+
+
+@dataclass
+class SampledStep:
+    """One step's sampled tokens, still on the device, and the requests that own the rows."""
+
+    batch: TokenBatch  # [rows] int64 + request ids
+    requests: list[Request]  # row order; identity tells a live row from overshoot
+    logprobs: tuple[list[int], torch.Tensor] | None  # rows asking, [those rows, 1 + 2k] on the device
 
 
 @dataclass(frozen=True)
@@ -76,7 +85,7 @@ class Engine:
         self._generators: dict[str, torch.Generator] = {}  # seeded requests' own noise
         self._default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self._ids = itertools.count()
-        self._pending_logprobs: tuple[list[int], torch.Tensor] | None = None  # rows, [rows, 1 + 2k] on device
+        self._in_flight: SampledStep | None = None  # deferred mode: sampled, not yet brought home
         self.num_steps = 0
 
     @classmethod
@@ -166,70 +175,108 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one iteration: schedule, sync_rows, build_inputs, forward, sample, collect.
 
-        Returns the outputs of the requests that received a token (or finished) this step.
+        Returns the outputs of the requests that received a token (or finished) in this step's
+        collect. With config.deferred_output, collect resolves the *previous* step's tokens after
+        this step's forward was launched, so the readback never idles the device; the next
+        decode's input ids come from the device tensor, and a stop found one step late discards
+        its one token of overshoot.
         """
         rec = self.recorder
+        deferred = self.config.deferred_output
         rec.begin_step()
         with rec.phase("schedule"):
+            outputs: list[RequestOutput] = []
+            if self._in_flight is not None and any(r.params.needs_history for r in self._in_flight.requests):
+                outputs = self._flush()  # penalties and min_tokens must see every token: resolve now
             sched = self.scheduler.schedule()
         if sched.is_empty:
+            if self._in_flight is not None:
+                outputs += self._flush()
             rec.end_step(num_rows=0, num_tokens=0, num_decode_rows=0)
-            return []
+            return outputs
         with rec.phase("sync_rows"):
-            rows = [item for item in sched.scheduled if item.samples]
+            rows = [item.request for item in sched.scheduled if item.samples]
+            previous, self._in_flight = self._in_flight, None
         with rec.phase("build_inputs"):
-            inputs = build_inputs(sched, self.config.block_size, self.device)
+            inputs = build_inputs(sched, self.config.block_size, self.device, previous)
         with rec.phase("forward"):
             logits = self.model.forward(inputs, self.kv)  # [rows, V]
         with rec.phase("sample"):
             batch = self._sample(logits, rows)
-        with rec.phase("collect", syncs=True):
-            outputs = self._collect(sched, batch)
+            logprobs = self._logprobs(logits, batch.tokens, rows) if any(r.params.logprobs is not None for r in rows) else None
+            sampled = SampledStep(batch, rows, logprobs)
+        with rec.phase("collect", syncs=not deferred):
+            outputs += self._collect(sched, previous if deferred else sampled)
+            if deferred:
+                self._in_flight = sampled
         self.num_steps += 1
         rec.end_step(num_rows=len(rows), num_tokens=sched.num_batched_tokens,
                      num_decode_rows=sum(1 for item in sched.scheduled if item.num_new_tokens == 1))
         return outputs
 
-    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> TokenBatch:
-        requests = [item.request for item in rows]
-        params = [r.params for r in requests]
-        generators = [self._generators.get(r.request_id) for r in requests] if self._generators else None
+    def _flush(self) -> list[RequestOutput]:
+        """Resolves the step still in flight when nothing new is scheduled (deferred mode)."""
+        sampled, self._in_flight = self._in_flight, None
+        outputs = self._resolve(sampled)
+        self._cache_blocks(sampled.requests)
+        return outputs
+
+    def _sample(self, logits: torch.Tensor, rows: list[Request]) -> TokenBatch:
+        """Samples every row's next token; the tokens stay on the device."""
+        params = [r.params for r in rows]
+        generators = [self._generators.get(r.request_id) for r in rows] if self._generators else None
         histories = None
         if any(p.needs_history for p in params):
             histories = [
                 RowHistory(r.prompt_token_ids, r.output_token_ids, self.eos_token_ids | set(r.params.stop_token_ids))
                 if r.params.needs_history else None
-                for r in requests
+                for r in rows
             ]
         tokens = self.sampler.sample_batch_device(logits, params, generators, self._default_generator, histories)
-        self._pending_logprobs = None
-        if any(p.logprobs is not None for p in params):
-            self._pending_logprobs = self._logprobs(logits, tokens, params)
-        return TokenBatch(tokens, tuple(r.request_id for r in requests), self.output.readback)
+        if self.config.deferred_output:
+            for r in rows:
+                r.num_pending_tokens += 1  # sampled, not yet home: the scheduler may already decode it
+        return TokenBatch(tokens, tuple(r.request_id for r in rows), self.output.readback)
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> tuple[list[int], torch.Tensor]:
+    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor]:
         """The model's own log-probabilities (before penalties and temperature, as vLLM reports them)
         of the sampled token and the top k, packed per row as [sampled, k values, k ids] on the device."""
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        k = max(params[i].logprobs for i in rows)
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        k = max(requests[i].params.logprobs for i in rows)
         index = torch.tensor(rows, device=logits.device)
         logprobs = torch.log_softmax(logits[index].float(), dim=-1)  # [L, V]
         sampled = logprobs.gather(1, tokens[index][:, None])  # [L, 1]
         top = logprobs.topk(k, dim=-1)  # [L, k] values and ids
         return rows, torch.cat([sampled, top.values, top.indices.float()], dim=1)  # [L, 1 + 2k]
 
-    def _collect(self, sched: SchedulerOutput, batch: TokenBatch) -> list[RequestOutput]:
-        caching = self.scheduler.enable_prefix_caching
+    def _collect(self, sched: SchedulerOutput, sampled: SampledStep | None) -> list[RequestOutput]:
+        """Advances the counters of what this step forwarded, then brings one sampled step home."""
         for item in sched.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
-            if caching:
-                self.scheduler.cache_full_blocks(item.request)
+        outputs = self._resolve(sampled) if sampled is not None else []
+        self._cache_blocks([item.request for item in sched.scheduled])
+        return outputs
+
+    def _cache_blocks(self, requests: list[Request]) -> None:
+        if self.scheduler.enable_prefix_caching:
+            for request in requests:
+                if not request.is_finished:
+                    self.scheduler.cache_full_blocks(request)
+
+    def _resolve(self, sampled: SampledStep) -> list[RequestOutput]:
+        """One readback; each token goes through its request's stop rules."""
+        check_in_row_order(sampled.batch, tuple(r.request_id for r in sampled.requests))
         outputs: list[RequestOutput] = []
         now = time.perf_counter()  # the tokens of one step arrive together, after its one readback
+        rows = iter(sampled.requests)
 
         def append(request_id: str, token_id: int) -> None:
-            request = self.requests[request_id]
+            request = next(rows)
+            if self.requests.get(request_id) is not request:
+                return  # finished or aborted after this token was launched: overshoot, discarded
+            if request.num_pending_tokens:
+                request.num_pending_tokens -= 1
             finished = request.append_token(token_id, now)
             if not finished and request.params.stop and request.num_output_tokens >= request.params.min_tokens:
                 finished = self._check_stop_strings(request, now)
@@ -239,20 +286,22 @@ class Engine:
                 self._generators.pop(request_id, None)
             outputs.append(self._make_output(request))
 
-        if self._pending_logprobs is not None:
-            self._attach_logprobs(batch)
-        self.output.apply(batch, append)
+        if sampled.logprobs is not None:
+            self._attach_logprobs(sampled)
+        self.output.apply(sampled.batch, append)
         return outputs
 
-    def _attach_logprobs(self, batch: TokenBatch) -> None:
-        rows, packed = self._pending_logprobs
+    def _attach_logprobs(self, sampled: SampledStep) -> None:
+        rows, packed = sampled.logprobs
         values = self.output.readback.fetch(packed.flatten())  # the one extra journey logprobs cost
         width = packed.shape[1]
         k = (width - 1) // 2
-        tokens = batch.resolve()
+        tokens = sampled.batch.resolve()
         for n, row in enumerate(rows):
             chunk = values[n * width:(n + 1) * width]
-            request = self.requests[batch.request_ids[row]]
+            request = sampled.requests[row]
+            if self.requests.get(request.request_id) is not request:
+                continue  # overshoot
             want = request.params.logprobs
             entry = {int(i): v for i, v in zip(chunk[1 + k:1 + k + want], chunk[1:1 + want], strict=True)}
             entry[tokens[row]] = chunk[0]

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from nanoserve.model.attention import AttentionMetadata
 from nanoserve.model.llama import ModelInputs
 from nanoserve.scheduler import SchedulerOutput
 
+if TYPE_CHECKING:
+    from nanoserve.engine import SampledStep
 
-def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+
+def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
+                 in_flight: SampledStep | None = None) -> ModelInputs:
     """Flattens the scheduled token runs into one batch of T tokens with its attention metadata.
 
     Each scheduled request contributes the tokens from num_computed_tokens up to
     num_computed_tokens + num_new_tokens; its context for attention is everything up to there.
+    A token sampled last step and not yet brought home (deferred output) is copied into
+    input_ids from in_flight's device tensor: its value never visits the host.
     """
     input_ids: list[int] = []
     positions: list[int] = []
@@ -22,11 +30,17 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device) 
     query_lens: list[int] = []
     context_lens: list[int] = []
     block_tables: list[list[int]] = []
+    pending_dst: list[int] = []  # rows of input_ids whose token is still on the device
+    pending_src: list[int] = []  # ... and the row of in_flight's tokens that holds it
     for item in sched.scheduled:
         request, start = item.request, item.request.num_computed_tokens
         end = start + item.num_new_tokens
         blocks = request.block_ids
         input_ids.extend(request.token_ids[start:end])
+        if end > len(request.token_ids):  # the last input is the pending token
+            pending_dst.append(len(input_ids))
+            pending_src.append(next(i for i, r in enumerate(in_flight.requests) if r is request))
+            input_ids.append(0)
         positions.extend(range(start, end))
         slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
         if item.samples:
@@ -38,6 +52,9 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device) 
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
+    input_ids_t = tensor(input_ids)
+    if pending_dst:
+        input_ids_t[tensor(pending_dst)] = in_flight.batch.tokens[tensor(pending_src)]
     num_seqs, max_query_len, max_context_len = len(query_lens), max(query_lens), max(context_lens)
     positions_t = tensor(positions)
     slot_mapping_t = tensor(slot_mapping)
@@ -45,7 +62,7 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device) 
         # One sequence with nothing cached: plain causal attention over the new tokens.
         attn = AttentionMetadata(slot_mapping_t, kv_slots=slot_mapping_t[None], mask=None, query_index=None,
                                  query_valid=None, is_causal=True)
-        return ModelInputs(tensor(input_ids), positions_t, tensor(logits_indices), attn)
+        return ModelInputs(input_ids_t, positions_t, tensor(logits_indices), attn)
 
     max_blocks = -(-max_context_len // block_size)
     table = torch.tensor([b + [0] * (max_blocks - len(b)) for b in block_tables], dtype=torch.int64)  # [B, blocks]
@@ -67,4 +84,4 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device) 
     if num_seqs > 1 or max_query_len > 1:
         mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None].to(device)  # [B, 1, Tq, L]
     attn = AttentionMetadata(slot_mapping_t, kv_slots.to(device), mask, query_index, query_valid)
-    return ModelInputs(tensor(input_ids), positions_t, tensor(logits_indices), attn)
+    return ModelInputs(input_ids_t, positions_t, tensor(logits_indices), attn)

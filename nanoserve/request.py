@@ -44,6 +44,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output, grows by one per step
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_pending_tokens = 0  # deferred output: sampled on the device, not yet appended
         self.block_ids: list[int] = []  # KV blocks owned, in position order
         self.block_hashes: list[bytes] = []  # prefix-cache hashes of its leading full blocks
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
@@ -69,7 +70,13 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens the request holds, counting one sampled but not yet brought home."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
+    def is_length_capped(self) -> bool:
+        """Its pending token is its last: nothing more is forwarded for it (no overshoot by length)."""
+        return self.num_output_tokens + self.num_pending_tokens >= self.params.max_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

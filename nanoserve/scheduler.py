@@ -87,6 +87,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_pending_tokens and request.is_length_capped:
+                i += 1  # its last token is on its way home; forwarding it would only overshoot
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             need = self._blocks_needed(request, num_new)
             while not self.allocator.can_allocate(need):

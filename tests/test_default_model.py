@@ -49,11 +49,13 @@ def model_and_tokenizer(default_model_dir):
     return engine.model, engine.tokenizer
 
 
-@pytest.mark.parametrize("max_num_seqs, num_kv_blocks", [(1, None), (2, None), (4, None), (8, None), (8, 12)])
-def test_greedy_ids_equal_transformers_generate(reference, model_and_tokenizer, max_num_seqs, num_kv_blocks):
+@pytest.mark.parametrize("max_num_seqs, num_kv_blocks, deferred", [
+    (1, None, False), (2, None, False), (4, None, False), (8, None, False), (8, 12, False), (8, 12, True),
+])
+def test_greedy_ids_equal_transformers_generate(reference, model_and_tokenizer, max_num_seqs, num_kv_blocks, deferred):
     model, tokenizer = model_and_tokenizer
     config = EngineConfig(max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks, max_model_len=512,
-                          kv_cache_memory_bytes=64 * 2**20)
+                          kv_cache_memory_bytes=64 * 2**20, deferred_output=deferred)
     engine = Engine(model, tokenizer, config)
     outputs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     for (prompt_ids, ref_ids), out in zip(reference, outputs, strict=False):

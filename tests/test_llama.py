@@ -34,8 +34,7 @@ def run_and_capture(engine: Engine, prompts, max_tokens: int):
     original = engine._sample
 
     def spy(logits, rows):
-        for row, item in enumerate(rows):
-            request = item.request
+        for row, request in enumerate(rows):
             captured.setdefault(request.request_id, []).append((request.num_tokens, logits[row].clone()))
         return original(logits, rows)
 
