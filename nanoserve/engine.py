@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,8 @@ class Engine:
         self._default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self._ids = itertools.count()
         self._in_flight: SampledStep | None = None  # deferred mode: sampled, not yet brought home
+        self._held: dict[str, list[Request]] = {}  # n > 1: first copy's id -> copies waiting for its prefill
+        self._groups: dict[str, list[str]] = {}  # n > 1: group id -> its copies' ids
         self.num_steps = 0
 
     @classmethod
@@ -131,16 +133,34 @@ class Engine:
                              f"{self.allocator.num_blocks}")
         if request_id is None:
             request_id = str(next(self._ids))
-            while request_id in self.requests:  # a caller may have chosen the next number already
+            while self._in_use(request_id, params.n):  # a caller may have chosen the next number already
                 request_id = str(next(self._ids))
-        elif request_id in self.requests:
+        elif self._in_use(request_id, params.n):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)
-        if params.seed is not None:
-            self._generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
-        self.requests[request_id] = request
-        self.scheduler.add(request)
+        if params.n == 1:
+            requests = [Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)]
+        else:
+            # n copies of the prompt: the first is admitted alone, the rest when its prefill is
+            # done, so they find its full blocks in the prefix cache instead of recomputing them.
+            requests = []
+            for i in range(params.n):
+                seed = None if params.seed is None else params.seed + i
+                child = Request(f"{request_id}.{i}", token_ids, replace(params, n=1, seed=seed), self.eos_token_ids,
+                                arrival_time)
+                child.parent_id, child.index = request_id, i
+                requests.append(child)
+            self._held[requests[0].request_id] = requests[1:]
+            self._groups[request_id] = [r.request_id for r in requests]
+        for request in requests:
+            if request.params.seed is not None:
+                self._generators[request.request_id] = torch.Generator(self.device).manual_seed(request.params.seed)
+            self.requests[request.request_id] = request
+        self.scheduler.add(requests[0])
         return request_id
+
+    def _in_use(self, request_id: str, n: int) -> bool:
+        ids = [request_id] if n == 1 else [f"{request_id}.{i}" for i in range(n)]
+        return request_id in self._groups or any(i in self.requests for i in ids)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -161,13 +181,31 @@ class Engine:
         Raises:
             ValueError: the id is not an unfinished request of this engine.
         """
-        request = self.requests.pop(request_id, None)
+        if request_id in self._groups:  # n > 1: every unfinished completion
+            children = [c for c in self._groups.pop(request_id) if c in self.requests]
+            return [self.abort(c) for c in children][-1] if children else None
+        request = self.requests.get(request_id)
         if request is None:
             raise ValueError(f"request_id {request_id!r} is not an unfinished request")
-        self.scheduler.finish(request)
         request.finish(FinishReason.ABORT, time.perf_counter())
-        self._generators.pop(request_id, None)
+        self._retire(request)
         return self._make_output(request)
+
+    def _retire(self, request: Request) -> None:
+        """Forgets a finished request: blocks back to the pool, its group closed when it was the last."""
+        self._release_held(request)
+        self.scheduler.finish(request)
+        del self.requests[request.request_id]
+        self._generators.pop(request.request_id, None)
+        group = self._groups.get(request.parent_id) if request.parent_id else None
+        if group is not None and not any(c in self.requests or c in self._held for c in group):
+            del self._groups[request.parent_id]
+
+    def _release_held(self, request: Request) -> None:
+        """Queues the held copies of an n > 1 request once its first copy no longer needs them held."""
+        held = self._held.pop(request.request_id, None)
+        if held:
+            self.scheduler.add_next(held)
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -254,6 +292,8 @@ class Engine:
         """Advances the counters of what this step forwarded, then brings one sampled step home."""
         for item in sched.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
+            if item.samples and self._held:
+                self._release_held(item.request)  # its prompt is in the cache now
         outputs = self._resolve(sampled) if sampled is not None else []
         self._cache_blocks([item.request for item in sched.scheduled])
         return outputs
@@ -281,9 +321,7 @@ class Engine:
             if not finished and request.params.stop and request.num_output_tokens >= request.params.min_tokens:
                 finished = self._check_stop_strings(request, now)
             if finished:
-                self.scheduler.finish(request)
-                del self.requests[request_id]
-                self._generators.pop(request_id, None)
+                self._retire(request)
             outputs.append(self._make_output(request))
 
         if sampled.logprobs is not None:
@@ -346,6 +384,8 @@ class Engine:
             num_cached_tokens=request.num_cached_tokens,
             stop_reason=request.stop_reason,
             logprobs=list(request.logprobs) if request.logprobs is not None else None,
+            parent_id=request.parent_id,
+            index=request.index,
         )
 
     # ---- convenience -------------------------------------------------------------------------
@@ -368,16 +408,19 @@ class Engine:
 
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Runs every prompt to completion; returns the final outputs in input order."""
+        """Runs every prompt to completion; returns the final outputs in input order (a prompt with
+        n > 1 contributes its n completions, in index order)."""
         params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        ids: list[str] = []
+        added: list[str] = []
+        ids: list[str] = []  # one per completion: n of them for a prompt with n > 1
         try:
             for prompt, sp in zip(prompts, params_list, strict=True):
-                ids.append(self.add_request(prompt, sp))
+                added.append(self.add_request(prompt, sp))
+                ids += [added[-1]] if sp.n == 1 else [f"{added[-1]}.{i}" for i in range(sp.n)]
         except ValueError:
-            for request_id in ids:  # all or nothing: no orphans left queued
+            for request_id in added:  # all or nothing: no orphans left queued
                 self.abort(request_id)
             raise
         pending = set(ids)

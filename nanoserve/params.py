@@ -27,6 +27,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: subtracted once from each token already in the output
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k (k <= 20)
+    n: int = 1  # completions of one prompt; the copies share the prompt's full blocks
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -41,6 +42,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an integer or None")
+        if not isinstance(self.n, int) or not 1 <= self.n <= 64:
+            raise ValueError(f"n={self.n!r} must be an integer in [1, 64]")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens!r} must be in [0, max_tokens={self.max_tokens}]")
         if not self.repetition_penalty > 0.0:

@@ -52,6 +52,8 @@ class Request:
         self.stop_text: str | None = None  # output text cut before a matched stop string
         self.num_stop_scanned_chars = 0  # output text already searched for stop strings
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.parent_id: str | None = None  # n > 1: the id add_request returned for the group
+        self.index = 0  # n > 1: which completion of the prompt this is
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
@@ -149,3 +151,5 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
     logprobs: list[dict[int, float]] | None = None  # per output token: sampled and top-k token -> logprob
+    parent_id: str | None = None  # n > 1: the id add_request returned; request_id is f"{parent_id}.{index}"
+    index: int = 0  # n > 1: which completion of the prompt

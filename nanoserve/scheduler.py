@@ -62,6 +62,10 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def add_next(self, requests: list[Request]) -> None:
+        """Puts requests at the head of the queue, in order: they are admitted before any other."""
+        self.waiting.extendleft(reversed(requests))
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
