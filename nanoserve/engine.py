@@ -255,9 +255,7 @@ class Engine:
     def _flush(self) -> list[RequestOutput]:
         """Resolves the step still in flight when nothing new is scheduled (deferred mode)."""
         sampled, self._in_flight = self._in_flight, None
-        outputs = self._resolve(sampled)
-        self._cache_blocks(sampled.requests)
-        return outputs
+        return self._resolve(sampled)
 
     def _sample(self, logits: torch.Tensor, rows: list[Request]) -> TokenBatch:
         """Samples every row's next token; the tokens stay on the device."""
@@ -294,15 +292,10 @@ class Engine:
             item.request.num_computed_tokens += item.num_new_tokens
             if item.samples and self._held:
                 self._release_held(item.request)  # its prompt is in the cache now
-        outputs = self._resolve(sampled) if sampled is not None else []
-        self._cache_blocks([item.request for item in sched.scheduled])
-        return outputs
-
-    def _cache_blocks(self, requests: list[Request]) -> None:
-        if self.scheduler.enable_prefix_caching:
-            for request in requests:
-                if not request.is_finished:
-                    self.scheduler.cache_full_blocks(request)
+        if self.scheduler.enable_prefix_caching:  # before _resolve frees the blocks of finished requests
+            for item in sched.scheduled:
+                self.scheduler.cache_full_blocks(item.request)
+        return self._resolve(sampled) if sampled is not None else []
 
     def _resolve(self, sampled: SampledStep) -> list[RequestOutput]:
         """One readback; each token goes through its request's stop rules."""

@@ -157,9 +157,13 @@ class Scheduler:
         return hits
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Registers the request's blocks that became full of computed tokens, so others can hit them."""
+        """Registers the request's blocks that became full of computed tokens, so others can hit them.
+
+        A token still in flight (deferred output) is computed but not yet known: its block waits
+        for the next call.
+        """
         hashes, bs = request.block_hashes, self.block_size
-        for i in range(len(hashes), request.num_computed_tokens // bs):
+        for i in range(len(hashes), min(request.num_computed_tokens, len(request.token_ids)) // bs):
             hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs:(i + 1) * bs]))
             self.allocator.register(request.block_ids[i], hashes[i])
 

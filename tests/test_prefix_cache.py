@@ -77,3 +77,11 @@ def test_eviction_under_pressure_keeps_outputs_identical():
     # used, then 4 of those) evicted the tail of the shared prefix: blocks 0-2 (12 tokens) survive.
     assert warm[2].num_cached_tokens == 12
     engine.check_invariants()
+
+
+def test_a_request_that_finishes_at_its_prefill_still_leaves_its_prompt_cached():
+    for deferred in (False, True):
+        engine = _engine(True, deferred_output=deferred)
+        engine.generate([SYSTEM + [40]], SamplingParams(temperature=0.0, max_tokens=1))
+        out = engine.generate([SYSTEM + [41]], GREEDY)[0]
+        assert out.num_cached_tokens == 20, deferred
