@@ -60,14 +60,14 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
     slot_mapping_t = tensor(slot_mapping)
     if num_seqs == 1 and query_lens[0] == context_lens[0]:
         # One sequence with nothing cached: plain causal attention over the new tokens.
-        attn = AttentionMetadata(slot_mapping_t, kv_slots=slot_mapping_t[None], mask=None, query_index=None,
-                                 query_valid=None, is_causal=True)
+        attn = AttentionMetadata(slot_mapping_t, block_table=slot_mapping_t[None], mask=None, query_index=None,
+                                 query_valid=None, block_size=block_size, is_causal=True)
         return ModelInputs(input_ids_t, positions_t, tensor(logits_indices), attn)
 
     max_blocks = -(-max_context_len // block_size)
-    table = torch.tensor([b + [0] * (max_blocks - len(b)) for b in block_tables], dtype=torch.int64)  # [B, blocks]
-    key_pos = torch.arange(max_context_len)  # [L]
-    kv_slots = table[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, L]
+    table = torch.tensor([b[:max_blocks] + [0] * (max_blocks - len(b)) for b in block_tables],
+                         dtype=torch.int64)  # [B, blocks]
+    key_pos = torch.arange(max_blocks * block_size)  # [L]: whole blocks, the tail masked
     if max_query_len == 1:
         query_pos = torch.tensor(context_lens).sub_(1)[:, None]  # [B, 1]: the one query is the last position
         query_index = query_valid = None
@@ -81,7 +81,7 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
         query_index = torch.where(query_valid, first_row + offsets, 0).to(device)  # [B, Tq]
         query_valid = query_valid.to(device)
     mask = None
-    if num_seqs > 1 or max_query_len > 1:
+    if num_seqs > 1 or max_query_len > 1 or max_context_len % block_size:
         mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None].to(device)  # [B, 1, Tq, L]
-    attn = AttentionMetadata(slot_mapping_t, kv_slots.to(device), mask, query_index, query_valid)
+    attn = AttentionMetadata(slot_mapping_t, table.to(device), mask, query_index, query_valid, block_size)
     return ModelInputs(input_ids_t, positions_t, tensor(logits_indices), attn)

