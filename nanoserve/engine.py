@@ -59,6 +59,8 @@ class Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
+        if config.compile:
+            model.enable_compile()
         num_positions = model.cos.shape[0]
         self.max_model_len = config.max_model_len or num_positions
         if self.max_model_len > num_positions:
@@ -382,6 +384,17 @@ class Engine:
         )
 
     # ---- convenience -------------------------------------------------------------------------
+
+    def warmup(self, prompt_len: int = 32, num_seqs: int = 2, max_tokens: int = 4) -> float:
+        """Runs a small uncounted workload (prefill and decode shapes) and returns its seconds:
+        with config.compile this is the compile cost, paid once per process."""
+        if self.has_unfinished():
+            raise ValueError("warmup needs an idle engine")
+        start = time.perf_counter()
+        prompt = list(range(prompt_len))
+        self.generate([prompt] * min(num_seqs, self.config.max_num_seqs),
+                      SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        return time.perf_counter() - start
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

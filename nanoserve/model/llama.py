@@ -38,6 +38,30 @@ class LayerWeights:
     down: torch.Tensor  # [E, I]
 
 
+@dataclass(frozen=True)
+class LayerShape:
+    num_heads: int  # H
+    num_kv_heads: int  # Hkv
+    head_dim: int  # D
+    eps: float
+
+
+def decoder_layer(h: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, attn_meta: AttentionMetadata, shape: LayerShape) -> torch.Tensor:
+    """One pre-norm block: h [T, E] -> [T, E]. Attention writes this layer's K/V into its cache."""
+    H, Hkv, D, eps = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps
+    T = h.shape[0]
+    x = F.rms_norm(h, layer.input_norm.shape, layer.input_norm, eps)  # [T, E]
+    q, k, v = F.linear(x, layer.qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)  # [T, H D], [T, Hkv D] x 2
+    q = apply_rope(q.view(T, H, D), cos, sin)  # [T, H, D]
+    k = apply_rope(k.view(T, Hkv, D), cos, sin)  # [T, Hkv, D]
+    attn = paged_attention(q, k, v.view(T, Hkv, D), k_cache, v_cache, attn_meta)  # [T, H, D]
+    h = h + F.linear(attn.reshape(T, H * D), layer.o)  # [T, E]
+    x = F.rms_norm(h, layer.post_norm.shape, layer.post_norm, eps)
+    gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, I] each
+    return h + F.linear(F.silu(gate) * up, layer.down)  # [T, E]
+
+
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape, for every tensor the forward reads."""
     E, I, D = config.hidden_size, config.intermediate_size, config.head_dim
@@ -76,6 +100,8 @@ class LlamaModel:
         # The table covers the positions the engine will use, not the model's 128k maximum.
         num_positions = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
         self.cos, self.sin = rope_table(config, num_positions, self.dtype, self.device)  # [P, D]
+        self.shape = LayerShape(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
+        self.layer_fn = decoder_layer
 
     @classmethod
     def from_state_dict(cls, config: LlamaConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
@@ -112,25 +138,20 @@ class LlamaModel:
 
     def forward(self, inputs: ModelInputs, kv: KVCache) -> torch.Tensor:
         """Runs one step and returns logits [R, V] for the rows that sample, in float32."""
-        c = self.config
-        H, Hkv, D, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
-        T = inputs.input_ids.shape[0]
-        split = [H * D, Hkv * D, Hkv * D]
+        eps = self.config.rms_norm_eps
         h = F.embedding(inputs.input_ids, self.embed)  # [T, E]
         cos = self.cos[inputs.positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[inputs.positions].unsqueeze(1)  # [T, 1, D]
         for i, layer in enumerate(self.layers):
-            x = F.rms_norm(h, layer.input_norm.shape, layer.input_norm, eps)  # [T, E]
-            q, k, v = F.linear(x, layer.qkv).split(split, dim=-1)  # [T, H D], [T, Hkv D], [T, Hkv D]
-            q = apply_rope(q.view(T, H, D), cos, sin)  # [T, H, D]
-            k = apply_rope(k.view(T, Hkv, D), cos, sin)  # [T, Hkv, D]
-            attn = paged_attention(q, k, v.view(T, Hkv, D), kv.k[i], kv.v[i], inputs.attn)  # [T, H, D]
-            h = h + F.linear(attn.reshape(T, H * D), layer.o)  # [T, E]
-            x = F.rms_norm(h, layer.post_norm.shape, layer.post_norm, eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, I] each
-            h = h + F.linear(F.silu(gate) * up, layer.down)  # [T, E]
+            h = self.layer_fn(h, layer, cos, sin, kv.k[i], kv.v[i], inputs.attn, self.shape)
         # Only the rows that sample need the norm and the [E, V] head: the rest of T is prefill.
         h = F.rms_norm(h[inputs.logits_indices], self.norm.shape, self.norm, eps)  # [R, E]
         return F.linear(h, self.lm_head).float()  # [R, V]
+
+    def enable_compile(self) -> None:
+        """Compiles the decoder layer with torch.compile (one graph shared by all layers, dynamic
+        in T, B and L); the first steps of each new shape kind pay the compile."""
+        if self.layer_fn is decoder_layer:
+            self.layer_fn = torch.compile(decoder_layer, dynamic=True)
 
     __call__ = forward

@@ -1,0 +1,22 @@
+"""EngineConfig(compile=True): the torch.compile'd decoder layer gives the eager tokens."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_tiny_engine
+
+from nanoserve import SamplingParams
+from nanoserve.model.llama import decoder_layer
+
+pytestmark = pytest.mark.slow
+
+
+def test_compiled_layer_gives_the_eager_tokens_for_prefill_chunks_and_decodes():
+    prompts = [[5, 9, 13, 22, 7, 41, 3, 8], [17, 4], [30 + i % 50 for i in range(23)]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    eager = make_tiny_engine(max_num_batched_tokens=16).generate(prompts, params)
+    engine = make_tiny_engine(max_num_batched_tokens=16, compile=True)
+    assert engine.model.layer_fn is not decoder_layer  # the compiled wrapper is what runs
+    assert engine.warmup() > 0
+    compiled = engine.generate(prompts, params)
+    assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
