@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanoserve.model.attention import AttentionMetadata
+from nanoserve.model.attention import AttentionMetadata, DecodeGroup
 from nanoserve.model.llama import ModelInputs
 from nanoserve.scheduler import SchedulerOutput
 
@@ -84,4 +84,51 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
     if num_seqs > 1 or max_query_len > 1 or max_context_len % block_size:
         mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None].to(device)  # [B, 1, Tq, L]
     attn = AttentionMetadata(slot_mapping_t, table.to(device), mask, query_index, query_valid, block_size)
+    if max_query_len == 1 and num_seqs >= 4:
+        groups = split_by_length([-(-n // block_size) for n in context_lens])
+        if len(groups) > 1:
+            attn.decode_groups = [_decode_group(rows, block_tables, context_lens, block_size, device) for rows in groups]
     return ModelInputs(input_ids_t, positions_t, tensor(logits_indices), attn)
+
+
+def split_by_length(num_blocks: list[int], max_groups: int = 4, min_saving: float = 0.15) -> list[list[int]]:
+    """Splits rows into at most max_groups groups of similar length to cut the padded area
+    (rows x longest in group). A further group is taken only if it saves min_saving of the area.
+
+    Returns lists of row indices, each sorted by length; one group holding every row when no split pays.
+    """
+    order = sorted(range(len(num_blocks)), key=num_blocks.__getitem__)
+    lengths = [num_blocks[i] for i in order]
+    n = len(lengths)
+    # best[g][j]: least padded area covering the j shortest rows with g groups; cut[g][j]: its last cut.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(max_groups + 1)]
+    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
+    best[0][0] = 0
+    for g in range(1, max_groups + 1):
+        for j in range(1, n + 1):
+            for i in range(g - 1, j):
+                area = best[g - 1][i] + (j - i) * lengths[j - 1]
+                if area < best[g][j]:
+                    best[g][j], cut[g][j] = area, i
+    groups_used = 1
+    for g in range(2, max_groups + 1):
+        if best[g][n] <= best[groups_used][n] * (1 - min_saving):
+            groups_used = g
+    bounds, j = [], n
+    for g in range(groups_used, 0, -1):
+        bounds.append((cut[g][j], j))
+        j = cut[g][j]
+    return [order[a:b] for a, b in reversed(bounds)]
+
+
+def _decode_group(rows: list[int], block_tables: list[list[int]], context_lens: list[int], block_size: int,
+                  device: torch.device) -> DecodeGroup:
+    lens = [context_lens[r] for r in rows]
+    nb = -(-max(lens) // block_size)
+    table = torch.tensor([block_tables[r][:nb] + [0] * (nb - len(block_tables[r][:nb])) for r in rows])  # [Bg, nb]
+    mask = None
+    if any(n != nb * block_size for n in lens):
+        key_pos = torch.arange(nb * block_size)  # [Lg]
+        mask = (key_pos[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(device)  # [Bg, 1, 1, Lg]
+    return DecodeGroup(torch.tensor(rows, device=device), table.to(device), mask)

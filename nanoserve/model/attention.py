@@ -13,6 +13,15 @@ import torch.nn.functional as F
 
 
 @dataclass
+class DecodeGroup:
+    """Decoding sequences of similar length, attended together so short ones are not padded to long."""
+
+    rows: torch.Tensor  # [Bg] int64: which of the step's B rows (T == B when decoding)
+    block_table: torch.Tensor  # [Bg, nb_g] int64
+    mask: torch.Tensor | None  # [Bg, 1, 1, nb_g * bs] bool, or None when nothing needs masking
+
+
+@dataclass
 class AttentionMetadata:
     """Built once per step by build_inputs and shared by every layer."""
 
@@ -23,6 +32,7 @@ class AttentionMetadata:
     query_valid: torch.Tensor | None  # [B, Tq] bool, False on padding; None when every Tq is 1
     block_size: int = 16  # tokens per block
     is_causal: bool = False  # one sequence, whole context new: plain causal attention
+    decode_groups: list[DecodeGroup] | None = None  # decode-only steps with ragged contexts
 
 
 def paged_attention(
@@ -43,6 +53,8 @@ def paged_attention(
         return out.transpose(0, 1)  # [T, H, D]
     # The context is read whole blocks at a time: one row of bs * Hkv * D per block is a plain
     # memcpy, 1.5-2x faster than indexing token by token on this machine.
+    if meta.decode_groups is not None:
+        return _grouped_decode(q, k_cache, v_cache, meta)
     keys = _gather_blocks(k_cache, meta.block_table, meta.block_size)  # [B, Hkv, L, D]
     values = _gather_blocks(v_cache, meta.block_table, meta.block_size)  # [B, Hkv, L, D]
     if meta.query_index is None:  # decode: one query per sequence, T == B
@@ -59,3 +71,15 @@ def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: i
     slots, Hkv, D = cache.shape
     blocks = cache.view(slots // block_size, block_size * Hkv * D)  # [num_blocks, bs Hkv D]
     return blocks.index_select(0, block_table.flatten()).view(B, -1, Hkv, D).transpose(1, 2)
+
+
+def _grouped_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Decode attention group by group: q [B, H, D] -> [B, H, D]."""
+    out = torch.empty_like(q)  # [B, H, D]
+    for group in meta.decode_groups:
+        keys = _gather_blocks(k_cache, group.block_table, meta.block_size)  # [Bg, Hkv, Lg, D]
+        values = _gather_blocks(v_cache, group.block_table, meta.block_size)
+        queries = q.index_select(0, group.rows).unsqueeze(2)  # [Bg, H, 1, D]
+        result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, enable_gqa=True)
+        out.index_copy_(0, group.rows, result.squeeze(2))
+    return out
