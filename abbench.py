@@ -1,0 +1,98 @@
+"""abbench: one engine change, measured as a pair. Decode steps of a ragged batch are timed with
+the change off (A) and on (B), alternating A B A B ... in one process, and reported as a ratio.
+
+    python abbench.py --change groups     # length-grouped decode attention
+    python abbench.py --change deferred   # deferred output processing
+    python abbench.py --change compile    # torch.compile of the decoder layer (warm-up reported apart)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from nanoserve import Engine, EngineConfig, SamplingParams
+from nanoserve import inputs as inputs_module
+
+CHANGES = ("groups", "deferred", "compile")
+
+
+def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
+    config = EngineConfig(max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192,
+                          kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False,
+                          deferred_output=(change == "deferred" and on), compile=(change == "compile" and on))
+    return Engine(base.model, base.tokenizer, config)
+
+
+def decode_step_times(engine: Engine, prompts: list[list[int]], steps: int, change: str, on: bool) -> list[float]:
+    """Admits every prompt, finishes the prefills, then times `steps` decode steps."""
+    original = inputs_module.split_by_length
+    if change == "groups" and not on:
+        inputs_module.split_by_length = lambda lengths, **kw: [list(range(len(lengths)))]
+    try:
+        for p in prompts:
+            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+            engine.step()
+        engine.step()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        for rid in list(engine.requests):
+            engine.abort(rid)
+        return times
+    finally:
+        inputs_module.split_by_length = original
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--change", choices=CHANGES, required=True)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--slots", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--prompt-range", type=int, nargs=2, default=[32, 512])
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    base = Engine.from_pretrained(args.model, EngineConfig(max_model_len=2048))
+    rng = random.Random(0)
+    vocab = base.model.config.vocab_size
+    rows = []
+    print(f"abbench --change {args.change}: decode steps, ragged prompts {args.prompt_range}, "
+          f"{args.rounds} rounds of A B, {args.steps} steps each, median per step")
+    print(f"{'slots':>5}{'A (off) ms':>12}{'B (on) ms':>11}{'B / A':>8}{'warm-up B s':>13}")
+    for slots in args.slots:
+        prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(*args.prompt_range))] for _ in range(slots)]
+        engines = {on: make_engine(base, args.change, on, slots) for on in (False, True)}
+        warmup = {on: engines[on].warmup() for on in (False, True)}
+        samples: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(args.rounds):
+            for on in (False, True):
+                samples[on] += decode_step_times(engines[on], prompts, args.steps, args.change, on)
+        a, b = statistics.median(samples[False]), statistics.median(samples[True])
+        rows.append({"change": args.change, "slots": slots, "a_step_ms": a * 1e3, "b_step_ms": b * 1e3,
+                     "b_over_a": b / a, "b_warmup_s": warmup[True]})
+        print(f"{slots:>5}{a * 1e3:>12.1f}{b * 1e3:>11.1f}{b / a:>7.2f}x{warmup[True]:>13.1f}")
+    out = Path(args.out or f"runs/abbench-{args.change}.csv")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
