@@ -13,6 +13,7 @@ import torch
 
 from nanoserve.blocks import BlockAllocator
 from nanoserve.config import EngineConfig
+from nanoserve.detokenize import IncrementalDetokenizer
 from nanoserve.inputs import build_inputs
 from nanoserve.model.kv_cache import KVCache, bytes_per_block
 from nanoserve.model.llama import LlamaModel
@@ -157,6 +158,8 @@ class Engine:
             self._held[requests[0].request_id] = requests[1:]
             self._groups[request_id] = [r.request_id for r in requests]
         for request in requests:
+            if self.tokenizer is not None:
+                request.detokenizer = IncrementalDetokenizer(self.tokenizer)
             if request.params.seed is not None:
                 self._generators[request.request_id] = torch.Generator(self.device).manual_seed(request.params.seed)
             self.requests[request.request_id] = request
@@ -316,6 +319,8 @@ class Engine:
             if request.num_pending_tokens:
                 request.num_pending_tokens -= 1
             finished = request.append_token(token_id, now)
+            if request.detokenizer is not None:
+                request.detokenizer.add((token_id,))
             if not finished and request.params.stop and request.num_output_tokens >= request.params.min_tokens:
                 finished = self._check_stop_strings(request, now)
             if finished:
@@ -345,8 +350,8 @@ class Engine:
 
     def _check_stop_strings(self, request: Request, now: float) -> bool:
         """Ends the request at the first stop string in its text; the text is cut before the match."""
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        # Only a match that ends in the newest token's text is new: earlier text was checked already.
+        text = request.detokenizer.text
+        # Only a match that ends in the newest text is new: earlier text was checked already.
         start = max(0, request.num_stop_scanned_chars - max(len(s) for s in request.params.stop) + 1)
         request.num_stop_scanned_chars = len(text)
         found = [(idx, stop) for stop in request.params.stop if (idx := text.find(stop, start)) >= 0]
@@ -359,10 +364,13 @@ class Engine:
 
     def _make_output(self, request: Request) -> RequestOutput:
         output_ids = request.output_token_ids
+        detokenizer = request.detokenizer
         if request.stop_text is not None:
             text = request.stop_text
-        elif self.tokenizer is not None:
-            text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        elif detokenizer is not None:
+            if request.is_finished:
+                detokenizer.flush()  # the held-back tail of a half character, as the full decode has it
+            text = detokenizer.text
         else:
             text = ""
         return RequestOutput(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from nanoserve.params import SamplingParams
 
@@ -51,6 +52,7 @@ class Request:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.stop_text: str | None = None  # output text cut before a matched stop string
         self.num_stop_scanned_chars = 0  # output text already searched for stop strings
+        self.detokenizer: Any = None  # the engine's IncrementalDetokenizer: output text, O(1) per token
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.parent_id: str | None = None  # n > 1: the id add_request returned for the group
         self.index = 0  # n > 1: which completion of the prompt this is

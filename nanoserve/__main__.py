@@ -1,0 +1,5 @@
+"""`python -m nanoserve <command>`."""
+
+from nanoserve.cli import main
+
+main()

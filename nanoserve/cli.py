@@ -1,0 +1,66 @@
+"""`nanoserve <command>`: serve, bench-serve, demo. Also `python -m nanoserve <command>`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+COMMANDS = {
+    "serve": "an OpenAI-compatible HTTP server (loopback unless --host says otherwise)",
+    "bench-serve": "drive a running server with Poisson arrivals and report serving metrics",
+    "demo": "several prompts at once on the embedded default model",
+}
+
+
+def serve_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="nanoserve serve", description=COMMANDS["serve"])
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: embedded SmolLM2-135M)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="model id clients send (default: the directory name)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit in tokens")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens forwarded per step")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: from a 512 MiB budget)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    args = parser.parse_args(argv)
+
+    from nanoserve.config import EngineConfig
+    from nanoserve.server import serve
+
+    try:
+        config = EngineConfig(
+            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+            dtype=args.dtype, device=args.device, seed=args.seed, num_threads=args.num_threads,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    serve(args.model, args.host, args.port, config, args.served_model_name, args.log_level)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = [f"  {name:<12} {text}" for name, text in COMMANDS.items()]
+        usage = "usage: nanoserve <command> [options]\n\ncommands:\n" + "\n".join(lines)
+        if argv and argv[0] not in ("-h", "--help"):
+            sys.exit(f"nanoserve: unknown command {argv[0]!r}\n{usage}")
+        print(usage)
+        return
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        serve_main(rest)
+    elif command == "bench-serve":
+        from nanoserve.bench_serve import main as bench_main
+
+        bench_main(rest)
+    else:
+        from nanoserve.demo import main as demo_main
+
+        demo_main(rest)

@@ -1,0 +1,247 @@
+"""The OpenAI-compatible HTTP app: FastAPI routes over one AsyncEngine.
+
+Every route validates its body before anything reaches the engine, and every client mistake
+becomes an OpenAI-style error body with a 4xx, so one bad request never disturbs the others. A
+streaming request whose client disconnects is cancelled by Starlette, which closes the SSE
+generator and aborts the request; a non-streaming one races its generation against the
+disconnect message itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from nanoserve.server import protocol
+from nanoserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from nanoserve.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from nanoserve.streaming import AsyncEngine, EngineDeadError, RequestStream, StreamDelta
+
+if TYPE_CHECKING:
+    from nanoserve.engine import Engine
+    from nanoserve.params import SamplingParams
+
+
+def create_app(engine: Engine, model_name: str) -> FastAPI:
+    """The app serving `engine` under the model id `model_name`."""
+    metrics = ServerMetrics()
+    async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await async_engine.shutdown()
+
+    app = FastAPI(title="nanoserve", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if 400 <= exc.status_code < 499:  # 499: the client left, nothing it sent was wrong
+            metrics.num_rejected += 1
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ApiError(f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           status_code=404, param="model", code="model_not_found")
+
+    def max_tokens_for(requested: int | None, num_prompt_tokens: int) -> int:
+        if requested is not None:
+            return requested  # SamplingParams and the engine check it against the limits
+        # The context is bounded by max_model_len and by what the whole KV pool can hold.
+        limit = min(engine.max_model_len, engine.allocator.num_blocks * engine.config.block_size)
+        room = limit - num_prompt_tokens
+        if room < 1:
+            raise ApiError(f"the prompt has {num_prompt_tokens} tokens; the context limit of {limit} tokens "
+                           "leaves no room for output", param="prompt", code="context_length_exceeded")
+        return room
+
+    async def submit(prompt: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+        try:
+            return await async_engine.add_request(prompt, params, request_id=request_id)
+        except ValueError as e:
+            param = protocol.param_of(str(e)) or ("prompt" if "prompt" in str(e) else None)
+            raise ApiError(str(e), param=param) from None
+        except EngineDeadError as e:
+            raise ApiError(str(e), status_code=503, type="server_error") from None
+
+    def tokenize(text: str) -> list[int]:
+        if engine.tokenizer is None:
+            raise ApiError("this model has no tokenizer: send the prompt as token ids", param="prompt")
+        return list(engine.tokenizer.encode(text))
+
+    # ---- routes ----------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> Response:
+        if async_engine.error is not None:
+            return JSONResponse({"status": "dead", "error": repr(async_engine.error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "created": protocol.now(), "owned_by": "nanoserve",
+                "max_model_len": engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(await async_engine.stats()), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body: CompletionRequest = protocol.parse_body(await request.body(), CompletionRequest)
+        check_model(body.model)
+        prompt = protocol.completion_prompt(body)
+        prompt_ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        params = protocol.sampling_params(body, max_tokens_for(body.max_tokens, len(prompt_ids)), body.logprobs)
+        rid = protocol.new_id("cmpl")
+        stream = await submit(prompt_ids, params, rid)
+        head = {"id": rid, "object": "text_completion", "created": protocol.now(), "model": model_name}
+        k = params.logprobs
+        offsets = [0] * params.n  # characters of each completion sent so far, for text_offset
+
+        def choice(index: int, text: str, token_ids: list[int], entries, finish_reason) -> dict[str, Any]:
+            logprobs = None
+            if k is not None:
+                logprobs = protocol.completion_logprobs(engine.tokenizer, token_ids, entries, k, offsets[index])
+            offsets[index] += len(text)
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+        if body.stream:
+            return _sse(stream, head, body, lambda d: choice(d.index, d.text, d.token_ids, d.logprobs,
+                                                            d.finish_reason if d.finished else None))
+        done = await _collect(request, stream)
+        return JSONResponse(head | {
+            "choices": [choice(i, c.text, c.token_ids, c.logprobs, c.finish_reason) for i, c in sorted(done.items())],
+            "usage": _usage(stream, done),
+        })
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body: ChatCompletionRequest = protocol.parse_body(await request.body(), ChatCompletionRequest)
+        check_model(body.model)
+        messages = protocol.chat_messages(body)
+        tokenizer = engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ApiError("this model's tokenizer has no chat template: use /v1/completions")
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template's own raise_exception, e.g. roles out of order
+            raise ApiError(f"the chat template rejected the messages: {e}", param="messages") from None
+        # The template already wrote the special tokens; encoding must not add a BOS of its own.
+        prompt_ids = list(tokenizer.encode(text, add_special_tokens=False))
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = protocol.sampling_params(body, max_tokens_for(requested, len(prompt_ids)),
+                                          protocol.chat_logprobs_count(body))
+        rid = protocol.new_id("chatcmpl")
+        stream = await submit(prompt_ids, params, rid)
+        head = {"id": rid, "object": "chat.completion", "created": protocol.now(), "model": model_name}
+        k = params.logprobs
+
+        def logprobs(token_ids: list[int], entries) -> dict[str, Any] | None:
+            return None if k is None else protocol.chat_logprobs(tokenizer, token_ids, entries, k)
+
+        if body.stream:
+            named = set()  # OpenAI names the role once per choice, in its first chunk
+
+            def chunk_choice(d: StreamDelta) -> dict[str, Any]:
+                delta = {"content": d.text}
+                if d.index not in named:
+                    delta = {"role": "assistant"} | delta
+                    named.add(d.index)
+                return {"index": d.index, "delta": delta, "logprobs": logprobs(d.token_ids, d.logprobs),
+                        "finish_reason": d.finish_reason if d.finished else None}
+
+            return _sse(stream, head | {"object": "chat.completion.chunk"}, body, chunk_choice)
+        done = await _collect(request, stream)
+        choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason}
+                   for i, c in sorted(done.items())]
+        return JSONResponse(head | {"choices": choices, "usage": _usage(stream, done)})
+
+    return app
+
+
+@dataclass
+class _Completion:
+    """One completion of a non-streaming request, gathered from its deltas."""
+
+    parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _usage(stream: RequestStream, completions: dict[int, _Completion]) -> dict[str, int]:
+    return protocol.usage(len(stream.prompt_token_ids), sum(len(c.token_ids) for c in completions.values()))
+
+
+def _sse(stream: RequestStream, head: dict[str, Any], body: Any, make_choice) -> StreamingResponse:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    async def events() -> AsyncIterator[str]:
+        completions: dict[int, _Completion] = {}
+        try:
+            async for delta in stream:
+                completions.setdefault(delta.index, _Completion()).token_ids.extend(delta.token_ids)
+                chunk = head | {"choices": [make_choice(delta)]}
+                if include_usage:
+                    chunk["usage"] = None  # OpenAI: null on every chunk but the usage one
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            if include_usage:
+                yield f"data: {json.dumps(head | {'choices': [], 'usage': _usage(stream, completions)})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (Starlette cancelled or closed us): free the blocks
+            stream.abort()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _collect(request: Request, stream: RequestStream) -> dict[int, _Completion]:
+    """Runs a request to the end, by completion index; aborts it if the client disconnects first."""
+
+    async def consume() -> dict[int, _Completion]:
+        completions: dict[int, _Completion] = {}
+        async for delta in stream:
+            c = completions.setdefault(delta.index, _Completion())
+            c.parts.append(delta.text)
+            c.token_ids += delta.token_ids
+            c.logprobs += delta.logprobs or []
+            c.finish_reason = delta.finish_reason
+        return completions
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    generation = asyncio.create_task(consume())
+    watcher = asyncio.create_task(disconnected())
+    try:
+        done, _ = await asyncio.wait({generation, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not generation.done():
+            generation.cancel()
+            stream.abort()
+        watcher.cancel()
+    if generation not in done:
+        await asyncio.gather(generation, return_exceptions=True)
+        raise ApiError("the client disconnected", status_code=499, code="client_disconnected")
+    try:
+        return generation.result()
+    except EngineDeadError as e:
+        raise ApiError(str(e), status_code=503, type="server_error") from None

@@ -1,0 +1,250 @@
+"""The OpenAI wire format: request bodies as strict pydantic models, their SamplingParams, responses.
+
+Bodies are validated strictly (a string where a number belongs is an error, not coerced) and
+unknown fields are ignored, as OpenAI clients send fields a server may not know. The vLLM extras
+(top_k, min_p, ignore_eos, ...) are accepted beside OpenAI's own. A sampling field reaches the
+engine only if SamplingParams has a field of that name; a field set to something other than its
+neutral value that the engine cannot honour is refused, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from nanoserve.params import SamplingParams
+
+
+class ApiError(Exception):
+    """An error the client caused or must see, rendered as OpenAI's error body."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.status_code, self.param, self.code, self.type = message, status_code, param, code, type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False  # one extra chunk before [DONE] with usage and no choices
+
+
+class _SamplingFields(_Body):
+    """Fields both endpoints share. None means "not sent": the engine's default applies."""
+
+    model: str | None = None
+    temperature: float | None = None  # OpenAI's default is 1.0, as SamplingParams'
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # None: up to the context length, as OpenAI
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """Validates a JSON body; raises ApiError(400) naming the first bad field."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        if first["type"] == "json_invalid":
+            raise ApiError(f"invalid JSON body: {first['msg']}") from None
+        loc = [str(x) for x in first["loc"] if not (isinstance(x, str) and x in _UNION_BRANCHES)]
+        param = ".".join(loc) or None
+        got = f" (got {first['input']!r})" if loc and first["type"] != "missing" else ""
+        raise ApiError(f"{param or 'body'}: {first['msg']}{got}", param=param) from None
+
+
+# pydantic names the union branch it tried in `loc` ("prompt", "str"); the client wants "prompt"
+_UNION_BRANCHES = {"str", "list[int]", "list[str]", "list[list[int]]", "list[ContentPart]", "int", "float"}
+
+# OpenAI/vLLM field -> (SamplingParams field, value that asks for nothing)
+_PASS_THROUGH = {
+    "temperature": ("temperature", 1.0),
+    "top_p": ("top_p", 1.0),
+    "seed": ("seed", None),
+    "top_k": ("top_k", -1),
+    "min_p": ("min_p", 0.0),
+    "ignore_eos": ("ignore_eos", False),
+    "stop_token_ids": ("stop_token_ids", []),
+    "stop": ("stop", []),
+    "presence_penalty": ("presence_penalty", 0.0),
+    "frequency_penalty": ("frequency_penalty", 0.0),
+    "repetition_penalty": ("repetition_penalty", 1.0),
+    "min_tokens": ("min_tokens", 0),
+    "n": ("n", 1),
+    "logprobs": ("logprobs", None),
+}
+_PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+    """Maps a request body to SamplingParams; `logprobs` is the top-n count the endpoint asked for.
+
+    Raises:
+        ApiError: a field the engine does not support was set, or SamplingParams rejected a value.
+    """
+    if body.logit_bias:
+        raise ApiError("logit_bias is not supported", param="logit_bias")
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens}
+    fields = dict(vars(body)) | {"logprobs": logprobs}  # each endpoint spells logprobs its own way
+    for name, (field, neutral) in _PASS_THROUGH.items():
+        value = fields[name]
+        if value is None:
+            continue
+        if name == "stop" and isinstance(value, str):
+            value = [value]
+        if field not in _PARAM_FIELDS:
+            if value == neutral or (neutral == [] and not value):
+                continue
+            raise ApiError(f"{name} is not supported by this engine", param=name)
+        kwargs[field] = tuple(value) if isinstance(value, list) else value
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise ApiError(str(e), param=param_of(str(e))) from None
+
+
+def param_of(message: str) -> str | None:
+    """The parameter an engine ValueError names ("top_p=2.0 must be in (0, 1]" -> "top_p")."""
+    match = re.match(r"(\w+)=", message)
+    return match.group(1) if match else None
+
+
+def completion_prompt(body: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request (a list of one prompt is accepted)."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise ApiError(f"{len(prompt)} prompts in one request: send one prompt per request", param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise ApiError("prompt is empty: it needs at least 1 token", param="prompt")
+    for name, value, neutral in (("echo", body.echo, False), ("suffix", body.suffix, None),
+                                 ("best_of", body.best_of, None)):
+        if value != neutral and not (name == "best_of" and value == body.n):
+            raise ApiError(f"{name} is not supported", param=name)
+    return prompt
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages as the chat template wants them: role and plain-text content."""
+    if not body.messages:
+        raise ApiError("messages is empty: it needs at least 1 message", param="messages")
+    out = []
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, list):
+            if any(part.type != "text" or part.text is None for part in m.content):
+                raise ApiError("only text content parts are supported", param=f"messages.{i}.content")
+            content = "".join(part.text for part in m.content)
+        else:
+            content = m.content or ""
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+def chat_logprobs_count(body: ChatCompletionRequest) -> int | None:
+    """Chat asks with `logprobs: true` and `top_logprobs: k`; the engine wants one count."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    # The engine's entry holds the top k first, in order, then the sampled token if it was not among them.
+    return list(entry.items())[:k]
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]], k: int,
+                        text_offset: int) -> dict[str, Any]:
+    """The legacy completions format: parallel lists over the tokens, `text_offset` from `text_offset`."""
+    tokens = [tokenizer.decode([t]) for t in token_ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [entry[t] for t, entry in zip(token_ids, entries, strict=True)],
+        "top_logprobs": [{tokenizer.decode([i]): v for i, v in _top(entry, k)} for entry in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]], k: int) -> dict[str, Any]:
+    """The chat format: one object per token with its bytes and its top alternatives."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [item(t, entry[t]) | {"top_logprobs": [item(i, v) for i, v in _top(entry, k)]}
+                        for t, entry in zip(token_ids, entries, strict=True)]}
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
