@@ -54,7 +54,8 @@ class Engine:
         tokenizer: a Hugging Face tokenizer, or None (then prompts must be token ids and text is "").
         config: the EngineConfig.
     Raises:
-        ValueError: when config.max_model_len exceeds what the model can position.
+        ValueError: when config.max_model_len exceeds what the model can position, or the model's
+            dtype or device differs from the config's.
     """
 
     def __init__(self, model: LlamaModel, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
@@ -63,6 +64,9 @@ class Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
+        if model.dtype != config.torch_dtype or model.device.type != self.device.type:
+            raise ValueError(f"the model is {model.dtype} on {model.device}, the config asks for "
+                             f"dtype={config.dtype!r} on device={config.device!r}")
         if config.compile:
             model.enable_compile()
         num_positions = model.cos.shape[0]
