@@ -320,3 +320,9 @@ def test_a_seeded_request_gives_the_same_tokens_with_company():
     assert outs[1].token_ids == alone
     other_seed = solo(PROMPT, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=124))
     assert other_seed != alone
+
+
+def test_a_model_in_another_dtype_than_the_config_is_refused():
+    model = make_tiny_engine().model  # float32 on cpu
+    with pytest.raises(ValueError, match="the model is torch.float32 on cpu, the config asks for dtype='bfloat16'"):
+        Engine(model, None, EngineConfig(dtype="bfloat16", num_kv_blocks=8))
