@@ -4,6 +4,7 @@ the change off (A) and on (B), alternating A B A B ... in one process, and repor
     python abbench.py --change groups     # length-grouped decode attention
     python abbench.py --change deferred   # deferred output processing
     python abbench.py --change compile    # torch.compile of the decoder layer (warm-up reported apart)
+    python abbench.py --change skinny     # (W @ x^T)^T for GEMMs of up to 32 rows
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve import inputs as inputs_module
+from nanoserve.model import llama
 
-CHANGES = ("groups", "deferred", "compile")
+CHANGES = ("groups", "deferred", "compile", "skinny")
 
 
 def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
@@ -34,8 +36,11 @@ def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
 def decode_step_times(engine: Engine, prompts: list[list[int]], steps: int, change: str, on: bool) -> list[float]:
     """Admits every prompt, finishes the prefills, then times `steps` decode steps."""
     original = inputs_module.split_by_length
+    skinny_rows = llama.SKINNY_ROWS
     if change == "groups" and not on:
         inputs_module.split_by_length = lambda lengths, **kw: [list(range(len(lengths)))]
+    if change == "skinny" and not on:
+        llama.SKINNY_ROWS = 0
     try:
         for p in prompts:
             engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
@@ -52,6 +57,7 @@ def decode_step_times(engine: Engine, prompts: list[list[int]], steps: int, chan
         return times
     finally:
         inputs_module.split_by_length = original
+        llama.SKINNY_ROWS = skinny_rows
 
 
 def main() -> None:

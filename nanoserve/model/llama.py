@@ -38,6 +38,19 @@ class LayerWeights:
     down: torch.Tensor  # [E, I]
 
 
+# Up to this many rows, x @ W^T is computed as (W @ x^T)^T: on this machine's MKL the skinny GEMM
+# with the weight as the left operand runs 1.2-2x faster (measured over all 30 layers' weights, 2
+# threads: 33 vs 60 ms at 2 rows, 53 vs 88 ms at 16, 79 vs 94 ms at 32; 1 row is a GEMV either way).
+SKINNY_ROWS = 32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T -> [M, N], contiguous."""
+    if x.shape[0] <= SKINNY_ROWS:
+        return torch.mm(weight, x.t()).t().contiguous()  # [N, M] -> [M, N]
+    return F.linear(x, weight)
+
+
 @dataclass(frozen=True)
 class LayerShape:
     num_heads: int  # H
@@ -52,14 +65,14 @@ def decoder_layer(h: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: 
     H, Hkv, D, eps = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps
     T = h.shape[0]
     x = F.rms_norm(h, layer.input_norm.shape, layer.input_norm, eps)  # [T, E]
-    q, k, v = F.linear(x, layer.qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)  # [T, H D], [T, Hkv D] x 2
+    q, k, v = linear(x, layer.qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)  # [T, H D], [T, Hkv D] x 2
     q = apply_rope(q.view(T, H, D), cos, sin)  # [T, H, D]
     k = apply_rope(k.view(T, Hkv, D), cos, sin)  # [T, Hkv, D]
     attn = paged_attention(q, k, v.view(T, Hkv, D), k_cache, v_cache, attn_meta)  # [T, H, D]
-    h = h + F.linear(attn.reshape(T, H * D), layer.o)  # [T, E]
+    h = h + linear(attn.reshape(T, H * D), layer.o)  # [T, E]
     x = F.rms_norm(h, layer.post_norm.shape, layer.post_norm, eps)
-    gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, I] each
-    return h + F.linear(F.silu(gate) * up, layer.down)  # [T, E]
+    gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, I] each
+    return h + linear(F.silu(gate) * up, layer.down)  # [T, E]
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -146,7 +159,7 @@ class LlamaModel:
             h = self.layer_fn(h, layer, cos, sin, kv.k[i], kv.v[i], inputs.attn, self.shape)
         # Only the rows that sample need the norm and the [E, V] head: the rest of T is prefill.
         h = F.rms_norm(h[inputs.logits_indices], self.norm.shape, self.norm, eps)  # [R, E]
-        return F.linear(h, self.lm_head).float()  # [R, V]
+        return linear(h, self.lm_head).float()  # [R, V]
 
     def enable_compile(self) -> None:
         """Compiles the decoder layer with torch.compile (one graph shared by all layers, dynamic
