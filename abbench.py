@@ -10,6 +10,7 @@ the change off (A) and on (B), alternating A B A B ... in one process, and repor
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import os
 import random
@@ -30,7 +31,10 @@ def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
     config = EngineConfig(max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192,
                           kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False,
                           deferred_output=(change == "deferred" and on), compile=(change == "compile" and on))
-    return Engine(base.model, base.tokenizer, config)
+    # The compiled layer lives on the model object: B gets a shallow copy (same weight tensors, its
+    # own layer_fn), so A stays eager.
+    model = copy.copy(base.model) if change == "compile" and on else base.model
+    return Engine(model, base.tokenizer, config)
 
 
 def decode_step_times(engine: Engine, prompts: list[list[int]], steps: int, change: str, on: bool) -> list[float]:
