@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import os
 import random
 import statistics
@@ -22,6 +21,7 @@ import torch
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve import inputs as inputs_module
+from nanoserve.benchio import write_csv
 from nanoserve.model import llama
 
 CHANGES = ("groups", "deferred", "compile", "skinny")
@@ -96,11 +96,7 @@ def main() -> None:
                      "b_over_a": b / a, "b_warmup_s": warmup[True]})
         print(f"{slots:>5}{a * 1e3:>12.1f}{b * 1e3:>11.1f}{b / a:>7.2f}x{warmup[True]:>13.1f}")
     out = Path(args.out or f"runs/abbench-{args.change}.csv")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out, rows)
     print(f"wrote {out}")
 
 

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import random
 import statistics
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from nanoserve import Engine, EngineConfig, SamplingParams
+from nanoserve.benchio import write_csv
 
 
 def ttft(engine: Engine, prompt: list[int]) -> float:
@@ -117,12 +117,7 @@ def main() -> None:
           f"long prompt TTFT, chunked / one step: {chunked['long_ttft_s'] / one_step['long_ttft_s']:.2f}x")
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fields = sorted({k for r in rows for k in r}, key=lambda k: (k != "bench", k != "case", k))
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out, rows)
     print(f"wrote {out}")
 
 

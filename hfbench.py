@@ -11,7 +11,6 @@ system with units in the column names.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import random
 import time
@@ -32,6 +31,7 @@ from nanoserve.baseline import (
     run_concurrent,
     run_serial,
 )
+from nanoserve.benchio import write_csv
 
 
 def decode_tok_s(run: SystemRun) -> float:
@@ -99,7 +99,6 @@ def main() -> None:
                       f"{c.candidate.throughput / single.candidate.throughput:.2f}x")
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     base_row = compare(baseline, baseline).as_row()
     rows = [base_row | {"decode_tok_per_s": decode_tok_s(baseline)}]
     rows += [c.as_row() | {"decode_tok_per_s": decode_tok_s(c.candidate)} for c in comparisons]
@@ -109,10 +108,7 @@ def main() -> None:
         row["doubling_throughput_x"] = d.throughput_ratio if d else ""
         row["doubling_per_slot_x"] = d.per_slot_ratio if d else ""
         row["date"] = time.strftime("%Y-%m-%d")
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out, rows)
     print(f"wrote {out}")
 
 

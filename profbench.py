@@ -19,7 +19,6 @@ optimisation needs a device clock, so check_device_timed refuses on a CPU and th
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from nanoserve import Engine, EngineConfig, SamplingParams
+from nanoserve.benchio import write_csv
 from nanoserve.profiler import (
     FORWARD,
     PHASES,
@@ -188,15 +188,6 @@ def csv_row(
         "date": time.strftime("%Y-%m-%d"),
     }
     return row
-
-
-def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    """Writes rows (floats to 6 decimals), creating the folder."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()} for row in rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

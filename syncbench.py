@@ -23,7 +23,6 @@ what the "faster" column measures.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import statistics
 import sys
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 
 from nanoserve import Engine, EngineConfig, SamplingParams
+from nanoserve.benchio import write_csv
 from nanoserve.output import (
     NotMeasurable,
     Readback,
@@ -283,15 +283,6 @@ def live_run(engine: Engine, slots: int, params: SamplingParams, max_tokens: int
 
 
 # ----------------------------------------------------------------------------- the run
-
-
-def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    """Writes rows (floats to 6 decimals), creating the folder."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()} for row in rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
