@@ -20,7 +20,7 @@ the first --serial-requests of a workload: a serial run's rate does not depend o
 and the ratios then compare the same requests.
 
 Each system runs in its own subprocess of this script (`--worker`), so its peak resident memory
-is its own (read from the kernel's rusage of that child through os.wait4) and no allocator state
+is its own (the kernel's rusage of that child, read through os.wait4 in a small launcher) and no allocator state
 leaks from one system into the next; no two systems ever run at once. A GEMM peak (a 2048^3 fp32
 matmul) and a copy bandwidth (a large tensor copy) are timed in the same run, and every row says
 what fraction of them its throughput implies.
@@ -685,29 +685,45 @@ class ChildResult:
     """What one subprocess left behind: its JSON result, its peak resident memory, and how it ended."""
 
     result: Any  # parsed JSON, or None when the child died
-    peak_rss_mib: float  # ru_maxrss of that child alone (os.wait4), MiB
+    peak_rss_mib: float  # ru_maxrss of that child alone (wait4 in a small launcher), MiB; nan if killed
     seconds: float  # wall time of the whole child, start-up and model load included
     error: str  # "" when it exited 0
 
 
+# A child's ru_maxrss is not its own when a large process starts it: execve keeps the high-water
+# mark of the memory it replaces, and Popen's vfork hands the child the parent's (a pytest or bench
+# process holding a model reads as 2.5 GB for a child that used 300 MB). So a small launcher, whose
+# own memory is a fresh interpreter's, starts the command and reports that grandchild's wait4 rusage.
+_LAUNCHER = (
+    "import os, sys\n"
+    "pid = os.posix_spawnp(sys.argv[2], sys.argv[2:], os.environ)\n"
+    "_, status, usage = os.wait4(pid, 0)\n"
+    "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+    "sys.exit(os.waitstatus_to_exitcode(status))\n"
+)
+
+
 def run_child(cmd: list[str], timeout_s: float, result_path: Path | None) -> ChildResult:
-    """Run one child to completion (or kill it at the timeout) and read its own rusage."""
+    """Run one child to completion (or kill its process group at the timeout) and read its own peak RSS."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if result_path is None else None, text=True)
-    deadline = start + timeout_s
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        if time.perf_counter() > deadline:
-            proc.kill()
-            pid, status, usage = os.wait4(proc.pid, 0)
-            break
-        time.sleep(0.2)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    with tempfile.NamedTemporaryFile(prefix="peerbench-rss-", delete=False) as f:
+        rss_path = Path(f.name)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _LAUNCHER, str(rss_path), *cmd],
+            stdout=subprocess.PIPE if result_path is None else None, text=True, start_new_session=True,
+        )
+        try:
+            stdout, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            stdout, _ = proc.communicate()
+        text = rss_path.read_text().strip()
+    finally:
+        rss_path.unlink(missing_ok=True)
     seconds = time.perf_counter() - start
-    peak = usage.ru_maxrss / 1024  # Linux reports KiB
-    stdout = proc.stdout.read() if proc.stdout is not None else ""
+    peak = int(text) / 1024 if text else math.nan  # Linux reports KiB; nothing when it was killed
+    stdout = stdout or ""
     if proc.returncode != 0:
         why = "timed out" if seconds > timeout_s else f"exit {proc.returncode}"
         return ChildResult(result=stdout or None, peak_rss_mib=peak, seconds=seconds, error=why)

@@ -278,10 +278,14 @@ def test_build_rows_compares_a_serial_subset_on_the_requests_it_ran():
 
 
 def test_run_child_reads_the_childs_own_peak_rss():
+    # The parent holds 1.5 GiB, as a bench process holding a model does: a plain Popen child would
+    # inherit that high-water mark through exec and report it as its own (CI caught this: 2569 MiB).
+    parent_ballast = bytearray(1536 * 2**20)
     code = "b = bytearray(300 * 2**20); print('ok')"  # bytearray zero-fills: 300 MiB resident
     child = pb.run_child([sys.executable, "-c", code], timeout_s=60, result_path=None)
     assert child.error == "" and child.result.strip() == "ok"
     assert 300 <= child.peak_rss_mib < 600
+    del parent_ballast
 
 
 def test_run_child_kills_at_the_timeout():
