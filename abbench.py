@@ -3,8 +3,8 @@ the change off (A) and on (B), alternating A B A B ... in one process, and repor
 
     python abbench.py --change groups     # length-grouped decode attention
     python abbench.py --change deferred   # deferred output processing
-    python abbench.py --change compile    # torch.compile of the decoder layer (warm-up reported apart)
-    python abbench.py --change skinny     # (W @ x^T)^T for GEMMs of up to 32 rows
+    python abbench.py --change compile    # torch.compile of the decoder layer against packed eager (warm-up apart)
+    python abbench.py --change packed     # matmul weights packed for oneDNN against plain F.linear
 """
 
 from __future__ import annotations
@@ -22,29 +22,26 @@ import torch
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve import inputs as inputs_module
 from nanoserve.benchio import write_csv
-from nanoserve.model import llama
 
-CHANGES = ("groups", "deferred", "compile", "skinny")
+CHANGES = ("groups", "deferred", "compile", "packed")
 
 
 def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
+    """`base` holds plain weights. Packing and compiling each change the model object, so every
+    engine gets a shallow copy (the same weight tensors until packed): A and B never share a change.
+    Compile is measured against the best eager engine, the packed one; packing against plain."""
+    packed = {"packed": on, "compile": not on}.get(change, True)
     config = EngineConfig(max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192,
-                          kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False,
+                          kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, pack_weights=packed,
                           deferred_output=(change == "deferred" and on), compile=(change == "compile" and on))
-    # The compiled layer lives on the model object: B gets a shallow copy (same weight tensors, its
-    # own layer_fn), so A stays eager.
-    model = copy.copy(base.model) if change == "compile" and on else base.model
-    return Engine(model, base.tokenizer, config)
+    return Engine(copy.copy(base.model), base.tokenizer, config)
 
 
 def decode_step_times(engine: Engine, prompts: list[list[int]], steps: int, change: str, on: bool) -> list[float]:
     """Admits every prompt, finishes the prefills, then times `steps` decode steps."""
     original = inputs_module.split_by_length
-    skinny_rows = llama.SKINNY_ROWS
     if change == "groups" and not on:
         inputs_module.split_by_length = lambda lengths, **kw: [list(range(len(lengths)))]
-    if change == "skinny" and not on:
-        llama.SKINNY_ROWS = 0
     try:
         for p in prompts:
             engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
@@ -61,7 +58,6 @@ def decode_step_times(engine: Engine, prompts: list[list[int]], steps: int, chan
         return times
     finally:
         inputs_module.split_by_length = original
-        llama.SKINNY_ROWS = skinny_rows
 
 
 def main() -> None:
@@ -76,7 +72,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    base = Engine.from_pretrained(args.model, EngineConfig(max_model_len=2048))
+    base = Engine.from_pretrained(args.model, EngineConfig(max_model_len=2048, pack_weights=False))
     rng = random.Random(0)
     vocab = base.model.config.vocab_size
     rows = []

@@ -23,6 +23,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # a prompt longer than the token budget is split over steps
     enable_prefix_caching: bool = True  # full blocks shared by hash between requests with one prefix
     deferred_output: bool = False  # resolve step N's tokens after step N+1 is launched (one token overshoot)
+    pack_weights: bool = True  # CPU float32: matmul weights reordered once for oneDNN (no-op elsewhere, or with compile)
     compile: bool = False  # torch.compile the decoder layer (warm-up: Engine.warmup() reports the cost)
     dtype: str = "float32"
     device: str = "cpu"

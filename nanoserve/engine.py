@@ -67,6 +67,8 @@ class Engine:
         if model.dtype != config.torch_dtype or model.device.type != self.device.type:
             raise ValueError(f"the model is {model.dtype} on {model.device}, the config asks for "
                              f"dtype={config.dtype!r} on device={config.device!r}")
+        if config.pack_weights and not config.compile:
+            model.pack_weights()
         if config.compile:
             model.enable_compile()
         num_positions = model.cos.shape[0]

@@ -32,10 +32,10 @@ def make_hf_llama(seed: int = 0, **overrides):
     return hf
 
 
-def nanoserve_model_from_hf(hf, max_positions: int | None = None) -> LlamaModel:
+def nanoserve_model_from_hf(hf, max_positions: int | None = None, dtype: torch.dtype = torch.float32) -> LlamaModel:
     config = LlamaConfig.from_hf_dict(hf.config.to_dict())
     tensors = dict(hf.state_dict())
-    return LlamaModel.from_state_dict(config, tensors, torch.float32, "cpu", max_positions)
+    return LlamaModel.from_state_dict(config, tensors, dtype, "cpu", max_positions)
 
 
 class CharTokenizer:

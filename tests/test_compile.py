@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_tiny_engine
 
-from nanoserve import SamplingParams
+from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.model.llama import decoder_layer
 
 pytestmark = pytest.mark.slow
@@ -20,3 +20,11 @@ def test_compiled_layer_gives_the_eager_tokens_for_prefill_chunks_and_decodes():
     assert engine.warmup() > 0
     compiled = engine.generate(prompts, params)
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
+
+
+def test_a_packed_model_refuses_compile_by_name():
+    engine = make_tiny_engine()  # pack_weights defaults on: the layers now hold oneDNN tensors
+    assert engine.model.packed
+    with pytest.raises(ValueError, match="packed.*pack_weights=False"):
+        Engine(engine.model, None, EngineConfig(compile=True, num_kv_blocks=8))
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids  # still serves

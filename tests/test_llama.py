@@ -12,6 +12,7 @@ import torch
 from conftest import TINY, CharTokenizer, make_hf_llama, nanoserve_model_from_hf
 
 from nanoserve import Engine, EngineConfig, SamplingParams
+from nanoserve.model import llama
 from nanoserve.model.config import LlamaConfig
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -58,14 +59,40 @@ def assert_logits_match(hf, captured, outputs) -> int:
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_logits_equal_transformers_at_prefill_and_every_decode(arch, block_size):
+@pytest.mark.parametrize("pack_weights", [True, False], ids=["packed", "plain"])
+def test_logits_equal_transformers_at_prefill_and_every_decode(arch, block_size, pack_weights):
     hf = make_hf_llama(seed=1, **ARCHITECTURES[arch])
-    config = EngineConfig(block_size=block_size, num_kv_blocks=256 // block_size + 8, max_num_seqs=4)
+    config = EngineConfig(block_size=block_size, num_kv_blocks=256 // block_size + 8, max_num_seqs=4,
+                          pack_weights=pack_weights)
     engine = Engine(nanoserve_model_from_hf(hf), CharTokenizer(TINY["vocab_size"]), config)
+    assert engine.model.packed == (pack_weights and torch.backends.mkldnn.is_available())
     captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=12)
     assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 12
     engine.check_invariants()
     assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 33, 70])
+def test_packed_linear_equals_the_plain_matmul(rows):
+    # Each row is a dot product done by hand in float64: the reference owes nothing to oneDNN or MKL.
+    gen = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(48, 40, generator=gen), torch.randn(rows, 40, generator=gen)
+    packed = llama.pack_linear_weight(weight)
+    assert packed.is_mkldnn and not weight.is_mkldnn
+    expected = torch.tensor([[sum(float(a) * float(b) for a, b in zip(xr, wr, strict=True)) for wr in weight] for xr in x],
+                            dtype=torch.float64)
+    torch.testing.assert_close(llama.linear(x, packed).double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(llama.linear(x, weight).double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_packing_leaves_other_dtypes_and_the_embedding_plain():
+    model = nanoserve_model_from_hf(make_hf_llama(seed=4, tie_word_embeddings=True))
+    assert model.pack_weights() and model.packed
+    assert not model.embed.is_mkldnn and model.lm_head is model.embed  # the lookup still reads plain rows
+    assert all(w.is_mkldnn for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert model.pack_weights()  # twice is once
+    half = nanoserve_model_from_hf(make_hf_llama(seed=4), dtype=torch.bfloat16)
+    assert not half.pack_weights() and not half.packed
 
 
 def test_llama3_rope_reaches_scaled_positions():
