@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanoserve.model.attention import AttentionMetadata, DecodeGroup
+from nanoserve.model.attention import AttentionMetadata, DecodeGroup, PrefillRun
 from nanoserve.model.llama import ModelInputs
 from nanoserve.scheduler import SchedulerOutput
 
@@ -58,36 +58,35 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
     num_seqs, max_query_len, max_context_len = len(query_lens), max(query_lens), max(context_lens)
     positions_t = tensor(positions)
     slot_mapping_t = tensor(slot_mapping)
-    if num_seqs == 1 and query_lens[0] == context_lens[0]:
-        # One sequence with nothing cached: plain causal attention over the new tokens.
-        attn = AttentionMetadata(slot_mapping_t, block_table=slot_mapping_t[None], mask=None, query_index=None,
-                                 query_valid=None, block_size=block_size, is_causal=True)
+    first_rows = [0] * num_seqs  # row of T where each sequence's tokens begin
+    for i in range(1, num_seqs):
+        first_rows[i] = first_rows[i - 1] + query_lens[i - 1]
+    if max_query_len > 1:  # prompts or chunks, perhaps with decodes: no sequence padded to another's run
+        decoding = [i for i in range(num_seqs) if query_lens[i] == 1]
+        groups = split_by_length([-(-context_lens[i] // block_size) for i in decoding]) if len(decoding) >= 8 else [
+            list(range(len(decoding)))]
+        decode_groups = [_decode_group([decoding[j] for j in g], first_rows, block_tables, context_lens, block_size,
+                                       device) for g in groups if g]
+        runs = [_prefill_run(first_rows[i], query_lens[i], context_lens[i], block_tables[i], block_size, device)
+                for i in range(num_seqs) if query_lens[i] > 1]
+        attn = AttentionMetadata(slot_mapping_t, block_table=slot_mapping_t[None], mask=None, block_size=block_size,
+                                 decode_groups=decode_groups, prefill_runs=runs)
         return ModelInputs(input_ids_t, positions_t, tensor(logits_indices), attn)
 
+    # Decode only: one query per sequence, T == B.
     max_blocks = -(-max_context_len // block_size)
     table = torch.tensor([b[:max_blocks] + [0] * (max_blocks - len(b)) for b in block_tables],
                          dtype=torch.int64)  # [B, blocks]
-    key_pos = torch.arange(max_blocks * block_size)  # [L]: whole blocks, the tail masked
-    if max_query_len == 1:
-        query_pos = torch.tensor(context_lens).sub_(1)[:, None]  # [B, 1]: the one query is the last position
-        query_index = query_valid = None
-    else:
-        offsets = torch.arange(max_query_len)  # [Tq]
-        lens = torch.tensor(query_lens)[:, None]  # [B, 1]
-        starts = torch.tensor(context_lens)[:, None] - lens  # [B, 1]: first new position
-        query_valid = offsets < lens  # [B, Tq]
-        query_pos = torch.where(query_valid, starts + offsets, 0)  # [B, Tq]; padding queries look at key 0
-        first_row = torch.cumsum(torch.tensor([0] + query_lens[:-1]), 0)[:, None]  # [B, 1]
-        query_index = torch.where(query_valid, first_row + offsets, 0).to(device)  # [B, Tq]
-        query_valid = query_valid.to(device)
     mask = None
-    if num_seqs > 1 or max_query_len > 1 or max_context_len % block_size:
-        mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None].to(device)  # [B, 1, Tq, L]
-    attn = AttentionMetadata(slot_mapping_t, table.to(device), mask, query_index, query_valid, block_size)
-    if max_query_len == 1 and num_seqs >= 8:  # abbench: 0.77x at 16 slots, 0.75x at 32, 1.13x at 4
+    if num_seqs > 1 or max_context_len % block_size:
+        key_pos = torch.arange(max_blocks * block_size)  # [L]: whole blocks, the tail masked
+        mask = (key_pos[None, :] < torch.tensor(context_lens)[:, None])[:, None, None, :].to(device)  # [B, 1, 1, L]
+    attn = AttentionMetadata(slot_mapping_t, table.to(device), mask, block_size)
+    if num_seqs >= 8:  # abbench: 0.77x at 16 slots, 0.75x at 32, 1.13x at 4
         groups = split_by_length([-(-n // block_size) for n in context_lens])
         if len(groups) > 1:
-            attn.decode_groups = [_decode_group(rows, block_tables, context_lens, block_size, device) for rows in groups]
+            attn.decode_groups = [_decode_group(rows, first_rows, block_tables, context_lens, block_size, device)
+                                  for rows in groups]
     return ModelInputs(input_ids_t, positions_t, tensor(logits_indices), attn)
 
 
@@ -122,8 +121,9 @@ def split_by_length(num_blocks: list[int], max_groups: int = 4, min_saving: floa
     return [order[a:b] for a, b in reversed(bounds)]
 
 
-def _decode_group(rows: list[int], block_tables: list[list[int]], context_lens: list[int], block_size: int,
-                  device: torch.device) -> DecodeGroup:
+def _decode_group(rows: list[int], first_rows: list[int], block_tables: list[list[int]], context_lens: list[int],
+                  block_size: int, device: torch.device) -> DecodeGroup:
+    """Sequences `rows`, one query each (at row first_rows[r] of T), attended as one batch."""
     lens = [context_lens[r] for r in rows]
     nb = -(-max(lens) // block_size)
     table = torch.tensor([block_tables[r][:nb] + [0] * (nb - len(block_tables[r][:nb])) for r in rows])  # [Bg, nb]
@@ -131,4 +131,17 @@ def _decode_group(rows: list[int], block_tables: list[list[int]], context_lens: 
     if any(n != nb * block_size for n in lens):
         key_pos = torch.arange(nb * block_size)  # [Lg]
         mask = (key_pos[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(device)  # [Bg, 1, 1, Lg]
-    return DecodeGroup(torch.tensor(rows, device=device), table.to(device), mask)
+    return DecodeGroup(torch.tensor([first_rows[r] for r in rows], device=device), table.to(device), mask)
+
+
+def _prefill_run(first_row: int, query_len: int, context_len: int, blocks: list[int], block_size: int,
+                 device: torch.device) -> PrefillRun:
+    """One sequence's Tq new tokens at positions context_len - Tq .. context_len - 1."""
+    start = context_len - query_len
+    if start == 0:  # nothing cached: causal attention over the new tokens alone, no gather
+        return PrefillRun(first_row, query_len, None, None)
+    nb = -(-context_len // block_size)
+    key_pos = torch.arange(nb * block_size)  # [L]
+    query_pos = torch.arange(start, context_len)  # [Tq]
+    mask = (key_pos[None, :] <= query_pos[:, None])[None, None].to(device)  # [1, 1, Tq, L]
+    return PrefillRun(first_row, query_len, torch.tensor([blocks[:nb]], device=device), mask)

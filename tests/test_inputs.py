@@ -19,18 +19,43 @@ def test_split_by_length_takes_a_group_only_when_it_pays():
     assert split_by_length([5, 4, 3, 2]) == [[3, 2], [1, 0]]
 
 
-def test_grouped_decode_logits_equal_transformers(monkeypatch):
+def spy_on_groups(monkeypatch) -> list[tuple[int, list[tuple[int, bool]]]]:
+    """Records, per layer call that goes group by group: (decode groups, [(Tq, has cached context)])."""
     calls = []
-    original = attention._grouped_decode
+    original = attention._by_groups
 
-    def spy(q, k_cache, v_cache, meta):
-        calls.append(len(meta.decode_groups))
-        return original(q, k_cache, v_cache, meta)
+    def spy(q, k, v, k_cache, v_cache, meta):
+        runs = [(run.num_rows, run.block_table is not None) for run in meta.prefill_runs or ()]
+        calls.append((len(meta.decode_groups or ()), runs))
+        return original(q, k, v, k_cache, v_cache, meta)
 
-    monkeypatch.setattr(attention, "_grouped_decode", spy)
+    monkeypatch.setattr(attention, "_by_groups", spy)
+    return calls
+
+
+def test_grouped_decode_logits_equal_transformers(monkeypatch):
+    calls = spy_on_groups(monkeypatch)
     hf = make_hf_llama(seed=8)
     engine = Engine(nanoserve_model_from_hf(hf), None, EngineConfig(block_size=4, num_kv_blocks=128, max_num_seqs=8))
     prompts = [[5, 6], [7 + i % 60 for i in range(60)], [9, 10, 11], [12] * 5, [13 + i % 50 for i in range(41)], [14], [15, 16], [17] * 3]
     captured, outputs = run_and_capture(engine, prompts, max_tokens=5)
     assert assert_logits_match(hf, captured, outputs) == 40
-    assert calls and max(calls) >= 2  # the ragged decodes really went through more than one group
+    decode_only = [groups for groups, runs in calls if not runs]
+    assert decode_only and max(decode_only) >= 2  # the ragged decodes really went through more than one group
+
+
+def test_mixed_steps_attend_each_prompt_alone_and_equal_transformers(monkeypatch):
+    # A budget of 9 tokens: ten one-token decodes cannot all fit with a chunk, so steps mix decodes
+    # with chunks of a later, longer prompt, whose second chunk has cached context to read.
+    calls = spy_on_groups(monkeypatch)
+    hf = make_hf_llama(seed=9)
+    config = EngineConfig(block_size=4, num_kv_blocks=160, max_num_seqs=12, max_num_batched_tokens=9)
+    engine = Engine(nanoserve_model_from_hf(hf), None, config)
+    prompts = [[20 + i] for i in range(8)] + [[5 + i % 70 for i in range(23)], [3, 4, 5], [40 + i % 30 for i in range(17)]]
+    captured, outputs = run_and_capture(engine, prompts, max_tokens=6)
+    assert assert_logits_match(hf, captured, outputs) == len(prompts) * 6
+    mixed = [(groups, runs) for groups, runs in calls if groups and runs]
+    assert mixed, "no step mixed decodes with a prompt chunk"
+    assert any(cached for _, runs in mixed for _, cached in runs)  # a chunk that read earlier chunks' K/V
+    assert any(not cached for _, runs in calls for _, cached in runs)  # a first chunk: causal, no gather
+    engine.check_invariants()

@@ -1,7 +1,11 @@
 """Paged attention: write new K/V through the slot mapping, read the context through slot tables.
 
-Shapes: T tokens forwarded this step (all sequences flattened), B sequences, Tq the longest
-query run of one sequence, L the longest context, H query heads, Hkv key/value heads, D head dim.
+Shapes: T tokens forwarded this step (all sequences flattened), B sequences, Tq one sequence's
+new tokens, L a context, H query heads, Hkv key/value heads, D head dim.
+
+A step's sequences are attended in groups so that nothing is padded to a length it does not have:
+decoding sequences (one query each) batched together, split by context length when that saves
+enough; each sequence that forwards several tokens (a prompt or a chunk of one) alone.
 """
 
 from __future__ import annotations
@@ -16,9 +20,19 @@ import torch.nn.functional as F
 class DecodeGroup:
     """Decoding sequences of similar length, attended together so short ones are not padded to long."""
 
-    rows: torch.Tensor  # [Bg] int64: which of the step's B rows (T == B when decoding)
+    rows: torch.Tensor  # [Bg] int64: the rows of T holding these sequences' one query each
     block_table: torch.Tensor  # [Bg, nb_g] int64
     mask: torch.Tensor | None  # [Bg, 1, 1, nb_g * bs] bool, or None when nothing needs masking
+
+
+@dataclass
+class PrefillRun:
+    """One sequence forwarding Tq > 1 tokens: rows first_row .. first_row + Tq of T."""
+
+    first_row: int
+    num_rows: int  # Tq
+    block_table: torch.Tensor | None  # [1, nb]; None: nothing cached, attend to the new tokens only (causal)
+    mask: torch.Tensor | None  # [1, 1, Tq, nb * bs] bool: query i sees keys up to its own position
 
 
 @dataclass
@@ -27,12 +41,10 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
     block_table: torch.Tensor  # [B, max_blocks] int64: each sequence's blocks (0 past its end); L = max_blocks * bs
-    mask: torch.Tensor | None  # [B, 1, Tq, L] bool, True = may attend; None = no masking needed
-    query_index: torch.Tensor | None  # [B, Tq] int64 rows of T per sequence; None when every Tq is 1
-    query_valid: torch.Tensor | None  # [B, Tq] bool, False on padding; None when every Tq is 1
+    mask: torch.Tensor | None  # [B, 1, 1, L] bool for a one-group decode step, True = may attend; None: no masking
     block_size: int = 16  # tokens per block
-    is_causal: bool = False  # one sequence, whole context new: plain causal attention
-    decode_groups: list[DecodeGroup] | None = None  # decode-only steps with ragged contexts
+    decode_groups: list[DecodeGroup] | None = None  # decodes attended group by group (ragged or mixed steps)
+    prefill_runs: list[PrefillRun] | None = None  # sequences forwarding several tokens, each attended alone
 
 
 def paged_attention(
@@ -46,23 +58,15 @@ def paged_attention(
     """
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    if meta.is_causal:  # one sequence, nothing cached: no gather, no mask
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
-        )  # [H, T, D]
-        return out.transpose(0, 1)  # [T, H, D]
     # The context is read whole blocks at a time: one row of bs * Hkv * D per block is a plain
     # memcpy, 1.5-2x faster than indexing token by token on this machine.
-    if meta.decode_groups is not None:
-        return _grouped_decode(q, k_cache, v_cache, meta)
+    if meta.decode_groups is not None or meta.prefill_runs is not None:
+        return _by_groups(q, k, v, k_cache, v_cache, meta)
+    # Decode, one group: one query per sequence, T == B.
     keys = _gather_blocks(k_cache, meta.block_table, meta.block_size)  # [B, Hkv, L, D]
     values = _gather_blocks(v_cache, meta.block_table, meta.block_size)  # [B, Hkv, L, D]
-    if meta.query_index is None:  # decode: one query per sequence, T == B
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.mask, enable_gqa=True)
-        return out.squeeze(2)  # [B, H, D]
-    queries = q[meta.query_index].transpose(1, 2)  # [B, H, Tq, D]
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, enable_gqa=True)
-    return out.transpose(1, 2)[meta.query_valid]  # [T, H, D]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.mask, enable_gqa=True)
+    return out.squeeze(2)  # [B, H, D]
 
 
 def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -73,13 +77,25 @@ def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: i
     return blocks.index_select(0, block_table.flatten()).view(B, -1, Hkv, D).transpose(1, 2)
 
 
-def _grouped_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """Decode attention group by group: q [B, H, D] -> [B, H, D]."""
-    out = torch.empty_like(q)  # [B, H, D]
-    for group in meta.decode_groups:
+def _by_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+    """Attention group by group, each written into its own rows: q [T, H, D] -> [T, H, D]."""
+    out = torch.empty_like(q)  # [T, H, D]
+    for group in meta.decode_groups or ():
         keys = _gather_blocks(k_cache, group.block_table, meta.block_size)  # [Bg, Hkv, Lg, D]
         values = _gather_blocks(v_cache, group.block_table, meta.block_size)
         queries = q.index_select(0, group.rows).unsqueeze(2)  # [Bg, H, 1, D]
         result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, enable_gqa=True)
         out.index_copy_(0, group.rows, result.squeeze(2))
+    for run in meta.prefill_runs or ():
+        rows = slice(run.first_row, run.first_row + run.num_rows)
+        queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Tq, D]
+        if run.block_table is None:  # nothing cached: the new tokens are the whole context
+            keys, values = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+        else:
+            keys = _gather_blocks(k_cache, run.block_table, meta.block_size)  # [1, Hkv, L, D]
+            values = _gather_blocks(v_cache, run.block_table, meta.block_size)
+        result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=run.mask,
+                                                is_causal=run.block_table is None, enable_gqa=True)
+        out[rows] = result[0].transpose(0, 1)
     return out
