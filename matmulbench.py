@@ -1,0 +1,115 @@
+"""matmulbench: the decode step's matmuls alone, in every layout this engine has tried, one run.
+
+The weights are random tensors of the default model's shapes (SmolLM2-135M: 30 layers of fused
+qkv [960, 576], o [576, 576], fused gate/up [3072, 576], down [576, 1536], and the [49152, 576]
+vocabulary head), 30 distinct copies so that a pass streams 425 MB from memory as a real step
+does instead of finding them in cache. For each row count M, each layout runs one pass over all
+30 layers (and, apart, the head), interleaved round by round, and the median pass is reported:
+
+    linear    F.linear(x, W), W [N, K] as checkpoints store it (MKL)
+    skinny    (W @ x^T)^T, the path this engine used for M <= 32 before packing
+    xWt       x @ W^T with W^T stored contiguous [K, N] (MKL's other GEMV layout)
+    packed    oneDNN's packed linear (torch.ops.mkldnn, weights reordered once): the engine's default
+
+    python matmulbench.py            # M = 1 2 4 8 16 32 64, about 3 minutes
+    python matmulbench.py --quick    # M = 1 16, 3 rounds
+
+Columns: ms per pass, GB/s of weights read (bytes / time), GFLOP/s (2 M N K / time), and each
+layout's time over `packed`'s. A read rate is what bounds a small-M pass; a FLOP rate a large one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.benchio import write_csv
+from nanoserve.model.llama import pack_linear_weight
+
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [N, K]: qkv, o, gate_up, down
+HEAD_SHAPE = (49152, 576)
+LAYOUTS = ("linear", "skinny", "xWt", "packed")
+
+
+def prepare(weights: list[torch.Tensor], layout: str) -> list[torch.Tensor]:
+    if layout == "xWt":
+        return [w.t().contiguous() for w in weights]
+    if layout == "packed":
+        return [pack_linear_weight(w) for w in weights]
+    return weights
+
+
+def apply(layout: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if layout == "linear":
+        return F.linear(x, w)
+    if layout == "skinny":
+        return torch.mm(w, x.t()).t().contiguous()
+    if layout == "xWt":
+        return x @ w
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+def time_pass(layout: str, weights: list[torch.Tensor], xs: dict[int, torch.Tensor]) -> float:
+    """One pass over `weights`, each fed the input of its K (x@Wt's weights are stored [K, N])."""
+    k_dim = 0 if layout == "xWt" else 1
+    start = time.perf_counter()
+    for w in weights:
+        apply(layout, xs[w.shape[k_dim]], w)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default="runs/matmulbench.csv")
+    args = parser.parse_args()
+    if args.quick:
+        args.rows, args.rounds = [1, 16], 3
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    plain = [torch.randn(n, k, generator=gen) for _ in range(30) for n, k in LAYER_SHAPES]
+    head = [torch.randn(*HEAD_SHAPE, generator=gen)]
+    stacks = {(part, layout): prepare(ws, layout) for part, ws in (("layers", plain), ("head", head)) for layout in LAYOUTS}
+    nbytes = {"layers": sum(w.numel() for w in plain) * 4, "head": head[0].numel() * 4}
+    print(f"matmulbench: {args.threads} threads, median of {args.rounds} interleaved rounds; "
+          f"layers = 30 x (qkv, o, gate_up, down), {nbytes['layers'] / 1e6:.0f} MB; head {nbytes['head'] / 1e6:.0f} MB")
+    print(f"{'part':<7}{'M':>4}" + "".join(f"{name + ' ms':>12}" for name in LAYOUTS)
+          + f"{'packed GB/s':>13}{'packed GF/s':>13}" + "".join(f"{name + '/pk':>11}" for name in LAYOUTS[:-1]))
+    rows = []
+    with torch.inference_mode():
+        for part in ("layers", "head"):
+            for m in args.rows:
+                xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
+                samples: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+                for round_ in range(args.rounds + 1):
+                    for name in LAYOUTS:
+                        t = time_pass(name, stacks[(part, name)], xs)
+                        if round_:  # round 0 warms up
+                            samples[name].append(t)
+                med = {name: statistics.median(v) for name, v in samples.items()}
+                flops = 2 * m * nbytes[part] / 4
+                row = {"part": part, "rows": m, "threads": args.threads}
+                row |= {f"{name}_ms": med[name] * 1e3 for name in LAYOUTS}
+                row |= {"packed_gb_per_s": nbytes[part] / med["packed"] / 1e9,
+                        "packed_gflop_per_s": flops / med["packed"] / 1e9}
+                row |= {f"{name}_over_packed": med[name] / med["packed"] for name in LAYOUTS[:-1]}
+                rows.append(row)
+                print(f"{part:<7}{m:>4}" + "".join(f"{med[name] * 1e3:>12.2f}" for name in LAYOUTS)
+                      + f"{row['packed_gb_per_s']:>13.1f}{row['packed_gflop_per_s']:>13.1f}"
+                      + "".join(f"{row[name + '_over_packed']:>10.2f}x" for name in LAYOUTS[:-1]))
+    out = Path(args.out)
+    write_csv(out, rows)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
