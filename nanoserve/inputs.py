@@ -55,38 +55,25 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
     input_ids_t = tensor(input_ids)
     if pending_dst:
         input_ids_t[tensor(pending_dst)] = in_flight.batch.tokens[tensor(pending_src)]
-    num_seqs, max_query_len, max_context_len = len(query_lens), max(query_lens), max(context_lens)
+    num_seqs = len(query_lens)
     positions_t = tensor(positions)
     slot_mapping_t = tensor(slot_mapping)
     first_rows = [0] * num_seqs  # row of T where each sequence's tokens begin
     for i in range(1, num_seqs):
         first_rows[i] = first_rows[i - 1] + query_lens[i - 1]
-    if max_query_len > 1:  # prompts or chunks, perhaps with decodes: no sequence padded to another's run
-        decoding = [i for i in range(num_seqs) if query_lens[i] == 1]
-        groups = split_by_length([-(-context_lens[i] // block_size) for i in decoding]) if len(decoding) >= 8 else [
-            list(range(len(decoding)))]
-        decode_groups = [_decode_group([decoding[j] for j in g], first_rows, block_tables, context_lens, block_size,
-                                       device) for g in groups if g]
-        runs = [_prefill_run(first_rows[i], query_lens[i], context_lens[i], block_tables[i], block_size, device)
-                for i in range(num_seqs) if query_lens[i] > 1]
-        attn = AttentionMetadata(slot_mapping_t, block_table=slot_mapping_t[None], mask=None, block_size=block_size,
-                                 decode_groups=decode_groups, prefill_runs=runs)
-        return ModelInputs(input_ids_t, positions_t, tensor(logits_indices), attn)
-
-    # Decode only: one query per sequence, T == B.
-    max_blocks = -(-max_context_len // block_size)
-    table = torch.tensor([b[:max_blocks] + [0] * (max_blocks - len(b)) for b in block_tables],
-                         dtype=torch.int64)  # [B, blocks]
-    mask = None
-    if num_seqs > 1 or max_context_len % block_size:
-        key_pos = torch.arange(max_blocks * block_size)  # [L]: whole blocks, the tail masked
-        mask = (key_pos[None, :] < torch.tensor(context_lens)[:, None])[:, None, None, :].to(device)  # [B, 1, 1, L]
-    attn = AttentionMetadata(slot_mapping_t, table.to(device), mask, block_size)
-    if num_seqs >= 8:  # abbench: 0.77x at 16 slots, 0.75x at 32, 1.13x at 4
-        groups = split_by_length([-(-n // block_size) for n in context_lens])
-        if len(groups) > 1:
-            attn.decode_groups = [_decode_group(rows, first_rows, block_tables, context_lens, block_size, device)
-                                  for rows in groups]
+    # No sequence is padded to another's query run: one-query sequences (decodes) are batched, split by
+    # length when that pays (abbench: 0.77x at 16 slots, 0.75x at 32, 1.13x at 4, so from 8 only); a
+    # sequence forwarding several tokens (a prompt or a chunk of one) is attended alone.
+    decoding = [i for i in range(num_seqs) if query_lens[i] == 1]
+    groups = split_by_length([-(-context_lens[i] // block_size) for i in decoding]) if len(decoding) >= 8 else [
+        list(range(len(decoding)))]
+    decode_groups = [_decode_group([decoding[j] for j in g], first_rows, block_tables, context_lens, block_size,
+                                   device) for g in groups if g]
+    if len(decode_groups) == 1 and len(decoding) == num_seqs:
+        decode_groups[0].rows = None  # the whole step, in row order: nothing to gather or scatter
+    runs = [_prefill_run(first_rows[i], query_lens[i], context_lens[i], block_tables[i], block_size, device)
+            for i in range(num_seqs) if query_lens[i] > 1]
+    attn = AttentionMetadata(slot_mapping_t, decode_groups, runs, block_size)
     return ModelInputs(input_ids_t, positions_t, tensor(logits_indices), attn)
 
 

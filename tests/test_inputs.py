@@ -7,7 +7,7 @@ from test_llama import assert_logits_match, run_and_capture
 
 from nanoserve import Engine, EngineConfig
 from nanoserve.inputs import split_by_length
-from nanoserve.model import attention
+from nanoserve.model import llama
 
 
 def test_split_by_length_takes_a_group_only_when_it_pays():
@@ -20,16 +20,16 @@ def test_split_by_length_takes_a_group_only_when_it_pays():
 
 
 def spy_on_groups(monkeypatch) -> list[tuple[int, list[tuple[int, bool]]]]:
-    """Records, per layer call that goes group by group: (decode groups, [(Tq, has cached context)])."""
+    """Records, per layer call: (decode groups, [(Tq, has cached context) per prefill run])."""
     calls = []
-    original = attention._by_groups
+    original = llama.paged_attention
 
     def spy(q, k, v, k_cache, v_cache, meta):
-        runs = [(run.num_rows, run.block_table is not None) for run in meta.prefill_runs or ()]
-        calls.append((len(meta.decode_groups or ()), runs))
+        runs = [(run.num_rows, run.block_table is not None) for run in meta.prefill_runs]
+        calls.append((len(meta.decode_groups), runs))
         return original(q, k, v, k_cache, v_cache, meta)
 
-    monkeypatch.setattr(attention, "_by_groups", spy)
+    monkeypatch.setattr(llama, "paged_attention", spy)
     return calls
 
 
