@@ -1163,23 +1163,19 @@ def build_rows(
         ref = nano_ref.get(m.workload)
         if m.system == NANOSERVE:
             checks = []
-            hf = hf_serial.get(m.workload)
-            if hf is not None:
-                k = min(hf.num_requests, m.run.num_requests)
-                try:
-                    compare(_first(hf, k), _first(m.run, k))
-                    checks.append(f"= {HF_SERIAL} on {k}/{k}")
-                except UnfairComparison as e:
-                    failures.append(f"{m.workload} nanoserve slots={m.concurrency} vs {HF_SERIAL}: {e}")
-                    checks.append(f"MISMATCH vs {HF_SERIAL}")
+            references = [(hf_serial.get(m.workload), HF_SERIAL)]
             if ref is not None and ref is not m.run:
-                k = min(ref.num_requests, m.run.num_requests)
+                references.append((ref, f"nanoserve slots={ref.slots}"))
+            for other, label in references:
+                if other is None:
+                    continue
+                k = min(other.num_requests, m.run.num_requests)
                 try:
-                    compare(_first(ref, k), _first(m.run, k))
-                    checks.append(f"= nanoserve slots={ref.slots} on {k}/{k}")
+                    compare(_first(other, k), _first(m.run, k))
+                    checks.append(f"= {label} on {k}/{k}")
                 except UnfairComparison as e:
-                    failures.append(f"{m.workload} nanoserve slots={m.concurrency} vs slots={ref.slots}: {e}")
-                    checks.append(f"MISMATCH vs nanoserve slots={ref.slots}")
+                    failures.append(f"{m.workload} nanoserve slots={m.concurrency} vs {label}: {e}")
+                    checks.append(f"MISMATCH vs {label}")
             row["tokens_vs_reference"] = "; ".join(checks) or "no reference ran"
             row["identical_requests"] = "" if "MISMATCH" in row["tokens_vs_reference"] else m.run.num_requests
             continue
