@@ -67,10 +67,9 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
     decoding = [i for i in range(num_seqs) if query_lens[i] == 1]
     groups = split_by_length([-(-context_lens[i] // block_size) for i in decoding]) if len(decoding) >= 8 else [
         list(range(len(decoding)))]
-    decode_groups = [_decode_group([decoding[j] for j in g], first_rows, block_tables, context_lens, block_size,
-                                   device) for g in groups if g]
-    if len(decode_groups) == 1 and len(decoding) == num_seqs:
-        decode_groups[0].rows = None  # the whole step, in row order: nothing to gather or scatter
+    whole_step = len(groups) == 1 and len(decoding) == num_seqs  # one group, in row order: no gather or scatter
+    decode_groups = [_decode_group([decoding[j] for j in g], None if whole_step else first_rows, block_tables,
+                                   context_lens, block_size, device) for g in groups if g]
     runs = [_prefill_run(first_rows[i], query_lens[i], context_lens[i], block_tables[i], block_size, device)
             for i in range(num_seqs) if query_lens[i] > 1]
     attn = AttentionMetadata(slot_mapping_t, decode_groups, runs, block_size)
@@ -108,9 +107,10 @@ def split_by_length(num_blocks: list[int], max_groups: int = 4, min_saving: floa
     return [order[a:b] for a, b in reversed(bounds)]
 
 
-def _decode_group(rows: list[int], first_rows: list[int], block_tables: list[list[int]], context_lens: list[int],
-                  block_size: int, device: torch.device) -> DecodeGroup:
-    """Sequences `rows`, one query each (at row first_rows[r] of T), attended as one batch."""
+def _decode_group(rows: list[int], first_rows: list[int] | None, block_tables: list[list[int]],
+                  context_lens: list[int], block_size: int, device: torch.device) -> DecodeGroup:
+    """Sequences `rows`, one query each (at row first_rows[r] of T), attended as one batch;
+    first_rows None: the group is the whole step in row order."""
     lens = [context_lens[r] for r in rows]
     nb = -(-max(lens) // block_size)
     table = torch.tensor([block_tables[r][:nb] + [0] * (nb - len(block_tables[r][:nb])) for r in rows])  # [Bg, nb]
@@ -118,7 +118,8 @@ def _decode_group(rows: list[int], first_rows: list[int], block_tables: list[lis
     if any(n != nb * block_size for n in lens):
         key_pos = torch.arange(nb * block_size)  # [Lg]
         mask = (key_pos[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(device)  # [Bg, 1, 1, Lg]
-    return DecodeGroup(torch.tensor([first_rows[r] for r in rows], device=device), table.to(device), mask)
+    row_index = None if first_rows is None else torch.tensor([first_rows[r] for r in rows], device=device)
+    return DecodeGroup(row_index, table.to(device), mask)
 
 
 def _prefill_run(first_row: int, query_len: int, context_len: int, blocks: list[int], block_size: int,
