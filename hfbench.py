@@ -31,7 +31,7 @@ from nanoserve.baseline import (
     run_concurrent,
     run_serial,
 )
-from nanoserve.benchio import write_csv
+from nanoserve.instruments.csv_writer import write_csv
 
 
 def decode_tok_s(run: SystemRun) -> float:

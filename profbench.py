@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from nanoserve import Engine, EngineConfig, SamplingParams
-from nanoserve.benchio import write_csv
+from nanoserve.instruments.csv_writer import write_csv
 from nanoserve.profiler import (
     FORWARD,
     PHASES,

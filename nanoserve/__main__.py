@@ -1,5 +1,5 @@
 """`python -m nanoserve <command>`."""
 
-from nanoserve.cli import main
+from nanoserve.serving.cli import main
 
 main()

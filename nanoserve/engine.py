@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -17,15 +17,12 @@ from nanoserve.detokenize import IncrementalDetokenizer
 from nanoserve.inputs import build_inputs
 from nanoserve.model.kv_cache import KVCache, bytes_per_block
 from nanoserve.model.llama import LlamaModel
-from nanoserve.output import OutputProcessor, TokenBatch, check_in_row_order
+from nanoserve.output_processor import OutputProcessor, TokenBatch, check_in_row_order
 from nanoserve.params import SamplingParams
-from nanoserve.profiler import NULL_RECORDER
+from nanoserve.recorder import NULL_RECORDER
 from nanoserve.request import FinishReason, Request, RequestOutput
 from nanoserve.sampling import BatchedSampler, RowHistory
 from nanoserve.scheduler import Scheduler, SchedulerOutput, cdiv
-
-if TYPE_CHECKING:
-    from nanoserve.streaming import StreamDelta
 
 
 @dataclass
@@ -401,14 +398,6 @@ class Engine:
         )
 
     # ---- convenience -------------------------------------------------------------------------
-
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               request_id: str | None = None) -> Iterator[StreamDelta]:
-        """Adds one request and yields its incremental outputs (new token ids and text delta) as
-        they are produced; see nanoserve.streaming (and AsyncEngine there for many callers)."""
-        from nanoserve.streaming import stream
-
-        return stream(self, prompt, params, request_id)
 
     def warmup(self, prompt_len: int = 32, num_seqs: int = 2, max_tokens: int = 4) -> float:
         """Runs a small uncounted workload (prefill and decode shapes) and returns its seconds:

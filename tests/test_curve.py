@@ -1,4 +1,4 @@
-"""nanoserve.curve: points from both sweeps, the CSV (no matplotlib needed) and the optional PNG."""
+"""nanoserve.instruments.curve: points from both sweeps, the CSV (no matplotlib needed) and the optional PNG."""
 
 from __future__ import annotations
 
@@ -8,8 +8,15 @@ import sys
 import pytest
 
 from nanoserve.baseline import RunRecord, SystemRun
-from nanoserve.curve import CSV_COLUMNS, CurvePoint, plot_png, point_from_metrics, point_from_run, write_csv
-from nanoserve.metrics import benchmark_metrics
+from nanoserve.instruments.curve import (
+    CSV_COLUMNS,
+    CurvePoint,
+    plot_png,
+    point_from_metrics,
+    point_from_run,
+    write_csv,
+)
+from nanoserve.instruments.metrics import benchmark_metrics
 from nanoserve.request import RequestOutput
 
 

@@ -1,4 +1,4 @@
-"""nanoserve.load: workloads, Poisson arrivals, driving an engine, and the offered-load check."""
+"""nanoserve.instruments.load: workloads, Poisson arrivals, driving an engine, and the offered-load check."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from nanoserve.load import (
+from nanoserve.instruments.load import (
     Concurrency,
     OfferedLoadError,
     Workload,

@@ -18,7 +18,7 @@ HEAD_MB = 49152 * 576 * 4 / 1e6  # 113.2 MB
 
 def test_quick_run_writes_one_row_per_part_and_row_count(tmp_path):
     out = tmp_path / "mm.csv"
-    proc = subprocess.run([sys.executable, str(ROOT / "matmulbench.py"), "--quick", "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "matmulbench.py"), "--quick", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {out}" in proc.stdout

@@ -1,4 +1,4 @@
-"""nanoserve.metrics: latencies from hand-placed stamps, checked against arithmetic done by hand."""
+"""nanoserve.instruments.metrics: latencies from hand-placed stamps, checked against arithmetic done by hand."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from nanoserve.metrics import (
+from nanoserve.instruments.metrics import (
     Summary,
     benchmark_metrics,
     percentile,

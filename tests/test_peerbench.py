@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib
 import json
 import struct
 import subprocess
@@ -15,10 +14,7 @@ import pytest
 from nanoserve.baseline import RunRecord, SystemRun
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # peerbench.py is a root script, not part of the package
-    sys.path.insert(0, str(ROOT))
-pb = importlib.import_module("peerbench")
-
+from benchmarks.peerbench import bench as pb  # noqa: E402
 
 # ---- machine-limit fractions ------------------------------------------------------------------------
 
@@ -301,7 +297,7 @@ def test_run_child_kills_at_the_timeout():
 def test_quick_run_writes_the_csv(tmp_path, default_model_dir):
     out = tmp_path / "pb"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "peerbench.py"), "--quick", "--skip-llamacpp", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.peerbench", "--quick", "--skip-llamacpp", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -93,7 +93,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def metrics(base: str) -> dict[str, float]:
-    from nanoserve.server.metrics import parse_text
+    from nanoserve.serving.server.metrics import parse_text
 
     return parse_text(httpx.get(f"{base}/metrics", timeout=10).text)
 
@@ -343,7 +343,7 @@ def test_bad_requests_get_400_while_a_good_request_completes(server, client, eng
 
 @pytest.mark.weights
 def test_bench_serve_counts_every_token(server, tmp_path):
-    from nanoserve.bench_serve import BenchConfig, append_csv, csv_row, run
+    from nanoserve.serving.bench_serve import BenchConfig, append_csv, csv_row, run
 
     config = BenchConfig(server, rate=50.0, max_concurrency=2, num_prompts=4, input_len=8, output_len=5)
     m, results, model = asyncio.run(run(config))
@@ -361,7 +361,7 @@ def test_bench_serve_counts_every_token(server, tmp_path):
 
 
 def test_serving_metrics_arithmetic():
-    from nanoserve.bench_serve import RequestResult, serving_metrics
+    from nanoserve.serving.bench_serve import RequestResult, serving_metrics
 
     results = [
         RequestResult(True, 4, 3, ttft_s=0.1, itl_s=[0.02, 0.04], e2e_s=0.16),  # TPOT (0.16 - 0.1) / 2 = 0.03
@@ -381,7 +381,7 @@ def test_serving_metrics_arithmetic():
 def test_metrics_text_format():
     from nanoserve.engine import EngineStats
     from nanoserve.request import RequestOutput
-    from nanoserve.server.metrics import ServerMetrics
+    from nanoserve.serving.server.metrics import ServerMetrics
 
     sm = ServerMetrics()
     out = RequestOutput("r", [1, 2, 3], [7, 8, 9], "", True, "length", arrival_time=10.0, first_scheduled_time=10.0,

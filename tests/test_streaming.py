@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from nanoserve import SamplingParams
 from nanoserve.detokenize import IncrementalDetokenizer
-from nanoserve.load import concurrency
-from nanoserve.streaming import AsyncEngine, EngineDeadError, stream
+from nanoserve.instruments.load import concurrency
+from nanoserve.serving.streaming import AsyncEngine, EngineDeadError, stream
 
 FFFD = "\ufffd"
 

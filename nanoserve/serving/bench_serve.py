@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nanoserve.load import offline_workload, poisson_arrivals
-from nanoserve.metrics import BenchmarkMetrics, Summary, summarize
+from nanoserve.instruments.load import offline_workload, poisson_arrivals
+from nanoserve.instruments.metrics import BenchmarkMetrics, Summary, summarize
 
 
 @dataclass

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanoserve.benchio import write_csv
+from nanoserve.instruments.csv_writer import write_csv
 from nanoserve.model.llama import pack_linear_weight
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [N, K]: qkv, o, gate_up, down

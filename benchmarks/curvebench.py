@@ -18,9 +18,9 @@ import torch
 
 from nanoserve import Engine, EngineConfig
 from nanoserve.baseline import run_concurrent
-from nanoserve.curve import plot_png, point_from_metrics, point_from_run, write_csv
-from nanoserve.load import check_offered_load, drive, offline_workload, rate_sweep
-from nanoserve.metrics import benchmark_metrics, run_duration
+from nanoserve.instruments.curve import plot_png, point_from_metrics, point_from_run, write_csv
+from nanoserve.instruments.load import check_offered_load, drive, offline_workload, rate_sweep
+from nanoserve.instruments.metrics import benchmark_metrics, run_duration
 
 
 def main() -> None:

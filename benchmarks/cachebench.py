@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from nanoserve import Engine, EngineConfig, SamplingParams
-from nanoserve.benchio import write_csv
+from nanoserve.instruments.csv_writer import write_csv
 
 
 def ttft(engine: Engine, prompt: list[int]) -> float:

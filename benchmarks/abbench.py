@@ -21,7 +21,7 @@ import torch
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve import inputs as inputs_module
-from nanoserve.benchio import write_csv
+from nanoserve.instruments.csv_writer import write_csv
 
 CHANGES = ("groups", "deferred", "compile", "packed")
 

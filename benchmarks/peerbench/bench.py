@@ -63,9 +63,9 @@ from nanoserve.baseline import (
     compare,
     first_divergence,
 )
-from nanoserve.load import Workload, offline_workload, ragged_workload
+from nanoserve.instruments.load import Workload, offline_workload, ragged_workload
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 PEERS_DIR = ROOT / ".peers"  # listed in .git/info/exclude: sdist, GGUF and llama.cpp build live here
 GGUF_NAME = "smollm2-135m-f32.gguf"
 BATCHED_BENCH = PEERS_DIR / "llama.cpp-build" / "bin" / "llama-batched-bench"

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nanoserve.metrics import summarize
+from nanoserve.instruments.metrics import summarize
 
 if TYPE_CHECKING:
-    from nanoserve.baseline import SystemRun
-    from nanoserve.metrics import BenchmarkMetrics
+    from nanoserve.instruments.baseline import SystemRun
+    from nanoserve.instruments.metrics import BenchmarkMetrics
 
 SOURCES = ("rate", "slots")  # which sweep a point came from
 LATENCIES = ("queue", "ttft", "tpot", "itl", "e2e")  # latencies a point may plot

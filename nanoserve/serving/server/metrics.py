@@ -2,7 +2,7 @@
 
 The text format (version 0.0.4) is small enough to write by hand, which keeps the server's
 dependencies to the ASGI stack. Latencies come from the engine's own stamps on each finished
-request (nanoserve.metrics.request_metrics), so they mean what the offline benchmarks mean.
+request (nanoserve.instruments.metrics.request_metrics), so they mean what the offline benchmarks mean.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from nanoserve.metrics import request_metrics
+from nanoserve.instruments.metrics import request_metrics
 
 if TYPE_CHECKING:
     from nanoserve.engine import EngineStats

@@ -17,7 +17,7 @@ def serve(model: str | Path | None = None, host: str = "127.0.0.1", port: int = 
 
     from nanoserve.engine import Engine
     from nanoserve.model.default import default_model_dir
-    from nanoserve.server.app import create_app
+    from nanoserve.serving.server.app import create_app
 
     path = Path(model) if model is not None else default_model_dir()
     engine = Engine.from_pretrained(path, config)

@@ -31,7 +31,7 @@ def serve_main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
 
     from nanoserve.config import EngineConfig
-    from nanoserve.server import serve
+    from nanoserve.serving.server import serve
 
     try:
         config = EngineConfig(
@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     if command == "serve":
         serve_main(rest)
     elif command == "bench-serve":
-        from nanoserve.bench_serve import main as bench_main
+        from nanoserve.serving.bench_serve import main as bench_main
 
         bench_main(rest)
     else:
-        from nanoserve.demo import main as demo_main
+        from nanoserve.serving.demo import main as demo_main
 
         demo_main(rest)

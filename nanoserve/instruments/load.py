@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nanoserve.metrics import BenchmarkMetrics, benchmark_metrics, run_duration
+from nanoserve.instruments.metrics import BenchmarkMetrics, benchmark_metrics, run_duration
 
 if TYPE_CHECKING:
     from nanoserve.engine import Engine

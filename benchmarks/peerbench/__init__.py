@@ -1,0 +1,1 @@
+"""peerbench: nanoserve beside transformers and llama.cpp, same prompts, same run."""

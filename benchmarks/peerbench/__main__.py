@@ -1,0 +1,5 @@
+"""`python -m benchmarks.peerbench`."""
+
+from benchmarks.peerbench.bench import main
+
+main()
