@@ -103,7 +103,6 @@ def profile_slots(
         max_model_len=max_len,
         device=engine.config.device,
         dtype=engine.config.dtype,
-        num_threads=threads,
     )
     bench = Engine(engine.model, engine.tokenizer, config)
     timer = CudaEventTimer() if bench.device.type == "cuda" else None
@@ -215,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    engine = Engine.from_pretrained(args.model, EngineConfig(device=args.device, num_threads=args.threads))
+    engine = Engine.from_pretrained(args.model, EngineConfig(device=args.device))
     model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct (embedded default)"
     prompt_ids = make_prompt(engine.tokenizer, args.prompt_tokens)
     # Uncounted warm-up for the process (allocator growth, first-call dispatch), on top of the

@@ -17,6 +17,7 @@ from nanoserve.detokenize import IncrementalDetokenizer
 from nanoserve.inputs import build_inputs
 from nanoserve.model.kv_cache import KVCache, bytes_per_block
 from nanoserve.model.llama import LlamaModel
+from nanoserve.model.prepare import prepare_model
 from nanoserve.output_processor import OutputProcessor, TokenBatch, check_in_row_order
 from nanoserve.params import SamplingParams
 from nanoserve.recorder import NULL_RECORDER
@@ -58,16 +59,11 @@ class Engine:
     def __init__(self, model: LlamaModel, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
         if model.dtype != config.torch_dtype or model.device.type != self.device.type:
             raise ValueError(f"the model is {model.dtype} on {model.device}, the config asks for "
                              f"dtype={config.dtype!r} on device={config.device!r}")
-        if config.pack_weights and not config.compile:
-            model.pack_weights()
-        if config.compile:
-            model.enable_compile()
+        model = self.model = prepare_model(model, pack_weights=config.pack_weights, compile=config.compile)
         num_positions = model.cos.shape[0]
         self.max_model_len = config.max_model_len or num_positions
         if self.max_model_len > num_positions:
@@ -247,7 +243,7 @@ class Engine:
             rows = [item.request for item in sched.scheduled if item.samples]
             previous, self._in_flight = self._in_flight, None
         with rec.phase("build_inputs"):
-            inputs = build_inputs(sched, self.config.block_size, self.device, previous)
+            inputs = build_inputs(sched, self.config.block_size, self.device, previous, self.config.decode_group_min_rows)
         with rec.phase("forward"):
             logits = self.model.forward(inputs, self.kv)  # [rows, V]
         with rec.phase("sample"):

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
-                 in_flight: SampledStep | None = None) -> ModelInputs:
+                 in_flight: SampledStep | None = None, decode_group_min_rows: int | None = 8) -> ModelInputs:
     """Flattens the scheduled token runs into one batch of T tokens with its attention metadata.
 
     Each scheduled request contributes the tokens from num_computed_tokens up to
@@ -62,10 +62,11 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
     for i in range(1, num_seqs):
         first_rows[i] = first_rows[i - 1] + query_lens[i - 1]
     # No sequence is padded to another's query run: one-query sequences (decodes) are batched, split by
-    # length when that pays (abbench: 0.77x at 16 slots, 0.75x at 32, 1.13x at 4, so from 8 only); a
-    # sequence forwarding several tokens (a prompt or a chunk of one) is attended alone.
+    # length from decode_group_min_rows rows on; a sequence forwarding several tokens (a prompt or a
+    # chunk of one) is attended alone.
     decoding = [i for i in range(num_seqs) if query_lens[i] == 1]
-    groups = split_by_length([-(-context_lens[i] // block_size) for i in decoding]) if len(decoding) >= 8 else [
+    split = decode_group_min_rows is not None and len(decoding) >= decode_group_min_rows
+    groups = split_by_length([-(-context_lens[i] // block_size) for i in decoding]) if split else [
         list(range(len(decoding)))]
     whole_step = len(groups) == 1 and len(decoding) == num_seqs  # one group, in row order: no gather or scatter
     decode_groups = [_decode_group([decoding[j] for j in g], None if whole_step else first_rows, block_tables,

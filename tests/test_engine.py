@@ -94,7 +94,7 @@ def test_bad_input_raises_and_the_engine_keeps_serving(name, reference):
     ({"max_model_len": 1}, "max_model_len=1 must be None or an integer >= 2"),
     ({"dtype": "float8"}, r"dtype='float8' is not one of \['bfloat16', 'float16', 'float32'\]"),
     ({"device": "nonsense"}, "device='nonsense' is not a torch device"),
-    ({"num_threads": 0}, "num_threads=0 must be None or >= 1"),
+    ({"decode_group_min_rows": 1}, "decode_group_min_rows=1 must be None or an integer >= 2"),
     ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes=0 must be >= 1"),
     ({"enable_chunked_prefill": False, "max_num_batched_tokens": 8, "max_model_len": 16},
      "max_num_batched_tokens=8 is below max_model_len=16"),

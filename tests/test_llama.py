@@ -14,6 +14,7 @@ from conftest import TINY, CharTokenizer, make_hf_llama, nanoserve_model_from_hf
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.model import llama
 from nanoserve.model.config import LlamaConfig
+from nanoserve.model.prepare import packed
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
@@ -87,12 +88,14 @@ def test_packed_linear_equals_the_plain_matmul(rows):
 
 def test_packing_leaves_other_dtypes_and_the_embedding_plain():
     model = nanoserve_model_from_hf(make_hf_llama(seed=4, tie_word_embeddings=True))
-    assert model.pack_weights() and model.packed
-    assert not model.embed.is_mkldnn and model.lm_head is model.embed  # the lookup still reads plain rows
-    assert all(w.is_mkldnn for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    assert model.pack_weights()  # twice is once
+    prepared = packed(model)
+    assert prepared.packed and not model.packed  # a new model: the one given is unchanged
+    assert not any(w.is_mkldnn for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert not prepared.embed.is_mkldnn and prepared.lm_head is prepared.embed  # the lookup still reads plain rows
+    assert all(w.is_mkldnn for layer in prepared.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert packed(prepared) is prepared  # twice is once
     half = nanoserve_model_from_hf(make_hf_llama(seed=4), dtype=torch.bfloat16)
-    assert not half.pack_weights() and not half.packed
+    assert packed(half) is half and not half.packed
 
 
 def test_llama3_rope_reaches_scaled_positions():

@@ -84,7 +84,8 @@ def engine(default_model_dir):
     from nanoserve import Engine
 
     before = torch.get_num_threads()
-    yield Engine.from_pretrained(default_model_dir, EngineConfig(num_kv_blocks=64, num_threads=1))
+    torch.set_num_threads(1)
+    yield Engine.from_pretrained(default_model_dir, EngineConfig(num_kv_blocks=64))
     torch.set_num_threads(before)
 
 

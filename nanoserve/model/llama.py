@@ -173,33 +173,4 @@ class LlamaModel:
     def packed(self) -> bool:
         return self.lm_head_weight.is_mkldnn
 
-    def pack_weights(self) -> bool:
-        """Reorders every matmul weight into oneDNN's packed layout (see pack_linear_weight), once.
-        The plain tensors of the layers are dropped; the embedding stays plain for its lookup, so
-        a tied head costs one extra [V, E] copy. A compiled model stays plain. Returns whether the
-        model is packed."""
-        if self.packed or not can_pack(self.lm_head) or self.layer_fn is not decoder_layer:
-            return self.packed
-        self.layers = [
-            LayerWeights(input_norm=layer.input_norm, qkv=pack_linear_weight(layer.qkv), o=pack_linear_weight(layer.o),
-                         post_norm=layer.post_norm, gate_up=pack_linear_weight(layer.gate_up),
-                         down=pack_linear_weight(layer.down))
-            for layer in self.layers
-        ]
-        self.lm_head_weight = pack_linear_weight(self.lm_head)
-        return True
-
-    def enable_compile(self) -> None:
-        """Compiles the decoder layer with torch.compile (one graph shared by all layers, dynamic
-        in T, B and L); the first steps of each new shape kind pay the compile.
-
-        Raises:
-            ValueError: when the weights are packed: the compiled graph reads plain tensors.
-        """
-        if self.packed:
-            raise ValueError("the model's weights are packed for oneDNN (pack_weights=True by an earlier Engine); "
-                             "torch.compile needs plain weights: load the model again with pack_weights=False")
-        if self.layer_fn is decoder_layer:
-            self.layer_fn = torch.compile(decoder_layer, dynamic=True)
-
     __call__ = forward

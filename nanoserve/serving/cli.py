@@ -37,10 +37,16 @@ def serve_main(argv: list[str]) -> None:
         config = EngineConfig(
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-            dtype=args.dtype, device=args.device, seed=args.seed, num_threads=args.num_threads,
+            dtype=args.dtype, device=args.device, seed=args.seed,
         )
     except ValueError as e:
         parser.error(str(e))
+    if args.num_threads is not None:
+        if args.num_threads < 1:
+            parser.error(f"--num-threads={args.num_threads} must be >= 1")
+        import torch
+
+        torch.set_num_threads(args.num_threads)  # process start-up: the one place a torch global is set
     serve(args.model, args.host, args.port, config, args.served_model_name, args.log_level)
 
 
