@@ -311,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     max_slots = max(slots_list)
     config = EngineConfig(max_num_seqs=max_slots, max_model_len=256, num_kv_blocks=max_slots * cdiv(256, 16),
-                          device=args.device, num_threads=args.threads)
+                          device=args.device)
     engine = Engine.from_pretrained(args.model, config)
     vocab = engine.model.config.vocab_size
     model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct (embedded default)"
