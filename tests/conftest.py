@@ -1,11 +1,15 @@
-"""Shared test fixtures: tiny random Llamas mirrored by transformers, and the default model."""
+"""Shared test helpers: tiny random Llamas mirrored by transformers, the default model, a greedy
+SamplingParams factory and the readback guard (every route by which a tensor value reaches Python)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
 
-from nanoserve import Engine, EngineConfig
+from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.model import default
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.llama import LlamaModel
@@ -15,6 +19,10 @@ TINY = dict(
     num_key_value_heads=2, head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
     tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
 )
+
+# Llama 3 frequency scaling with a short original context, so a tiny model's positions reach it.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
 
 
 def make_hf_llama(seed: int = 0, **overrides):
@@ -58,6 +66,66 @@ def make_tiny_engine(seed: int = 0, hf_overrides: dict | None = None, **config_o
     hf = make_hf_llama(seed, **(hf_overrides or {}))
     config = EngineConfig(**({"block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 4} | config_overrides))
     return Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), config)
+
+
+def greedy(max_tokens: int = 10, **overrides) -> SamplingParams:
+    """Greedy SamplingParams that run to max_tokens (EOS ignored unless ignore_eos=False is passed)."""
+    return SamplingParams(**({"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True} | overrides))
+
+
+# Every route by which a tensor's value becomes a Python value (repr goes through .item()).
+READBACK_ROUTES = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
+
+
+class ReadbackHappened(AssertionError):
+    """Raised by a patched tensor method: the code under test read a value home."""
+
+
+@contextmanager
+def readbacks_counted(forbid: Iterable[str] = READBACK_ROUTES) -> Iterator[dict[str, int]]:
+    """While active, each torch.Tensor method named in `forbid` raises ReadbackHappened and every
+    other READBACK_ROUTES method is counted. `forbid` may name further methods ("numpy", "cpu").
+
+    Yields:
+        method name -> calls so far (forbidden ones stay 0).
+    """
+    forbid = tuple(forbid)
+    names = tuple(dict.fromkeys(READBACK_ROUTES + forbid))
+    counts = dict.fromkeys(names, 0)
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+
+    def patched(name: str):
+        original = originals[name]
+
+        def wrapper(self, *args, **kwargs):
+            if name in forbid:
+                raise ReadbackHappened(f"torch.Tensor.{name} was called")
+            counts[name] += 1
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    try:
+        for name in names:
+            setattr(torch.Tensor, name, patched(name))
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+@pytest.fixture
+def no_readback() -> Iterator[dict[str, int]]:
+    """No tensor value may reach Python while the test runs."""
+    with readbacks_counted() as counts:
+        yield counts
+
+
+@pytest.fixture
+def counted_tolist() -> Iterator[dict[str, int]]:
+    """Only .tolist() may read back, and every call is counted in counts["tolist"]."""
+    with readbacks_counted(forbid=tuple(r for r in READBACK_ROUTES if r != "tolist")) as counts:
+        yield counts
 
 
 @pytest.fixture(autouse=True)
