@@ -8,12 +8,8 @@ the real Engine._sample and Engine._collect, so "did not read back" is something
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
-import torch
-from conftest import make_tiny_engine
+from conftest import READBACK_ROUTES, ReadbackHappened, make_tiny_engine, readbacks_counted
 
 from nanoserve import Engine, SamplingParams
 from nanoserve.output import (
@@ -37,45 +33,12 @@ from nanoserve.profiler import (
     recommended_model,
 )
 
-# Every route by which a tensor's value becomes a Python value (repr goes through .item()).
-READBACK_ROUTES = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
-
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 TOP_P = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, top_k=5, seed=1234, max_tokens=3, ignore_eos=True)
 
 PROMPT_A = [5, 6, 7]  # 3 tokens
 PROMPT_B = [8, 9, 10, 11, 12]  # 5 tokens
-
-
-class ReadbackHappened(AssertionError):
-    """Raised by a patched tensor method: the code under test read a value home."""
-
-
-@contextmanager
-def readbacks_counted(forbid: tuple[str, ...] = READBACK_ROUTES) -> Iterator[dict[str, int]]:
-    """While active, the `forbid` routes raise and every other route is counted."""
-    counts = dict.fromkeys(READBACK_ROUTES, 0)
-    originals = {name: getattr(torch.Tensor, name) for name in READBACK_ROUTES}
-
-    def patched(name: str):
-        original = originals[name]
-
-        def wrapper(self, *args, **kwargs):
-            if name in forbid:
-                raise ReadbackHappened(f"torch.Tensor.{name} was called")
-            counts[name] += 1
-            return original(self, *args, **kwargs)
-
-        return wrapper
-
-    try:
-        for name in READBACK_ROUTES:
-            setattr(torch.Tensor, name, patched(name))
-        yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
 
 
 def _engine(recorder):

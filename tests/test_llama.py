@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY, CharTokenizer, make_hf_llama, nanoserve_model_from_hf
+from conftest import LLAMA3_ROPE, TINY, CharTokenizer, make_hf_llama, nanoserve_model_from_hf
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.model import llama
-from nanoserve.model.config import LlamaConfig
 from nanoserve.model.prepare import packed
-
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}
 
 ARCHITECTURES = {
     "gqa": {},
@@ -114,30 +110,3 @@ def test_chunked_prefill_logits_equal_transformers():
     captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=6)
     assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 6
 
-
-def test_config_reads_transformers_spellings():
-    hf = make_hf_llama(**ARCHITECTURES["llama3-rope"])
-    config = LlamaConfig.from_hf_dict(hf.config.to_dict())
-    assert config.rope_scaling["rope_type"] == "llama3"
-    assert config.rope_scaling["factor"] == 8.0
-    assert config.rope_theta == 500000.0
-    legacy = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-              "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 1234.0,
-              "rope_scaling": {"type": "linear", "factor": 2.0}}
-    config = LlamaConfig.from_hf_dict(legacy)
-    assert (config.rope_theta, config.rope_scaling["rope_type"], config.num_kv_heads, config.head_dim) == (
-        1234.0, "linear", 2, 4)
-
-
-@pytest.mark.parametrize("change, message", [
-    ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
-    ({"hidden_act": "gelu"}, "gelu"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-    ({"sliding_window": 16}, "sliding_window=16"),
-])
-def test_unsupported_configs_are_refused_by_name(change, message):
-    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-            "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64}
-    with pytest.raises(ValueError, match=message):
-        LlamaConfig.from_hf_dict(base | change)
