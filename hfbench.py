@@ -20,7 +20,6 @@ import torch
 
 from nanoserve import Engine, EngineConfig
 from nanoserve.baseline import (
-    SystemRun,
     check_concurrent,
     check_serial,
     compare,
@@ -32,12 +31,6 @@ from nanoserve.baseline import (
     run_serial,
 )
 from nanoserve.instruments.csv_writer import write_csv
-
-
-def decode_tok_s(run: SystemRun) -> float:
-    """Mean over requests of (output tokens - 1) / (finish - first token): the decode rate alone."""
-    rates = [(r.output_len - 1) / (r.finished_s - r.first_token_s) for r in run.records if r.output_len > 1]
-    return sum(rates) / len(rates)
 
 
 def main() -> None:
@@ -88,10 +81,13 @@ def main() -> None:
     single = next((c for c in comparisons if c.candidate.slots == 1), None)
     print()
     print(f"{'system':<18}{'decode tok/s':>13}{'vs hf':>8}")
-    print(f"{'hf-generate':<18}{decode_tok_s(baseline):>13.2f}{1.0:>7.2f}x")
-    for c in comparisons:
-        print(f"{c.candidate.system:<18}{decode_tok_s(c.candidate):>13.2f}"
-              f"{decode_tok_s(c.candidate) / decode_tok_s(baseline):>7.2f}x")
+    base_rate = baseline.mean_decode_tok_per_s  # None when every request has a single token
+    for run in (baseline, *(c.candidate for c in comparisons)):
+        rate = run.mean_decode_tok_per_s
+        if rate is None or base_rate is None:
+            print(f"{run.system:<18}{'-':>13}{'-':>8}")
+        else:
+            print(f"{run.system:<18}{rate:>13.2f}{rate / base_rate:>7.2f}x")
     if single is not None:
         for c in comparisons:
             if c.candidate.slots > 1:
@@ -100,8 +96,8 @@ def main() -> None:
 
     out = Path(args.out)
     base_row = compare(baseline, baseline).as_row()
-    rows = [base_row | {"decode_tok_per_s": decode_tok_s(baseline)}]
-    rows += [c.as_row() | {"decode_tok_per_s": decode_tok_s(c.candidate)} for c in comparisons]
+    rows = [base_row | {"decode_tok_per_s": baseline.mean_decode_tok_per_s or ""}]
+    rows += [c.as_row() | {"decode_tok_per_s": c.candidate.mean_decode_tok_per_s or ""} for c in comparisons]
     doublings = {d.to_slots: d for d in marginal_doublings([c.candidate for c in comparisons])}
     for row in rows:
         d = doublings.get(row["slots"]) if row["system"] != "hf-generate" else None

@@ -1,4 +1,5 @@
-"""nanoserve.instruments.curve: points from both sweeps, the CSV (no matplotlib needed) and the optional PNG."""
+"""nanoserve.instruments.curve: points from both sweeps, the CSV rows (written by the one CSV writer,
+no matplotlib needed) and the optional PNG."""
 
 from __future__ import annotations
 
@@ -7,16 +8,18 @@ import sys
 
 import pytest
 
-from nanoserve.baseline import RunRecord, SystemRun
+from nanoserve.instruments.baseline import SystemRun
+from nanoserve.instruments.csv_writer import write_csv
 from nanoserve.instruments.curve import (
     CSV_COLUMNS,
     CurvePoint,
+    csv_rows,
     plot_png,
     point_from_metrics,
     point_from_run,
-    write_csv,
 )
 from nanoserve.instruments.metrics import benchmark_metrics
+from nanoserve.instruments.record import RunRecord
 from nanoserve.request import RequestOutput
 
 
@@ -74,13 +77,26 @@ def test_point_from_run_by_hand():
     p = point_from_run(run)
     assert p == CurvePoint("slots", 2, 0.75, 4.0, "e2e_median")  # 6 tokens / 8 s; e2e 2, 4, 8
     assert point_from_run(run, latency="ttft", stat="mean").latency_s == 3.0
+    # TPOT (e2e - ttft) / 1: 1, 1, 3; median 1
+    assert point_from_run(run, latency="tpot") == CurvePoint("slots", 2, 0.75, 1.0, "tpot_median")
     with pytest.raises(ValueError, match="a SystemRun records only"):
         point_from_run(run, latency="itl")
+    one_token = SystemRun("x", (RunRecord(2, (1,), 0.0, 1.0, 1.0, served_s=1.0, prefill_s=1.0),), wall_s=1.0)
+    with pytest.raises(ValueError, match="no tpot values"):
+        point_from_run(one_token, latency="tpot")
+
+
+def test_curve_write_csv_is_the_one_writer_with_the_points_first(tmp_path):
+    from nanoserve.instruments import curve
+
+    curve.write_csv(sample_points(), tmp_path / "a.csv")
+    write_csv(tmp_path / "b.csv", csv_rows(sample_points()))
+    assert (tmp_path / "a.csv").read_text() == (tmp_path / "b.csv").read_text()
 
 
 def test_write_csv_round_trips_with_units(tmp_path):
     path = tmp_path / "curve.csv"
-    write_csv(sample_points(), path)
+    write_csv(path, csv_rows(sample_points()))
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0].keys()) == CSV_COLUMNS
@@ -95,7 +111,7 @@ def test_write_csv_round_trips_with_units(tmp_path):
 def test_csv_does_not_need_matplotlib_and_png_says_how_to_get_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
-    write_csv(sample_points(), tmp_path / "ok.csv")
+    write_csv(tmp_path / "ok.csv", csv_rows(sample_points()))
     assert (tmp_path / "ok.csv").read_text().startswith("source,")
     with pytest.raises(ImportError, match="pip install matplotlib"):
         plot_png(sample_points(), tmp_path / "curve.png")

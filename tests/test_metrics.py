@@ -1,4 +1,5 @@
-"""nanoserve.instruments.metrics: latencies from hand-placed stamps, checked against arithmetic done by hand."""
+"""nanoserve.instruments.metrics: records and run metrics from hand-placed stamps, checked against
+arithmetic done by hand."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def test_tpot_counts_time_after_the_last_token():
 
 
 def test_one_token_output_has_no_tpot_and_no_itl():
-    m = request_metrics(make_output(token_times=(11.0,)))
+    m = request_metrics(make_output(token_times=(11.0,), running_s=0.5))
     assert m.tpot_s is None
     assert m.itl_s == ()
     assert m.ttft_s == 1.0
@@ -124,6 +125,20 @@ def test_token_times_going_backwards_are_refused():
 def test_negative_running_s_is_refused():
     with pytest.raises(ValueError, match="running_s=-1.0"):
         request_metrics(make_output(running_s=-1.0))
+
+
+def test_running_longer_than_in_the_system_is_refused():
+    # finished 2 s after arrival, so it cannot have held a slot for 2.5 s
+    with pytest.raises(ValueError, match=r"request r: served_s=2.5 must be > 0 and <= e2e_s=2.0"):
+        request_metrics(make_output(running_s=2.5))
+
+
+def test_the_record_carries_the_outputs_stamps():
+    m = request_metrics(make_output())
+    assert (m.arrival_s, m.first_scheduled_s, m.first_token_s, m.finished_s) == (10.0, 10.5, 11.0, 12.0)
+    assert m.token_times == (11.0, 11.25, 11.75, 12.0) and m.token_ids == (7, 7, 7, 7)
+    assert m.prefill_s == 0.5  # first token 11.0 - first scheduled 10.5
+    assert m.decode_tok_per_s == 3.0  # 3 tokens after the first in 1 s
 
 
 # ---- summaries ---------------------------------------------------------------------------------
@@ -201,7 +216,7 @@ def test_benchmark_metrics_by_hand():
 
 
 def test_benchmark_metrics_excludes_one_token_outputs_from_tpot():
-    outs = [make_output("x", token_times=(11.0,)), make_output("y")]
+    outs = [make_output("x", token_times=(11.0,), running_s=0.5), make_output("y")]
     bm = benchmark_metrics(outs, duration_s=2.0)
     assert bm.tpot.count == 1
     assert bm.tpot.mean == 1.0 / 3.0

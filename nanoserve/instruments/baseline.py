@@ -1,4 +1,4 @@
-"""The outside baseline: one system's run of one workload, a pair of them, and what a speedup is made of.
+"""The outside baseline: one system's run of one workload, the gates it must pass, and a pair of runs.
 
 A speedup is a product of two factors, and only one of them is the scheduler's:
 
@@ -7,28 +7,21 @@ A speedup is a product of two factors, and only one of them is the scheduler's:
 
 batch occupancy = sum(served_s) / wall is the mean number of rows actually holding a slot;
 system occupancy = sum(e2e_s) / wall also counts requests sitting on the queue doing nothing, so it
-reads 4.83 on an offline run at ONE slot. The first version of this module gated on it, and that
-gate would have waved through a run with no batching in it. `check_concurrent` reads batch
-occupancy. Both identities hold exactly in arithmetic (each side is tokens / wall with one factor
-cancelled), so in floats they agree to rounding; the tests check them bit-exact on records placed
-by hand on a ruler and to 1e-12 on a real engine run.
-
-`compare` refuses a pair that disagree on request count, prompt lengths, output lengths or output
-tokens: a run that said something else completes and prints a beautiful number either way.
+reads 4.83 on an offline run at ONE slot, and a gate on it would wave through a run with no
+batching in it: `check_serial` and `check_concurrent` read batch occupancy. Both identities hold
+exactly in arithmetic (each side is tokens / wall with one factor cancelled), so in floats they
+agree to rounding. `compare` refuses a pair that disagree on request count, prompt lengths, output
+lengths or output tokens: a run that said something else prints a beautiful number either way.
+The tables and the slot sweep's doublings are in `nanoserve.instruments.sweep`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    pass
-
-# a one-at-a-time generator: (prompt ids, max new tokens) -> (output ids, first-token perf_counter stamp, ...)
-GenerateOne = Callable[[list[int], int], tuple[Any, ...]]
+from nanoserve.instruments.record import RunRecord
 
 
 class RunUnsound(ValueError):
@@ -39,53 +32,9 @@ class UnfairComparison(ValueError):
     """Two runs that did not do the same work, so a ratio of their throughputs means nothing."""
 
 
-@dataclass(frozen=True)
-class RunRecord:
-    """One request of one run, placed on the perf_counter clock."""
-
-    prompt_len: int  # prompt tokens
-    token_ids: tuple[int, ...]  # output token ids, in order
-    arrival_s: float  # perf_counter stamp when the request was handed to the system
-    first_token_s: float  # perf_counter stamp when the first output token existed
-    finished_s: float  # perf_counter stamp when the last output token existed
-    served_s: float  # seconds the request held a slot (engine: running_s; serial: the whole call)
-    prefill_s: float  # seconds of the prompt forward (engine: first_token - first_scheduled; serial: ttft)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
-        if self.prompt_len < 1:
-            raise ValueError(f"prompt_len={self.prompt_len} must be >= 1")
-        if not self.token_ids:
-            raise ValueError("a record needs at least 1 output token, got 0")
-        if not self.arrival_s <= self.first_token_s <= self.finished_s:
-            raise ValueError(
-                f"stamps out of order: arrival {self.arrival_s} <= first token {self.first_token_s} "
-                f"<= finished {self.finished_s} must hold"
-            )
-        if not 0 < self.served_s <= self.e2e_s * (1 + 1e-9):
-            raise ValueError(f"served_s={self.served_s} must be > 0 and <= e2e_s={self.e2e_s}")
-        if not 0 <= self.prefill_s <= self.ttft_s * (1 + 1e-9):
-            raise ValueError(f"prefill_s={self.prefill_s} must be >= 0 and <= ttft_s={self.ttft_s}")
-
-    @property
-    def output_len(self) -> int:
-        """Output tokens."""
-        return len(self.token_ids)
-
-    @property
-    def ttft_s(self) -> float:
-        """Seconds from arrival to the first token, queue included."""
-        return self.first_token_s - self.arrival_s
-
-    @property
-    def e2e_s(self) -> float:
-        """Seconds from arrival to finish: how long the request was in the system."""
-        return self.finished_s - self.arrival_s
-
-    @property
-    def queued_s(self) -> float:
-        """Seconds in the system without a slot (e2e - served)."""
-        return self.e2e_s - self.served_s
+def _mean_of_defined(values: Iterable[float | None]) -> float | None:
+    defined = [v for v in values if v is not None]
+    return math.fsum(defined) / len(defined) if defined else None
 
 
 @dataclass(frozen=True)
@@ -105,6 +54,13 @@ class SystemRun:
             raise ValueError(f"run {self.system!r}: wall_s={self.wall_s} must be > 0")
         if self.slots < 1:
             raise ValueError(f"run {self.system!r}: slots={self.slots} must be >= 1")
+        for i, r in enumerate(self.records):
+            if r.finished_s is None or not r.token_ids or r.prefill_s is None:
+                raise ValueError(
+                    f"run {self.system!r}: record {i} has finished_s={r.finished_s}, {r.output_len} output "
+                    f"tokens and prefill_s={r.prefill_s}; a run holds finished requests with at least 1 token "
+                    "and a prefill time each"
+                )
 
     @property
     def num_requests(self) -> int:
@@ -160,6 +116,16 @@ class SystemRun:
     def mean_ttft_s(self) -> float:
         """Mean time to first token, queue included."""
         return math.fsum(r.ttft_s for r in self.records) / len(self.records)
+
+    @property
+    def mean_tpot_s(self) -> float | None:
+        """Mean TPOT over the requests that have one (more than one output token); None if none has."""
+        return _mean_of_defined(r.tpot_s for r in self.records)
+
+    @property
+    def mean_decode_tok_per_s(self) -> float | None:
+        """Mean over requests of one row's decode rate (tokens after the first per second); None if none has."""
+        return _mean_of_defined(r.decode_tok_per_s for r in self.records)
 
     @property
     def mean_prefill_s(self) -> float:
@@ -288,7 +254,6 @@ def _check_within_wall(run: SystemRun) -> None:
             "the wall clock must cover every request"
         )
 
-
 def check_serial(run: SystemRun, tolerance: float = 0.05) -> SystemRun:
     """Refuse a 'serial' run that was not one: requests must not overlap, and batch occupancy ~1.
 
@@ -316,7 +281,6 @@ def check_serial(run: SystemRun, tolerance: float = 0.05) -> SystemRun:
             "a serial run holds exactly one slot for its whole wall clock"
         )
     return run
-
 
 def check_concurrent(run: SystemRun, tolerance: float = 0.05) -> SystemRun:
     """Refuse a batched run whose batch occupancy says it did not batch, or could not have.
@@ -346,89 +310,3 @@ def check_concurrent(run: SystemRun, tolerance: float = 0.05) -> SystemRun:
             f"and {run.num_requests} requests; the run fell back to one row at a time"
         )
     return run
-
-
-@dataclass(frozen=True)
-class Doubling:
-    """What one doubling of the slots was worth: throughput_ratio = batch_ratio x per_slot_ratio."""
-
-    from_slots: int  # slots before
-    to_slots: int  # slots after (2 x from_slots)
-    batch_ratio: float  # batch occupancy after / before (2.0 when every slot stayed full)
-    per_slot_ratio: float  # tokens per slot-second after / before (how far each row slowed)
-    throughput_ratio: float  # throughput after / before
-
-    @property
-    def verdict(self) -> str:
-        """'worth it' when the doubling raised throughput, else 'not worth it'."""
-        return "worth it" if self.throughput_ratio > 1.0 else "not worth it"
-
-
-def marginal_doublings(runs: Sequence[SystemRun]) -> list[Doubling]:
-    """The return on each doubling of a slot sweep; the knee is where throughput_ratio crosses 1.
-
-    Each neighbouring pair is checked with `compare`, so the ratios are between runs that did
-    identical work. The baseline of the sweep cancels out of every ratio, which is why these
-    reproduce when the headline speedup does not.
-
-    Raises:
-        ValueError: fewer than 2 runs, or the slots (in the given order) do not double each time.
-        UnfairComparison: two neighbouring runs did different work.
-    """
-    if len(runs) < 2:
-        raise ValueError(f"marginal_doublings needs at least 2 runs, got {len(runs)}")
-    doublings = []
-    for before, after in zip(runs, runs[1:], strict=False):
-        if after.slots != 2 * before.slots:
-            raise ValueError(f"slots go {before.slots} -> {after.slots}; each step must double")
-        pair = compare(before, after)
-        doublings.append(
-            Doubling(
-                from_slots=before.slots,
-                to_slots=after.slots,
-                batch_ratio=pair.batch_gain,
-                per_slot_ratio=pair.per_slot_gain,
-                throughput_ratio=pair.speedup,
-            )
-        )
-    return doublings
-
-
-def render(comparisons: Sequence[Comparison]) -> str:
-    """The day-44 table: the baseline row, then one row per candidate, each speedup split into factors.
-
-    Raises:
-        ValueError: no comparisons, or comparisons against different baselines.
-    """
-    if not comparisons:
-        raise ValueError("render needs at least 1 comparison, got 0")
-    base = comparisons[0].baseline
-    if any(c.baseline is not base for c in comparisons):
-        raise ValueError("every comparison in one table must share the same baseline run")
-    header = (
-        f"{'system':<18}{'tok/s':>9}{'speedup':>10}{'batch':>8}"
-        f"{'per slot-second':>18}{'queue share':>14}{'prefill':>10}"
-    )
-    lines = [header]
-
-    def row(run: SystemRun, speedup: float, per_slot: float, prefill: float) -> str:
-        return (
-            f"{run.system:<18}{run.throughput:>9.2f}{speedup:>9.2f}x{run.batch_occupancy:>8.2f}"
-            f"{per_slot:>17.2f}x{run.queue_share * 100:>13.0f}%{prefill:>9.2f}x"
-        )
-
-    lines.append(row(base, 1.0, 1.0, 1.0))
-    for c in comparisons:
-        lines.append(row(c.candidate, c.speedup, c.per_slot_gain, c.prefill_speedup))
-    return "\n".join(lines)
-
-
-def render_doublings(doublings: Sequence[Doubling]) -> str:
-    """The marginal table: per doubling, how far per-slot-second fell, the throughput ratio, a verdict."""
-    lines = [f"{'slots':<10}{'per slot-second x':>19}{'throughput x':>14}   verdict"]
-    for d in doublings:
-        lines.append(
-            f"{f'-> {d.to_slots}':<10}{d.per_slot_ratio:>19.2f}{d.throughput_ratio:>14.2f}   {d.verdict}"
-        )
-    return "\n".join(lines)
-

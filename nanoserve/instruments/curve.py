@@ -1,21 +1,21 @@
 """Latency against throughput: the rate sweep and the slot sweep on one pair of axes.
 
-Day 42 swept the request rate, day 44 swept the slot count; each gives a throughput and a latency
-per setting. Put on the same axes, the knee is a point on a picture rather than a row in a table.
-`write_csv` needs nothing beyond the standard library; `plot_png` needs matplotlib, which is an
-optional extra (`pip install matplotlib`, or `pip install nanoserve[plot]`) and is imported only
-when a picture is asked for.
+A request-rate sweep and a slot-count sweep each give a throughput and a latency per setting. Put
+on the same axes, the knee is a point on a picture rather than a row in a table. The CSV
+(`csv_rows` through `nanoserve.instruments.csv_writer.write_csv`) needs nothing beyond the standard
+library; `plot_png` needs matplotlib, which is an optional extra (`pip install matplotlib`, or
+`pip install nanoserve[plot]`) and is imported only when a picture is asked for.
 """
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from nanoserve.instruments import csv_writer
 from nanoserve.instruments.metrics import summarize
 
 if TYPE_CHECKING:
@@ -83,31 +83,45 @@ def point_from_metrics(
 
 
 def point_from_run(run: SystemRun, latency: str = "e2e", stat: str = "median") -> CurvePoint:
-    """A "slots" curve point from a `SystemRun` of the slot sweep (ttft or e2e per request)."""
+    """A "slots" curve point from a `SystemRun` of the slot sweep (ttft, tpot or e2e per request).
+
+    Raises:
+        ValueError: unknown latency or stat, a latency a run's records do not hold, or tpot on a
+            run in which no request has more than one output token.
+    """
     metric = _split_metric(latency, stat)
-    per_request = {"ttft": [r.ttft_s for r in run.records], "e2e": [r.e2e_s for r in run.records]}
+    per_request = {
+        "ttft": [r.ttft_s for r in run.records],
+        "tpot": [r.tpot_s for r in run.records if r.tpot_s is not None],
+        "e2e": [r.e2e_s for r in run.records],
+    }
     if latency not in per_request:
         raise ValueError(f"latency={latency!r}: a SystemRun records only {tuple(per_request)}")
     value = getattr(summarize(per_request[latency]), stat)
+    if value is None:
+        raise ValueError(f"the run has no {latency} values (count 0); cannot plot {metric}")
     return CurvePoint("slots", run.slots, run.throughput, value, metric)
 
 
+def csv_rows(points: Sequence[CurvePoint]) -> list[dict[str, Any]]:
+    """One row per point for `csv_writer.write_csv`, columns `CSV_COLUMNS`; the setting goes in its
+    own unit's column and the other one is left empty."""
+    return [
+        {
+            "source": p.source,
+            "rate_req_per_s": p.setting if p.source == "rate" else "",
+            "slots": int(p.setting) if p.source == "slots" else "",
+            "throughput_tok_per_s": p.throughput_tok_s,
+            "latency_s": p.latency_s,
+            "latency_metric": p.metric,
+        }
+        for p in points
+    ]
+
+
 def write_csv(points: Sequence[CurvePoint], path: str | os.PathLike[str]) -> None:
-    """Write one row per point, units in the column names; the setting goes in its own unit's column."""
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        for p in points:
-            writer.writerow(
-                {
-                    "source": p.source,
-                    "rate_req_per_s": repr(p.setting) if p.source == "rate" else "",
-                    "slots": int(p.setting) if p.source == "slots" else "",
-                    "throughput_tok_per_s": repr(p.throughput_tok_s),
-                    "latency_s": repr(p.latency_s),
-                    "latency_metric": p.metric,
-                }
-            )
+    """`csv_writer.write_csv(path, csv_rows(points))`, for callers that pass the points first."""
+    csv_writer.write_csv(path, csv_rows(points))
 
 
 def plot_png(points: Sequence[CurvePoint], path: str | os.PathLike[str], title: str | None = None) -> None:
@@ -130,7 +144,7 @@ def plot_png(points: Sequence[CurvePoint], path: str | os.PathLike[str], title: 
     except ImportError as err:
         raise ImportError(
             "plot_png needs matplotlib, an optional extra: pip install matplotlib "
-            "(or pip install nanoserve[plot]); write_csv works without it"
+            "(or pip install nanoserve[plot]); the CSV works without it"
         ) from err
 
     fig, ax = plt.subplots(figsize=(7, 5))

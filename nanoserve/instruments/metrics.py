@@ -1,18 +1,12 @@
-"""Per-request latency from the engine's own stamps, and a run's serving metrics.
+"""A run's serving metrics (vLLM's `benchmark_serving`), from the engine's own stamps.
 
 Every number here is a difference of two `time.perf_counter()` stamps the engine wrote onto a
 `RequestOutput` (arrival, first scheduled, first token, one per output token, finished) plus the
 `running_s` accumulator. Nothing in this module reads a clock: a latency measured by the caller
 around `engine.step()` would include the caller's own loop, and the point of stamping inside the
-engine (day 43) is that the number means the same thing whoever drives it.
-
-Definitions follow vLLM's `benchmark_serving`:
-
-    queue  = first_scheduled - arrival
-    TTFT   = first_token - arrival
-    TPOT   = (E2E - TTFT) / (output tokens - 1)      undefined for a one-token output
-    ITL    = token_times[i + 1] - token_times[i]     one per gap between output tokens
-    E2E    = finished - arrival
+engine is that the number means the same thing whoever drives it. `request_metrics` turns one
+output into the one per-request record (`nanoserve.instruments.record.RunRecord`, which defines
+queue, TTFT, TPOT, ITL and E2E); the rest summarises those records over a run.
 """
 
 from __future__ import annotations
@@ -22,73 +16,42 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from nanoserve.instruments.record import RunRecord
+
 if TYPE_CHECKING:  # only for annotations: metrics reads stamps, it never needs the engine
     from nanoserve.request import RequestOutput
 
-
-@dataclass(frozen=True)
-class RequestMetrics:
-    """One request's latencies, in seconds. `None` where the stamp it needs does not exist yet."""
-
-    request_id: str
-    num_prompt_tokens: int  # len(prompt_token_ids)
-    num_output_tokens: int  # len(token_ids)
-    queue_s: float | None  # first_scheduled - arrival: time spent waiting for a slot
-    ttft_s: float | None  # first_token - arrival: includes the queue, as a caller sees it
-    tpot_s: float | None  # (e2e - ttft) / (n - 1); None for n < 2 or an unfinished request
-    itl_s: tuple[float, ...]  # token_times[i + 1] - token_times[i], n - 1 gaps
-    e2e_s: float | None  # finished - arrival; None while unfinished
-    running_s: float  # seconds the request held a running slot (engine's accumulator)
+RequestMetrics = RunRecord  # one request's latencies: the one per-request record, under its serving name
 
 
-def request_metrics(output: RequestOutput) -> RequestMetrics:
-    """Derive one request's latencies from the stamps on its `RequestOutput`.
+def request_metrics(output: RequestOutput) -> RunRecord:
+    """The record of one request, from the stamps on its `RequestOutput` (finished or not).
 
     Raises:
         ValueError: the stamps are not a possible history (a stamp earlier than the arrival, a
-            `token_times` list whose length is not the number of output tokens, or token times
-            that go backwards).
+            `token_times` list whose length is not the number of output tokens, token times that
+            go backwards, a negative `running_s`, or one the record refuses).
     """
     rid = output.request_id
     arrival = output.arrival_time
-    num_tokens = len(output.token_ids)
-    token_times = list(output.token_times)
-    if len(token_times) != num_tokens:
-        raise ValueError(
-            f"request {rid}: {len(token_times)} token_times for {num_tokens} output tokens; "
-            "there must be exactly one stamp per output token"
-        )
     for name in ("first_scheduled_time", "first_token_time", "finished_time"):
         stamp = getattr(output, name)
         if stamp is not None and stamp < arrival:
             raise ValueError(f"request {rid}: {name}={stamp} is before arrival_time={arrival}")
-    for i in range(1, num_tokens):
-        if token_times[i] < token_times[i - 1]:
-            raise ValueError(
-                f"request {rid}: token_times[{i}]={token_times[i]} is before "
-                f"token_times[{i - 1}]={token_times[i - 1]}; stamps must not go backwards"
-            )
     if output.running_s < 0:
         raise ValueError(f"request {rid}: running_s={output.running_s} must be >= 0")
-
-    queue_s = None if output.first_scheduled_time is None else output.first_scheduled_time - arrival
-    ttft_s = None if output.first_token_time is None else output.first_token_time - arrival
-    finished = output.finished_time if output.finished else None
-    e2e_s = None if finished is None else finished - arrival
-    tpot_s = None
-    if e2e_s is not None and ttft_s is not None and num_tokens > 1:
-        tpot_s = (e2e_s - ttft_s) / (num_tokens - 1)
-    itl_s = tuple(b - a for a, b in zip(token_times, token_times[1:], strict=False))
-    return RequestMetrics(
+    scheduled, first_token = output.first_scheduled_time, output.first_token_time
+    return RunRecord(
+        prompt_len=len(output.prompt_token_ids),
+        token_ids=tuple(output.token_ids),
+        arrival_s=arrival,
+        first_token_s=first_token,
+        finished_s=output.finished_time if output.finished else None,
+        served_s=output.running_s,
+        prefill_s=None if scheduled is None or first_token is None else first_token - scheduled,
         request_id=rid,
-        num_prompt_tokens=len(output.prompt_token_ids),
-        num_output_tokens=num_tokens,
-        queue_s=queue_s,
-        ttft_s=ttft_s,
-        tpot_s=tpot_s,
-        itl_s=itl_s,
-        e2e_s=e2e_s,
-        running_s=output.running_s,
+        first_scheduled_s=scheduled,
+        token_times=tuple(output.token_times),
     )
 
 
@@ -184,8 +147,8 @@ def benchmark_metrics(outputs: Sequence[RequestOutput], duration_s: float) -> Be
         raise ValueError(f"duration_s={duration_s} must be > 0")
     done = [o for o in outputs if is_completed(o)]
     per_request = [request_metrics(o) for o in done]
-    total_in = sum(m.num_prompt_tokens for m in per_request)
-    total_out = sum(m.num_output_tokens for m in per_request)
+    total_in = sum(m.prompt_len for m in per_request)
+    total_out = sum(m.output_len for m in per_request)
     return BenchmarkMetrics(
         duration_s=duration_s,
         completed=len(done),

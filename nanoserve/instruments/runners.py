@@ -5,13 +5,20 @@ concurrent run read from its own stamps."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from nanoserve.instruments.baseline import GenerateOne, RunRecord, RunUnsound, SystemRun
+from nanoserve.instruments.baseline import RunUnsound, SystemRun
+from nanoserve.instruments.metrics import request_metrics
+from nanoserve.instruments.record import RunRecord
+from nanoserve.params import SamplingParams
 
 if TYPE_CHECKING:
     from nanoserve.engine import Engine
+
+# a one-at-a-time generator: (prompt ids, max new tokens) -> (output ids, first-token perf_counter stamp, ...)
+GenerateOne = Callable[[list[int], int], tuple[Any, ...]]
+
 
 def _as_len_list(max_new_tokens: int | Sequence[int], n: int) -> list[int]:
     lens = [max_new_tokens] * n if isinstance(max_new_tokens, int) else [int(x) for x in max_new_tokens]
@@ -133,16 +140,15 @@ def run_concurrent(
 ) -> SystemRun:
     """Submit every prompt to the engine at once (greedy, ignore_eos) and read its own stamps back.
 
-    Times nothing itself except the wall clock around the whole run: arrival, first token and
-    finish come from the engine's `RequestOutput`, served_s from its `running_s` accumulator and
-    prefill_s from first_token - first_scheduled. Reusing one engine across runs lets its prefix
+    Times nothing itself except the wall clock around the whole run: each record is
+    `request_metrics` of the engine's final `RequestOutput` (arrival, first scheduled, first token,
+    token and finish stamps; served_s from its `running_s` accumulator; prefill_s from
+    first_token - first_scheduled). Reusing one engine across runs lets its prefix
     cache serve the second run's prompts; use a fresh engine per run for a clean sweep.
 
     Raises:
         ValueError: no prompts, bad output lengths, or the engine already has unfinished requests.
     """
-    from nanoserve.params import SamplingParams
-
     lens = _as_len_list(max_new_tokens, len(prompts))
     if not prompts:
         raise ValueError("run_concurrent needs at least 1 prompt, got 0")
@@ -160,20 +166,7 @@ def run_concurrent(
             if out.finished:
                 final[out.request_id] = out
     wall = time.perf_counter() - start
-    records = []
-    for rid in rids:
-        out = final[rid]
-        records.append(
-            RunRecord(
-                prompt_len=len(out.prompt_token_ids),
-                token_ids=tuple(out.token_ids),
-                arrival_s=out.arrival_time,
-                first_token_s=out.first_token_time,
-                finished_s=out.finished_time,
-                served_s=out.running_s,
-                prefill_s=out.first_token_time - out.first_scheduled_time,
-            )
-        )
+    records = [request_metrics(final[rid]) for rid in rids]
     return SystemRun(
         system=system if system is not None else f"nanoserve, {slots}",
         records=tuple(records),

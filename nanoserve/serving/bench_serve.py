@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import datetime
 import json
 import math
@@ -21,8 +20,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanoserve.instruments.csv_writer import write_csv
 from nanoserve.instruments.load import offline_workload, poisson_arrivals
 from nanoserve.instruments.metrics import BenchmarkMetrics, Summary, summarize
+from nanoserve.instruments.record import tpot
 
 
 @dataclass
@@ -39,7 +40,7 @@ class RequestResult:
 
 
 def serving_metrics(results: list[RequestResult], duration_s: float) -> BenchmarkMetrics:
-    """vLLM's serving metrics over the successful requests (TPOT = (E2E - TTFT) / (output - 1)).
+    """vLLM's serving metrics over the successful requests (TPOT as `nanoserve.instruments.record.tpot`).
 
     The client cannot see a server-side queue, so `queue` is empty (count 0).
 
@@ -50,7 +51,7 @@ def serving_metrics(results: list[RequestResult], duration_s: float) -> Benchmar
         raise ValueError(f"duration_s={duration_s} must be > 0")
     done = [r for r in results if r.success]
     total_out = sum(r.num_output_tokens for r in done)
-    tpots = [(r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1) for r in done if r.num_output_tokens > 1]
+    tpots = [t for r in done if (t := tpot(r.num_output_tokens, r.ttft_s, r.e2e_s)) is not None]
     return BenchmarkMetrics(
         duration_s=duration_s,
         completed=len(done),
@@ -214,14 +215,8 @@ def csv_row(config: BenchConfig, model: str, m: BenchmarkMetrics, num_failed: in
 
 
 def append_csv(path: str | Path, row: dict[str, object]) -> None:
-    """Appends `row`, writing the header first when the file is new."""
-    path = Path(path)
-    is_new = not path.exists() or path.stat().st_size == 0
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(row))
-        if is_new:
-            writer.writeheader()
-        writer.writerow(row)
+    """Appends `row` through the one CSV writer, writing the header first when the file is new."""
+    write_csv(path, [row], append=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,15 +1,21 @@
 """GET /metrics: the server's counters, gauges and latency histograms in Prometheus text format.
 
-The text format (version 0.0.4) is small enough to write by hand, which keeps the server's
-dependencies to the ASGI stack. Latencies come from the engine's own stamps on each finished
-request (nanoserve.instruments.metrics.request_metrics), so they mean what the offline benchmarks mean.
+The counts are kept here; the exposition is written by `prometheus_client` from metric families
+built at each scrape (a collector rather than the library's live metric objects, which would add a
+`_created` series to every counter and histogram). Latencies come from the engine's own stamps on
+each finished request (`nanoserve.instruments.metrics.request_metrics`), so they mean what the
+offline benchmarks mean.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from nanoserve.instruments.metrics import request_metrics
 
@@ -17,21 +23,13 @@ if TYPE_CHECKING:
     from nanoserve.engine import EngineStats
     from nanoserve.request import RequestOutput
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # the text format generate_latest writes
 
 # Seconds; the range a CPU or a GPU serving a small model lands in, as vLLM's buckets.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 FINISH_REASONS = ("stop", "length", "abort")
-
-
-def _number(value: float) -> str:
-    if isinstance(value, int):
-        return str(value)
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
 
 
 class Histogram:
@@ -51,18 +49,31 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
+    def family(self) -> HistogramMetricFamily:
+        """The histogram as a metric family: cumulative counts per upper bound, then +Inf."""
+        cumulative, buckets = 0, []
         for bound, n in zip((*self.buckets, math.inf), self.counts, strict=True):
             cumulative += n
-            lines.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {cumulative}')
-        lines += [f"{self.name}_sum {_number(self.sum)}", f"{self.name}_count {self.count}"]
-        return lines
+            buckets.append((floatToGoString(bound), cumulative))
+        return HistogramMetricFamily(self.name, self.help, buckets=buckets, sum_value=self.sum)
 
 
-def _scalar(name: str, kind: str, help: str, value: float) -> list[str]:
-    return [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {_number(value)}"]
+class _Families:
+    """A collector that yields metric families built beforehand (one scrape's snapshot)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+def _counter(name: str, help: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, help, value=value)
+
+
+def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help, value=value)
 
 
 class ServerMetrics:
@@ -95,27 +106,31 @@ class ServerMetrics:
             if m.e2e_s is not None:
                 self.e2e.observe(m.e2e_s)
 
-    def render(self, stats: EngineStats) -> str:
-        """The text exposition; the gauges are read from `stats`, taken between two steps."""
+    def families(self, stats: EngineStats) -> list[Metric]:
+        """Every metric as a family; the gauges are read from `stats`, taken between two steps."""
         p = self.prefix
-        name = f"{p}_requests_finished_total"
-        lines = [f"# HELP {name} Requests finished, by finish reason.", f"# TYPE {name} counter"]
-        lines += [f'{name}{{finish_reason="{reason}"}} {n}' for reason, n in self.finished.items()]
-        lines += _scalar(f"{p}_requests_rejected_total", "counter",
-                         "Requests answered with a 4xx before reaching the engine.", self.num_rejected)
-        lines += _scalar(f"{p}_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-                         self.num_prompt_tokens)
-        lines += _scalar(f"{p}_generation_tokens_total", "counter", "Output tokens of finished requests.",
-                         self.num_generation_tokens)
-        lines += _scalar(f"{p}_num_requests_running", "gauge", "Requests holding a running slot.",
-                         stats.num_running)
-        lines += _scalar(f"{p}_num_requests_waiting", "gauge", "Requests queued for a slot.", stats.num_waiting)
-        lines += _scalar(f"{p}_kv_blocks_used", "gauge", "KV cache blocks not free.",
-                         stats.num_total_blocks - stats.num_free_blocks)
-        lines += _scalar(f"{p}_kv_blocks_total", "gauge", "KV cache blocks in the pool.", stats.num_total_blocks)
-        for histogram in (self.ttft, self.tpot, self.e2e):
-            lines += histogram.render()
-        return "\n".join(lines) + "\n"
+        finished = CounterMetricFamily(f"{p}_requests_finished", "Requests finished, by finish reason.",
+                                       labels=["finish_reason"])
+        for reason, n in self.finished.items():
+            finished.add_metric([reason], n)
+        return [
+            finished,
+            _counter(f"{p}_requests_rejected", "Requests answered with a 4xx before reaching the engine.",
+                     self.num_rejected),
+            _counter(f"{p}_prompt_tokens", "Prompt tokens of finished requests.", self.num_prompt_tokens),
+            _counter(f"{p}_generation_tokens", "Output tokens of finished requests.", self.num_generation_tokens),
+            _gauge(f"{p}_num_requests_running", "Requests holding a running slot.", stats.num_running),
+            _gauge(f"{p}_num_requests_waiting", "Requests queued for a slot.", stats.num_waiting),
+            _gauge(f"{p}_kv_blocks_used", "KV cache blocks not free.", stats.num_total_blocks - stats.num_free_blocks),
+            _gauge(f"{p}_kv_blocks_total", "KV cache blocks in the pool.", stats.num_total_blocks),
+            *(histogram.family() for histogram in (self.ttft, self.tpot, self.e2e)),
+        ]
+
+    def render(self, stats: EngineStats) -> str:
+        """The text exposition, written by `prometheus_client.generate_latest`."""
+        registry = CollectorRegistry()
+        registry.register(_Families(self.families(stats)))
+        return generate_latest(registry).decode()
 
 
 def parse_text(text: str) -> dict[str, float]:
