@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import greedy
 
 from nanoserve import EngineConfig, SamplingParams
 
@@ -89,10 +90,6 @@ def engine(default_model_dir):
     torch.set_num_threads(before)
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
-
-
 def metrics(base: str) -> dict[str, float]:
     from nanoserve.serving.server.metrics import parse_text
 
@@ -136,7 +133,7 @@ def test_health_and_models(server, client):
 @pytest.mark.weights
 def test_completion_equals_generate_and_counts_usage(server, client, engine):
     prompt = "The capital of France is"
-    (want,) = engine.generate([prompt], greedy(12))
+    (want,) = engine.generate([prompt], greedy(12, ignore_eos=False))
     before = wait_idle(server)
     got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
     assert got.choices[0].text == want.text
@@ -154,7 +151,7 @@ def test_completion_equals_generate_and_counts_usage(server, client, engine):
 @pytest.mark.weights
 def test_completion_stream_equals_generate(server, client, engine):
     prompt = [504, 3458, 282, 4649, 314]  # token ids are a prompt too
-    (want,) = engine.generate([prompt], greedy(10))
+    (want,) = engine.generate([prompt], greedy(10, ignore_eos=False))
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     with_choices = [c for c in chunks if c.choices]
@@ -171,7 +168,7 @@ MESSAGES = [{"role": "user", "content": "What is 2 + 2? Answer with a number."}]
 @pytest.mark.weights
 def test_chat_equals_generate_streaming_and_not(server, client, engine):
     prompt_ids = engine.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=False)
-    (want,) = engine.generate([prompt_ids], greedy(14))
+    (want,) = engine.generate([prompt_ids], greedy(14, ignore_eos=False))
     got = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=14, temperature=0)
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == want.text
@@ -191,7 +188,7 @@ def test_chat_equals_generate_streaming_and_not(server, client, engine):
 @pytest.mark.weights
 def test_stop_string_streaming_and_not_equals_generate(server, client, engine):
     prompt = "The capital of France is"
-    (plain,) = engine.generate([prompt], greedy(12))
+    (plain,) = engine.generate([prompt], greedy(12, ignore_eos=False))
     stop = plain.text.split()[2]  # a word inside the greedy continuation
     cut = plain.text[: plain.text.find(stop)]  # by hand: the text ends before the match
     (want,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=(stop,)))
