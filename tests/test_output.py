@@ -1,7 +1,7 @@
 """nanoserve.output: the readback layer, its arithmetic and its gates.
 
 Every expected number below is worked by hand in the comment beside it. The tests that matter
-most are about an operation that must not happen: the ``no_readback`` fixture turns every way
+most are about an operation that must not happen: the ``no_readback`` fixture (conftest) turns every way
 a tensor's value can reach Python into an exception, so "did not read back" can fail.
 """
 
@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from conftest import ReadbackHappened
 
 from nanoserve.output import (
     MIN_MEASURABLE_S,
@@ -36,43 +37,6 @@ from nanoserve.output import (
     strategy_speedup,
     syncs_per_step,
 )
-
-# Every route by which a tensor's value becomes a Python value (repr goes through .item()).
-_READBACK_METHODS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
-
-
-class ReadbackHappened(AssertionError):
-    """Raised by a patched tensor method: the code under test read a value home."""
-
-
-def _forbid(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> None:
-    for name in names:
-
-        def refuse(self, *args, _name=name, **kwargs):
-            raise ReadbackHappened(f"torch.Tensor.{_name} was called")
-
-        monkeypatch.setattr(torch.Tensor, name, refuse)
-
-
-@pytest.fixture
-def no_readback(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No tensor value may reach Python while this is active."""
-    _forbid(monkeypatch, _READBACK_METHODS)
-
-
-@pytest.fixture
-def counted_tolist(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Only .tolist() may read back, and every call is counted: returns the one-slot counter."""
-    calls = [0]
-    original = torch.Tensor.tolist
-
-    def counting(self):
-        calls[0] += 1
-        return original(self)
-
-    _forbid(monkeypatch, tuple(n for n in _READBACK_METHODS if n != "tolist"))
-    monkeypatch.setattr(torch.Tensor, "tolist", counting)
-    return calls
 
 
 def _batch(ids: list[int], request_ids: tuple[str, ...], readback: Readback | None = None) -> TokenBatch:
@@ -107,7 +71,7 @@ def test_counted_tolist_fixture_counts_and_forbids_the_rest(counted_tolist):
     tokens = torch.tensor([4, 5], dtype=torch.int64)
     assert tokens.tolist() == [4, 5]
     assert tokens.tolist() == [4, 5]
-    assert counted_tolist[0] == 2
+    assert counted_tolist["tolist"] == 2
     with pytest.raises(ReadbackHappened):
         int(tokens[0])
 
@@ -131,7 +95,7 @@ def test_readback_counts_journeys_and_elements():
 def test_readback_fetch_is_exactly_one_tolist(counted_tolist):
     readback = Readback()
     readback.fetch(torch.tensor([3, 1, 4, 1]))
-    assert counted_tolist[0] == 1
+    assert counted_tolist["tolist"] == 1
     assert readback.journeys == 1
 
 
@@ -168,10 +132,10 @@ def test_token_batch_resolves_once_however_many_callers():
 def test_token_batch_resolve_is_the_one_permitted_transfer(counted_tolist):
     readback = Readback()
     batch = _batch([5, 6, 7], ("a", "b", "c"), readback)
-    assert counted_tolist[0] == 0
+    assert counted_tolist["tolist"] == 0
     for _ in range(3):
         assert batch.resolve() == [5, 6, 7]
-    assert counted_tolist[0] == 1
+    assert counted_tolist["tolist"] == 1
     assert readback.journeys == 1
 
 
@@ -254,7 +218,7 @@ def test_processor_counts_exactly_one_transfer_per_step(counted_tolist):
     seen: list[tuple[str, int]] = []
     for ids, owners in steps:
         processor.apply(_batch(ids, owners, processor.readback), lambda r, t: seen.append((r, t)))
-    assert counted_tolist[0] == 4
+    assert counted_tolist["tolist"] == 4
     assert processor.num_steps == 4
     assert processor.readback.journeys == 4
     assert processor.readback.elements == 8  # 3 + 2 + 1 + 2
@@ -474,7 +438,7 @@ def test_measure_transfer_s_is_the_median_round_trip():
 
 def test_measure_transfer_s_makes_warmup_plus_n_round_trips(counted_tolist):
     measure_transfer_s("cpu", n=5, warmup=2, rows=4)
-    assert counted_tolist[0] == 7  # 2 untimed + 5 timed
+    assert counted_tolist["tolist"] == 7  # 2 untimed + 5 timed
 
 
 def test_measure_transfer_s_on_cpu_is_small():
