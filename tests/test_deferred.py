@@ -4,7 +4,7 @@ synchronous loop's, a stop found one step late discards its one token of oversho
 from __future__ import annotations
 
 import pytest
-from conftest import make_tiny_engine
+from conftest import greedy, make_tiny_engine
 
 from nanoserve import SamplingParams
 from nanoserve.profiler import OVERLAPPED, SERIAL, StepRecorder, recommended_model
@@ -29,10 +29,6 @@ def run(deferred: bool, params, aborts: dict[int, int] | None = None, **config):
     engine.step()  # a last step flushes whatever is still in flight
     assert engine.allocator.num_free == engine.allocator.num_blocks
     return [(final[i].token_ids, final[i].finish_reason, final[i].text) for i in ids], engine
-
-
-def greedy(**kw):
-    return SamplingParams(**({"temperature": 0.0, "max_tokens": 10, "ignore_eos": True} | kw))
 
 
 @pytest.mark.parametrize("config", [

@@ -45,8 +45,3 @@ def test_aborting_the_group_aborts_every_copy_including_held_ones():
     assert engine.allocator.num_free == engine.allocator.num_blocks
     with pytest.raises(ValueError, match="not an unfinished request"):
         engine.abort(rid)
-
-
-def test_n_is_validated():
-    with pytest.raises(ValueError, match="n=0 must be an integer in \\[1, 64\\]"):
-        SamplingParams(n=0)
