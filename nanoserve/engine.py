@@ -18,21 +18,12 @@ from nanoserve.inputs import build_inputs
 from nanoserve.model.kv_cache import KVCache, bytes_per_block
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.prepare import prepare_model
-from nanoserve.output_processor import OutputProcessor, TokenBatch, check_in_row_order
+from nanoserve.output_processor import OutputProcessor, TokenBatch, make_output
 from nanoserve.params import SamplingParams
 from nanoserve.recorder import NULL_RECORDER
 from nanoserve.request import FinishReason, Request, RequestOutput
 from nanoserve.sampling import BatchedSampler, RowHistory
 from nanoserve.scheduler import Scheduler, SchedulerOutput, cdiv
-
-
-@dataclass
-class SampledStep:
-    """One step's sampled tokens, still on the device, and the requests that own the rows."""
-
-    batch: TokenBatch  # [rows] int64 + request ids
-    requests: list[Request]  # row order; identity tells a live row from overshoot
-    logprobs: tuple[list[int], torch.Tensor] | None  # rows asking, [those rows, 1 + 2k] on the device
 
 
 @dataclass(frozen=True)
@@ -90,9 +81,8 @@ class Engine:
         self._generators: dict[str, torch.Generator] = {}  # seeded requests' own noise
         self._default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self._ids = itertools.count()
-        self._in_flight: SampledStep | None = None  # deferred mode: sampled, not yet brought home
-        self._held: dict[str, list[Request]] = {}  # n > 1: first copy's id -> copies waiting for its prefill
-        self._groups: dict[str, list[str]] = {}  # n > 1: group id -> its copies' ids
+        # Deferred mode: the batch sampled last step, not yet brought home, and its rows' requests.
+        self._in_flight: tuple[TokenBatch, list[Request]] | None = None
         self.num_steps = 0
 
     @classmethod
@@ -145,8 +135,6 @@ class Engine:
         if params.n == 1:
             requests = [Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)]
         else:
-            # n copies of the prompt: the first is admitted alone, the rest when its prefill is
-            # done, so they find its full blocks in the prefix cache instead of recomputing them.
             requests = []
             for i in range(params.n):
                 seed = None if params.seed is None else params.seed + i
@@ -154,20 +142,26 @@ class Engine:
                                 arrival_time)
                 child.parent_id, child.index = request_id, i
                 requests.append(child)
-            self._held[requests[0].request_id] = requests[1:]
-            self._groups[request_id] = [r.request_id for r in requests]
         for request in requests:
             if self.tokenizer is not None:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer)
             if request.params.seed is not None:
                 self._generators[request.request_id] = torch.Generator(self.device).manual_seed(request.params.seed)
             self.requests[request.request_id] = request
-        self.scheduler.add(requests[0])
+        if params.n == 1:
+            self.scheduler.add(requests[0])
+        else:
+            self.scheduler.add_group(request_id, requests)
         return request_id
 
     def _in_use(self, request_id: str, n: int) -> bool:
         ids = [request_id] if n == 1 else [f"{request_id}.{i}" for i in range(n)]
-        return request_id in self._groups or any(i in self.requests for i in ids)
+        return request_id in self.scheduler.groups or any(i in self.requests for i in ids)
+
+    def is_unfinished(self, request_id: str) -> bool:
+        """Whether `request_id` (an id add_request returned, or one copy's of an n > 1 group) has
+        anything left to finish."""
+        return request_id in self.requests or request_id in self.scheduler.groups
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -182,37 +176,31 @@ class Engine:
             raise ValueError("prompt is empty: it needs at least 1 token")
         return token_ids
 
-    def abort(self, request_id: str) -> RequestOutput:
-        """Stops a request and returns its blocks to the pool.
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Stops a request, or every unfinished copy of an n > 1 group, and returns their blocks to
+        the pool. Returns the final output of each completion aborted (in index order for a group).
 
         Raises:
-            ValueError: the id is not an unfinished request of this engine.
+            ValueError: the id is not an unfinished request or group of this engine.
         """
-        if request_id in self._groups:  # n > 1: every unfinished completion
-            children = [c for c in self._groups.pop(request_id) if c in self.requests]
-            return [self.abort(c) for c in children][-1] if children else None
+        copies = self.scheduler.groups.get(request_id)
+        if copies is not None:
+            return [self._abort_one(self.requests[c]) for c in list(copies) if c in self.requests]
         request = self.requests.get(request_id)
         if request is None:
             raise ValueError(f"request_id {request_id!r} is not an unfinished request")
+        return [self._abort_one(request)]
+
+    def _abort_one(self, request: Request) -> RequestOutput:
         request.finish(FinishReason.ABORT, time.perf_counter())
         self._retire(request)
-        return self._make_output(request)
+        return make_output(request)
 
     def _retire(self, request: Request) -> None:
-        """Forgets a finished request: blocks back to the pool, its group closed when it was the last."""
-        self._release_held(request)
+        """Forgets a finished request: its blocks and slot go back to the scheduler."""
         self.scheduler.finish(request)
         del self.requests[request.request_id]
         self._generators.pop(request.request_id, None)
-        group = self._groups.get(request.parent_id) if request.parent_id else None
-        if group is not None and not any(c in self.requests or c in self._held for c in group):
-            del self._groups[request.parent_id]
-
-    def _release_held(self, request: Request) -> None:
-        """Queues the held copies of an n > 1 request once its first copy no longer needs them held."""
-        held = self._held.pop(request.request_id, None)
-        if held:
-            self.scheduler.add_next(held)
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -230,39 +218,53 @@ class Engine:
         deferred = self.config.deferred_output
         rec.begin_step()
         with rec.phase("schedule"):
-            outputs: list[RequestOutput] = []
-            if self._in_flight is not None and any(r.params.needs_history for r in self._in_flight.requests):
-                outputs = self._flush()  # penalties and min_tokens must see every token: resolve now
             sched = self.scheduler.schedule()
-        if sched.is_empty:
-            if self._in_flight is not None:
-                outputs += self._flush()
+        if sched.is_empty:  # idle: what is left in flight comes home after the step, ending the loop
+            rec.end_step(num_rows=0, num_tokens=0, num_decode_rows=0)
+            in_flight, self._in_flight = self._in_flight, None
+            return self._resolve(*in_flight) if in_flight is not None else []
+        # Deferred mode brings last step's tokens home before this step's rows are fixed when a row's
+        # penalties or min_tokens must see its whole history; a request that finishes then drops out.
+        flush = self._in_flight is not None and any(r.params.needs_history for r in self._in_flight[1])
+        with rec.phase("sync_rows", syncs=flush):
+            outputs = self._resolve(*self._in_flight) if flush else []
+            if flush:
+                self._in_flight = None
+                sched = sched.without_finished()
+            rows = [item.request for item in sched.scheduled if item.samples]  # row order of the logits
+            pending = self._in_flight
+        if sched.is_empty:  # every scheduled request finished in the flush
             rec.end_step(num_rows=0, num_tokens=0, num_decode_rows=0)
             return outputs
-        with rec.phase("sync_rows"):
-            rows = [item.request for item in sched.scheduled if item.samples]
-            previous, self._in_flight = self._in_flight, None
         with rec.phase("build_inputs"):
-            inputs = build_inputs(sched, self.config.block_size, self.device, previous, self.config.decode_group_min_rows)
+            inputs = build_inputs(sched, self.config.block_size, self.device, pending and pending[0],
+                                  self.config.decode_group_min_rows)
         with rec.phase("forward"):
             logits = self.model.forward(inputs, self.kv)  # [rows, V]
         with rec.phase("sample"):
             batch = self._sample(logits, rows)
-            logprobs = self._logprobs(logits, batch.tokens, rows) if any(r.params.logprobs is not None for r in rows) else None
-            sampled = SampledStep(batch, rows, logprobs)
         with rec.phase("collect", syncs=not deferred):
-            outputs += self._collect(sched, previous if deferred else sampled)
+            sampled = (batch, rows)
             if deferred:
-                self._in_flight = sampled
+                sampled, self._in_flight = pending, sampled
+            outputs += self._collect(sched, sampled)
         self.num_steps += 1
         rec.end_step(num_rows=len(rows), num_tokens=sched.num_batched_tokens,
                      num_decode_rows=sum(1 for item in sched.scheduled if item.num_new_tokens == 1))
         return outputs
 
-    def _flush(self) -> list[RequestOutput]:
-        """Resolves the step still in flight when nothing new is scheduled (deferred mode)."""
-        sampled, self._in_flight = self._in_flight, None
-        return self._resolve(sampled)
+    def _collect(self, sched: SchedulerOutput, sampled: tuple[TokenBatch, list[Request]] | None) -> list[RequestOutput]:
+        """Advances the counters of what this step forwarded, then brings one sampled step home:
+        this step's, or in deferred mode the previous one's (None on the first step)."""
+        self.scheduler.advance(sched)
+        return self._resolve(*sampled) if sampled is not None else []
+
+    def _resolve(self, batch: TokenBatch, rows: list[Request]) -> list[RequestOutput]:
+        """One readback through the output stage; the requests it finished leave the engine."""
+        result = self.output.process(batch, rows)
+        for request in result.finished:
+            self._retire(request)
+        return result.outputs
 
     def _sample(self, logits: torch.Tensor, rows: list[Request]) -> TokenBatch:
         """Samples every row's next token; the tokens stay on the device."""
@@ -279,7 +281,8 @@ class Engine:
         if self.config.deferred_output:
             for r in rows:
                 r.num_pending_tokens += 1  # sampled, not yet home: the scheduler may already decode it
-        return TokenBatch(tokens, tuple(r.request_id for r in rows), self.output.readback)
+        logprobs = self._logprobs(logits, tokens, rows) if any(p.logprobs is not None for p in params) else None
+        return TokenBatch(tokens, tuple(r.request_id for r in rows), self.output.readback, logprobs)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor]:
@@ -292,106 +295,6 @@ class Engine:
         sampled = logprobs.gather(1, tokens[index][:, None])  # [L, 1]
         top = logprobs.topk(k, dim=-1)  # [L, k] values and ids
         return rows, torch.cat([sampled, top.values, top.indices.float()], dim=1)  # [L, 1 + 2k]
-
-    def _collect(self, sched: SchedulerOutput, sampled: SampledStep | None) -> list[RequestOutput]:
-        """Advances the counters of what this step forwarded, then brings one sampled step home."""
-        for item in sched.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
-            if item.samples and self._held:
-                self._release_held(item.request)  # its prompt is in the cache now
-        if self.scheduler.enable_prefix_caching:  # before _resolve frees the blocks of finished requests
-            for item in sched.scheduled:
-                self.scheduler.cache_full_blocks(item.request)
-        return self._resolve(sampled) if sampled is not None else []
-
-    def _resolve(self, sampled: SampledStep) -> list[RequestOutput]:
-        """One readback; each token goes through its request's stop rules."""
-        check_in_row_order(sampled.batch, tuple(r.request_id for r in sampled.requests))
-        outputs: list[RequestOutput] = []
-        now = time.perf_counter()  # the tokens of one step arrive together, after its one readback
-        rows = iter(sampled.requests)
-
-        def append(request_id: str, token_id: int) -> None:
-            request = next(rows)
-            if self.requests.get(request_id) is not request:
-                return  # finished or aborted after this token was launched: overshoot, discarded
-            if request.num_pending_tokens:
-                request.num_pending_tokens -= 1
-            finished = request.append_token(token_id, now)
-            if request.detokenizer is not None:
-                request.detokenizer.add((token_id,))
-            if not finished and request.params.stop and request.num_output_tokens >= request.params.min_tokens:
-                finished = self._check_stop_strings(request, now)
-            if finished:
-                self._retire(request)
-            outputs.append(self._make_output(request))
-
-        if sampled.logprobs is not None:
-            self._attach_logprobs(sampled)
-        self.output.apply(sampled.batch, append)
-        return outputs
-
-    def _attach_logprobs(self, sampled: SampledStep) -> None:
-        rows, packed = sampled.logprobs
-        values = self.output.readback.fetch(packed.flatten())  # the one extra journey logprobs cost
-        width = packed.shape[1]
-        k = (width - 1) // 2
-        tokens = sampled.batch.resolve()
-        for n, row in enumerate(rows):
-            chunk = values[n * width:(n + 1) * width]
-            request = sampled.requests[row]
-            if self.requests.get(request.request_id) is not request:
-                continue  # overshoot
-            want = request.params.logprobs
-            entry = {int(i): v for i, v in zip(chunk[1 + k:1 + k + want], chunk[1:1 + want], strict=True)}
-            entry[tokens[row]] = chunk[0]
-            request.logprobs.append(entry)
-
-    def _check_stop_strings(self, request: Request, now: float) -> bool:
-        """Ends the request at the first stop string in its text; the text is cut before the match."""
-        text = request.detokenizer.text
-        # Only a match that ends in the newest text is new: earlier text was checked already.
-        start = max(0, request.num_stop_scanned_chars - max(len(s) for s in request.params.stop) + 1)
-        request.num_stop_scanned_chars = len(text)
-        found = [(idx, stop) for stop in request.params.stop if (idx := text.find(stop, start)) >= 0]
-        if not found:
-            return False
-        idx, stop = min(found)
-        request.stop_text, request.stop_reason = text[:idx], stop
-        request.finish(FinishReason.STOP, now)
-        return True
-
-    def _make_output(self, request: Request) -> RequestOutput:
-        output_ids = request.output_token_ids
-        detokenizer = request.detokenizer
-        if request.stop_text is not None:
-            text = request.stop_text
-        elif detokenizer is not None:
-            if request.is_finished:
-                detokenizer.flush()  # the held-back tail of a half character, as the full decode has it
-            text = detokenizer.text
-        else:
-            text = ""
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=output_ids,
-            text=text,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason.value if request.finish_reason else None,
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time,
-            finished_time=request.finished_time,
-            token_times=list(request.token_times),
-            running_s=request.running_s,
-            num_preemptions=request.num_preemptions,
-            num_cached_tokens=request.num_cached_tokens,
-            stop_reason=request.stop_reason,
-            logprobs=list(request.logprobs) if request.logprobs is not None else None,
-            parent_id=request.parent_id,
-            index=request.index,
-        )
 
     # ---- convenience -------------------------------------------------------------------------
 

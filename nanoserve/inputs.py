@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from nanoserve.model.attention import AttentionMetadata, DecodeGroup, PrefillRun
 from nanoserve.model.llama import ModelInputs
+from nanoserve.output_processor import TokenBatch
 from nanoserve.scheduler import SchedulerOutput
-
-if TYPE_CHECKING:
-    from nanoserve.engine import SampledStep
 
 
 def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
-                 in_flight: SampledStep | None = None, decode_group_min_rows: int | None = 8) -> ModelInputs:
+                 pending: TokenBatch | None = None, decode_group_min_rows: int | None = 8) -> ModelInputs:
     """Flattens the scheduled token runs into one batch of T tokens with its attention metadata.
 
     Each scheduled request contributes the tokens from num_computed_tokens up to
     num_computed_tokens + num_new_tokens; its context for attention is everything up to there.
     A token sampled last step and not yet brought home (deferred output) is copied into
-    input_ids from in_flight's device tensor: its value never visits the host.
+    input_ids from the pending batch's device tensor (found by request id): its value never visits
+    the host.
     """
     input_ids: list[int] = []
     positions: list[int] = []
@@ -31,7 +28,7 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
     context_lens: list[int] = []
     block_tables: list[list[int]] = []
     pending_dst: list[int] = []  # rows of input_ids whose token is still on the device
-    pending_src: list[int] = []  # ... and the row of in_flight's tokens that holds it
+    pending_src: list[int] = []  # ... and the row of the pending batch that holds it
     for item in sched.scheduled:
         request, start = item.request, item.request.num_computed_tokens
         end = start + item.num_new_tokens
@@ -39,7 +36,7 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
         input_ids.extend(request.token_ids[start:end])
         if end > len(request.token_ids):  # the last input is the pending token
             pending_dst.append(len(input_ids))
-            pending_src.append(next(i for i, r in enumerate(in_flight.requests) if r is request))
+            pending_src.append(pending.request_ids.index(request.request_id))
             input_ids.append(0)
         positions.extend(range(start, end))
         slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
@@ -54,7 +51,7 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
 
     input_ids_t = tensor(input_ids)
     if pending_dst:
-        input_ids_t[tensor(pending_dst)] = in_flight.batch.tokens[tensor(pending_src)]
+        input_ids_t[tensor(pending_dst)] = pending.tokens[tensor(pending_src)]
     num_seqs = len(query_lens)
     positions_t = tensor(positions)
     slot_mapping_t = tensor(slot_mapping)

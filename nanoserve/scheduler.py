@@ -34,6 +34,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    def without_finished(self) -> SchedulerOutput:
+        """The same step less the requests that finished since it was scheduled (a deferred
+        token that came home with a stop): nothing of theirs is forwarded."""
+        scheduled = [item for item in self.scheduled if not item.request.is_finished]
+        return SchedulerOutput(scheduled, self.preempted, sum(item.num_new_tokens for item in scheduled))
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -46,6 +52,10 @@ class Scheduler:
     is free, the most recently admitted running request is preempted by recompute (its blocks
     are freed and it goes back to the head of the queue with its tokens kept). Waiting
     requests are then admitted first come, first served while a slot, budget and blocks remain.
+
+    n > 1 completions of one prompt arrive as a group: the first copy is queued alone and the
+    others are held until its prompt is in the cache, so they find its full blocks by prefix
+    hash instead of recomputing them.
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
@@ -58,9 +68,24 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is preempted first
+        self.held: dict[str, list[Request]] = {}  # first copy's id -> the copies waiting for its prefill
+        self.groups: dict[str, list[str]] = {}  # group id -> its copies' ids, while any is unfinished
+        self._num_unfinished: dict[str, int] = {}  # group id -> copies not yet finished
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def add_group(self, group_id: str, copies: list[Request]) -> None:
+        """Queues the first copy; the rest wait until its prefill is done (see advance)."""
+        self.groups[group_id] = [c.request_id for c in copies]
+        self._num_unfinished[group_id] = len(copies)
+        self.held[copies[0].request_id] = copies[1:]
+        self.waiting.append(copies[0])
+
+    def _release_held(self, request: Request) -> None:
+        held = self.held.pop(request.request_id, None)
+        if held:
+            self.add_next(held)
 
     def add_next(self, requests: list[Request]) -> None:
         """Puts requests at the head of the queue, in order: they are admitted before any other."""
@@ -167,8 +192,28 @@ class Scheduler:
             hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs:(i + 1) * bs]))
             self.allocator.register(request.block_ids[i], hashes[i])
 
+    def advance(self, out: SchedulerOutput) -> None:
+        """After a forward: the scheduled tokens are in the cache. Held copies of a group whose
+        first copy just finished its prompt are queued, and blocks that became full are
+        registered for the prefix cache (before anything finishing frees them)."""
+        for item in out.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+            if item.samples and self.held:
+                self._release_held(item.request)
+        if self.enable_prefix_caching:
+            for item in out.scheduled:
+                self.cache_full_blocks(item.request)
+
     def finish(self, request: Request) -> None:
-        """Releases a finished or aborted request's blocks and slot."""
+        """Releases a finished or aborted request's blocks and slot (and its held copies, which
+        no longer wait for it); closes its group when it was the group's last copy."""
+        self._release_held(request)
+        if request.parent_id is not None:
+            left = self._num_unfinished[request.parent_id] - 1
+            if left:
+                self._num_unfinished[request.parent_id] = left
+            else:
+                del self._num_unfinished[request.parent_id], self.groups[request.parent_id]
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

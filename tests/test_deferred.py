@@ -25,7 +25,7 @@ def run(deferred: bool, params, aborts: dict[int, int] | None = None, **config):
         engine.check_invariants()
         step += 1
         if aborts and step in aborts and ids[aborts[step]] in engine.requests:
-            final[ids[aborts[step]]] = engine.abort(ids[aborts[step]])
+            (final[ids[aborts[step]]],) = engine.abort(ids[aborts[step]])
     engine.step()  # a last step flushes whatever is still in flight
     assert engine.allocator.num_free == engine.allocator.num_blocks
     return [(final[i].token_ids, final[i].finish_reason, final[i].text) for i in ids], engine

@@ -165,7 +165,7 @@ def test_abort_returns_blocks_and_leaves_the_others_unchanged():
     # After 3 steps the 3-token prompt has forwarded 3 + 2 = 5 tokens: ceil(5 / 4) = 2 blocks;
     # the others 6 + 2 = 8 (2 blocks) and 10 + 2 = 12 (3 blocks).
     assert engine.stats().num_free_blocks == 64 - 2 - 2 - 3
-    out = engine.abort(ids[1])
+    (out,) = engine.abort(ids[1])
     assert engine.stats().num_free_blocks == 64 - 2 - 3
     assert (out.finished, out.finish_reason) == (True, "abort")
     assert out.token_ids == expected[1].token_ids[:3]
@@ -187,7 +187,7 @@ def test_abort_of_a_waiting_request():
     engine.step()
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (1, 1, 64 - 2)
-    out = engine.abort(b)
+    (out,) = engine.abort(b)
     assert out.token_ids == [] and out.finish_reason == "abort" and out.first_scheduled_time is None
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (1, 0, 64 - 2)

@@ -21,7 +21,7 @@ def test_greedy_copies_share_the_prompt_blocks_and_equal_a_single_completion():
     # The first copy computes the prompt; the others find its 5 full blocks in the cache.
     assert [o.num_cached_tokens for o in outs[:3]] == [0, 20, 20]
     engine.check_invariants()
-    assert engine.allocator.num_free == engine.allocator.num_blocks and not engine._groups
+    assert engine.allocator.num_free == engine.allocator.num_blocks and not engine.scheduler.groups
 
 
 def test_seeded_copies_differ_from_each_other_and_repeat_across_runs():
@@ -40,8 +40,9 @@ def test_aborting_the_group_aborts_every_copy_including_held_ones():
     engine = make_tiny_engine()
     rid = engine.add_request(PROMPT, SamplingParams(temperature=0.0, max_tokens=6, n=3))
     assert engine.stats().num_waiting == 1  # the other two wait for the first copy's prefill
-    engine.abort(rid)
-    assert not engine.has_unfinished() and not engine.requests and not engine._groups
+    outs = engine.abort(rid)
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(f"{rid}.{i}", "abort") for i in range(3)]
+    assert not engine.has_unfinished() and not engine.requests and not engine.scheduler.groups
     assert engine.allocator.num_free == engine.allocator.num_blocks
     with pytest.raises(ValueError, match="not an unfinished request"):
         engine.abort(rid)

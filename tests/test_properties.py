@@ -188,7 +188,7 @@ def test_engine_keeps_invariants_and_tokens_under_preemption_and_aborts(scenario
         for abort_step, index in aborts:
             rid = ids.get(index)
             if abort_step == step and rid is not None and not (rid in final and final[rid].finished):
-                final[rid] = engine.abort(rid)
+                (final[rid],) = engine.abort(rid)
                 aborted.add(rid)
                 engine.check_invariants()
         if step >= last_arrival and not engine.has_unfinished():

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from nanoserve import SamplingParams
 from nanoserve.detokenize import IncrementalDetokenizer
 from nanoserve.instruments.load import concurrency
-from nanoserve.serving.streaming import AsyncEngine, EngineDeadError, stream
+from nanoserve.serving.async_engine import AsyncEngine, EngineDeadError
+from nanoserve.serving.streaming import stream
 
 FFFD = "\ufffd"
 

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from nanoserve.serving.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from nanoserve.serving.server import protocol
 from nanoserve.serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from nanoserve.serving.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from nanoserve.serving.streaming import AsyncEngine, EngineDeadError, RequestStream, StreamDelta
+from nanoserve.serving.streaming import StreamDelta
 
 if TYPE_CHECKING:
     from nanoserve.engine import Engine
