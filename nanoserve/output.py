@@ -1,23 +1,16 @@
 """The seeds' `nanoserve.output`: the readback layer and its arithmetic, re-exported from where they live.
 
 `Readback`, `TokenBatch`, `OutputProcessor` and `check_in_row_order` are the engine's output stage
-(`nanoserve.output_processor`); the sync-cost arithmetic and its gates are an instrument
-(`nanoserve.instruments.sync`).
+(`nanoserve.output_processor`); the sync-cost arithmetic and syncbench's table are an instrument
+(`nanoserve.instruments.sync`), and so are measuring a journey and the gates
+(`nanoserve.instruments.sync_gates`).
 """
 
 from __future__ import annotations
 
 from nanoserve.instruments.sync import (  # noqa: F401
-    MIN_MEASURABLE_S,
     STRATEGIES,
-    NotDeviceResident,
-    NotMeasurable,
-    NotSingleTransfer,
     SyncMeasurement,
-    check_device_resident,
-    check_measurable,
-    check_single_transfer,
-    measure_transfer_s,
     overshoot_tokens,
     readback_s,
     render,
@@ -25,6 +18,16 @@ from nanoserve.instruments.sync import (  # noqa: F401
     saving_per_step,
     strategy_speedup,
     syncs_per_step,
+)
+from nanoserve.instruments.sync_gates import (  # noqa: F401
+    MIN_MEASURABLE_S,
+    NotDeviceResident,
+    NotMeasurable,
+    NotSingleTransfer,
+    check_device_resident,
+    check_measurable,
+    check_single_transfer,
+    measure_transfer_s,
 )
 from nanoserve.output_processor import (  # noqa: F401
     OutputProcessor,

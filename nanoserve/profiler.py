@@ -1,8 +1,9 @@
 """The seeds' `nanoserve.profiler`: every name of the step profiler, re-exported from where it lives.
 
 The records and the null recorder the engine carries are in `nanoserve.recorder`; the recorder
-that measures in `nanoserve.instruments.recording`; the arithmetic in `nanoserve.instruments.profile`;
-the gates and the rendering in `nanoserve.instruments.profile_gates`.
+that measures in `nanoserve.instruments.recording`; the profile in `nanoserve.instruments.profile`;
+the arithmetic that prices a change in `nanoserve.instruments.profile_pricing`; the gates and the
+tables in `nanoserve.instruments.profile_gates`.
 """
 
 from __future__ import annotations
@@ -11,20 +12,8 @@ from nanoserve.instruments.profile import (  # noqa: F401
     DEVICE_BOUND,
     FORWARD,
     HOST_BOUND,
-    MODELS,
-    OVERLAPPED,
-    SERIAL,
-    ModelMismatch,
     ProfileUnsound,
     StepProfile,
-    amdahl,
-    check_model_applies,
-    loop_overhead_s,
-    project_point,
-    recommended_model,
-    speedup_if,
-    step_time_under,
-    step_with_compute,
 )
 from nanoserve.instruments.profile_gates import (  # noqa: F401
     NotDeviceTimed,
@@ -38,6 +27,20 @@ from nanoserve.instruments.profile_gates import (  # noqa: F401
     check_warmed_up,
     render,
     render_sweep,
+)
+from nanoserve.instruments.profile_pricing import (  # noqa: F401
+    MODELS,
+    OVERLAPPED,
+    SERIAL,
+    ModelMismatch,
+    amdahl,
+    check_model_applies,
+    loop_overhead_s,
+    project_point,
+    recommended_model,
+    speedup_if,
+    step_time_under,
+    step_with_compute,
 )
 from nanoserve.instruments.recording import (  # noqa: F401
     CudaDeviceTimer,

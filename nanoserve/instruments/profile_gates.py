@@ -1,18 +1,20 @@
-"""The step profile's gates (each refusing a profile that renders a clean table and means nothing)
-and its text rendering."""
+"""The step profile's gates, each refusing a profile that renders a clean table and means nothing,
+and its text tables.
+
+Four gates: one for a profile that still holds its first step, one whose phases do not add up to
+its steps, one whose host timings were taken around async launches, and one with no device clock
+at all (any CPU run). The fifth, `check_model_applies`, guards the arithmetic and lives with it in
+`nanoserve.instruments.profile_pricing`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from nanoserve.instruments.profile import (
-    _EVENT_RESOLUTION_S,
-    FORWARD,
-    ProfileUnsound,
-    StepProfile,
-    loop_overhead_s,
-    recommended_model,
-)
+from nanoserve.instruments.profile import FORWARD, ProfileUnsound, StepProfile
+from nanoserve.instruments.profile_pricing import loop_overhead_s, recommended_model
+
+_EVENT_RESOLUTION_S = 2e-6  # CUDA event timestamps are ~0.5us apart; device-over-host slack below this is noise
 
 # ----------------------------------------------------------------------------- gates
 
@@ -20,18 +22,14 @@ from nanoserve.instruments.profile import (
 class NotWarmedUp(ProfileUnsound):
     """Still holds the first steps: context creation, allocator growth, autotuning."""
 
-
 class Unaccounted(ProfileUnsound):
     """Phases do not add up to the steps: it ranks where timers were put."""
-
 
 class Unattributable(ProfileUnsound):
     """Host time taken around async launches: compute billed to whatever synchronises next."""
 
-
 class NotDeviceTimed(ProfileUnsound):
     """No device clock: every second reads as overhead and every ceiling as infinite."""
-
 
 def check_warmed_up(profile: StepProfile, min_warmup: int = 1) -> None:
     """Refuses a profile that still contains the run's first steps.
@@ -50,7 +48,6 @@ def check_warmed_up(profile: StepProfile, min_warmup: int = 1) -> None:
             f"profile dropped warmup={profile.warmup} steps, below the minimum {min_warmup}: "
             "its first steps measure start-up, not the loop"
         )
-
 
 def check_accounted(profile: StepProfile, tolerance: float = 0.02) -> None:
     """Refuses a profile whose phases do not add up to its steps.
@@ -74,7 +71,6 @@ def check_accounted(profile: StepProfile, tolerance: float = 0.02) -> None:
             f"outside 100% +/- {tolerance:.2%}"
         )
 
-
 def check_attributable(profile: StepProfile, tolerance: float = 0.05) -> None:
     """Refuses a profile in which a phase's device time exceeds its host time.
 
@@ -97,7 +93,6 @@ def check_attributable(profile: StepProfile, tolerance: float = 0.05) -> None:
                     f"{phase.host_s:.6g} s by more than {tolerance:.0%}; time the host after a sync"
                 )
 
-
 def check_device_timed(profile: StepProfile) -> None:
     """Refuses to price an optimisation from a profile with no device clock (any CPU run).
 
@@ -114,7 +109,7 @@ def check_device_timed(profile: StepProfile) -> None:
         )
 
 
-# ----------------------------------------------------------------------------- rendering
+# ----------------------------------------------------------------------------- tables
 
 
 def bar(fraction: float, width: int = 20) -> str:
@@ -129,10 +124,8 @@ def bar(fraction: float, width: int = 20) -> str:
     filled = round(fraction * width)
     return "#" * filled + "." * (width - filled)
 
-
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.3f}ms"
-
 
 def render(profile: StepProfile, width: int = 20) -> str:
     """The step as a text table: each phase's mean host, device, overhead and share of the step,
@@ -162,9 +155,8 @@ def render(profile: StepProfile, width: int = 20) -> str:
     )
     return "\n".join(lines)
 
-
 def render_sweep(profiles: Mapping[int, StepProfile]) -> str:
-    """One row per slot count: step, forward, loop, loop/token and loop share (Day 46's table)."""
+    """One row per slot count: step, forward, loop, loop/token and loop share (the seed's sweep table)."""
     lines = [f"{'slots':<6}{'step':>12}{'forward':>12}{'loop':>10}{'loop/token':>12}{'loop share':>12}"]
     for slots, profile in sorted(profiles.items()):
         forward = profile.phase_means.get(FORWARD)
@@ -175,7 +167,3 @@ def render_sweep(profiles: Mapping[int, StepProfile]) -> str:
             f"{_ms(loop):>10}{per_token:>12}{loop / profile.step_s:>12.2%}"
         )
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- recording
-

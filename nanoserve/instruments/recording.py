@@ -1,5 +1,5 @@
-"""StepRecorder: one StepSample per engine step from the engine's inline phase() blocks, and the
-device clocks it can read (a CUDA event timer)."""
+"""StepRecorder: one StepSample per engine step from the engine's inline phase() blocks, the device
+clock it can read (a CUDA event timer), and what a recorder costs per step (the null one included)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from typing import Any, Protocol
 
 from nanoserve.instruments.profile import StepProfile
 from nanoserve.recorder import NULL_RECORDER, PHASES, NullRecorder, Phase, StepSample
-
-# ----------------------------------------------------------------------------- recording
 
 
 class DeviceTimer(Protocol):
@@ -169,9 +167,6 @@ class StepRecorder:
         self.samples = []
         self.num_abandoned = 0
         self._t_begin, self._open = None, []
-
-
-
 
 
 def _per_step_cost_s(recorder: StepRecorder | NullRecorder, n_steps: int) -> float:

@@ -1,0 +1,270 @@
+"""nanoserve.output_processor: the Readback that counts its journeys, the TokenBatch that resolves
+once, the OutputProcessor's one readback a step, and check_in_row_order.
+
+Every expected number below is worked by hand in the comment beside it. The tests that matter
+most are about an operation that must not happen: the ``no_readback`` fixture (conftest) turns every
+way a tensor's value can reach Python into an exception, so "did not read back" can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ReadbackHappened
+
+from nanoserve.instruments.sync_gates import NotSingleTransfer, check_device_resident, check_single_transfer
+from nanoserve.output_processor import (
+    OutputProcessor,
+    Readback,
+    RowOrderMismatch,
+    TokenBatch,
+    check_in_row_order,
+)
+
+
+def _batch(ids: list[int], request_ids: tuple[str, ...], readback: Readback | None = None) -> TokenBatch:
+    return TokenBatch(torch.tensor(ids, dtype=torch.int64), request_ids, readback or Readback())
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda t: t.tolist(),
+        lambda t: t[0].item(),
+        lambda t: int(t[0]),
+        lambda t: float(t[0]),
+        lambda t: bool(t[0]),
+        lambda t: [10, 20, 30][t[0]],
+        repr,
+    ],
+    ids=["tolist", "item", "int", "float", "bool", "index", "repr"],
+)
+def test_no_readback_fixture_catches_every_route(no_readback, read):
+    tokens = torch.tensor([2, 1, 0], dtype=torch.int64)
+    with pytest.raises(ReadbackHappened):
+        read(tokens)
+
+
+def test_counted_tolist_fixture_counts_and_forbids_the_rest(counted_tolist):
+    tokens = torch.tensor([4, 5], dtype=torch.int64)
+    assert tokens.tolist() == [4, 5]
+    assert tokens.tolist() == [4, 5]
+    assert counted_tolist["tolist"] == 2
+    with pytest.raises(ReadbackHappened):
+        int(tokens[0])
+
+
+def test_readback_counts_journeys_and_elements():
+    readback = Readback()
+    assert (readback.journeys, readback.elements) == (0, 0)
+    assert readback.fetch(torch.tensor([7, 8, 9])) == [7, 8, 9]
+    assert (readback.journeys, readback.elements) == (1, 3)
+    assert readback.fetch(torch.tensor([1, 2])) == [1, 2]
+    assert (readback.journeys, readback.elements) == (2, 5)  # 3 + 2 elements
+    readback.reset()
+    assert (readback.journeys, readback.elements) == (0, 0)
+
+
+def test_readback_fetch_is_exactly_one_tolist(counted_tolist):
+    readback = Readback()
+    readback.fetch(torch.tensor([3, 1, 4, 1]))
+    assert counted_tolist["tolist"] == 1
+    assert readback.journeys == 1
+
+
+def test_readback_does_not_count_a_failed_fetch(no_readback):
+    readback = Readback()
+    with pytest.raises(ReadbackHappened):
+        readback.fetch(torch.tensor([1, 2]))
+    assert (readback.journeys, readback.elements) == (0, 0)
+
+
+def test_token_batch_resolves_in_row_order():
+    batch = _batch([11, 22, 33], ("a", "b", "c"))
+    assert len(batch) == 3
+    assert batch.request_ids == ("a", "b", "c")
+    assert batch.resolve() == [11, 22, 33]
+
+
+def test_token_batch_resolves_once_however_many_callers():
+    readback = Readback()
+    batch = _batch([5, 6, 7], ("a", "b", "c"), readback)
+    assert not batch.resolved
+    assert readback.journeys == 0  # building it made no journey
+    for _ in range(4):
+        assert batch.resolve() == [5, 6, 7]
+    assert batch.resolved
+    assert (readback.journeys, readback.elements) == (1, 3)
+
+
+def test_token_batch_resolve_is_the_one_permitted_transfer(counted_tolist):
+    readback = Readback()
+    batch = _batch([5, 6, 7], ("a", "b", "c"), readback)
+    assert counted_tolist["tolist"] == 0
+    for _ in range(3):
+        assert batch.resolve() == [5, 6, 7]
+    assert counted_tolist["tolist"] == 1
+    assert readback.journeys == 1
+
+
+def test_building_and_passing_a_token_batch_does_not_read_back(no_readback):
+    tokens = torch.tensor([9, 8], dtype=torch.int64)
+    readback = Readback()
+
+    def hand_on(batch: TokenBatch) -> TokenBatch:
+        return batch
+
+    batch = hand_on(TokenBatch(tokens, ("x", "y"), readback))
+    assert len(batch) == 2
+    assert batch.request_ids == ("x", "y")
+    assert not batch.resolved
+    check_device_resident(batch.tokens, "cpu")
+    check_in_row_order(batch, ["x", "y"])
+    text = repr(batch)  # the dataclass default would print the tensor, which calls .item()
+    assert "rows=2" in text and "resolved=False" in text
+    assert readback.journeys == 0
+    with pytest.raises(ReadbackHappened):
+        batch.resolve()
+
+
+def test_token_batch_accepts_a_list_of_ids_as_a_tuple():
+    batch = TokenBatch(torch.tensor([1, 2]), ["a", "b"], Readback())
+    assert batch.request_ids == ("a", "b")
+
+
+def test_empty_token_batch_resolves_without_a_journey(no_readback):
+    readback = Readback()
+    batch = TokenBatch(torch.empty(0, dtype=torch.int64), (), readback)
+    assert len(batch) == 0
+    assert batch.resolve() == []
+    assert batch.resolved
+    assert readback.journeys == 0
+
+
+def test_token_batch_refuses_rows_that_do_not_match_ids():
+    with pytest.raises(ValueError, match=r"tokens has 3 rows but request_ids has 2"):
+        _batch([1, 2, 3], ("a", "b"))
+
+
+@pytest.mark.parametrize(
+    "tokens, pattern",
+    [
+        (torch.tensor([[1, 2]]), r"shape \(1, 2\).*must be \[rows\] torch.int64"),
+        (torch.tensor([1, 2], dtype=torch.int32), r"dtype torch.int32"),
+        ([1, 2], r"tokens is a list, must be a torch.Tensor"),
+    ],
+    ids=["2-D", "int32", "list"],
+)
+def test_token_batch_refuses_what_is_not_a_rows_int64_tensor(tokens, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        TokenBatch(tokens, ("a", "b"), Readback())
+
+
+def test_processor_hands_each_row_to_its_owner_in_row_order():
+    processor = OutputProcessor()
+    seen: list[tuple[str, int]] = []
+    processor.apply(
+        _batch([40, 41, 42], ("r2", "r0", "r1"), processor.readback), lambda r, t: seen.append((r, t))
+    )
+    assert seen == [("r2", 40), ("r0", 41), ("r1", 42)]
+
+
+def test_processor_rate_is_zero_before_any_step():
+    processor = OutputProcessor()
+    assert processor.num_steps == 0
+    assert processor.transfers_per_step == 0.0
+
+
+def test_processor_counts_exactly_one_transfer_per_step(counted_tolist):
+    processor = OutputProcessor()
+    steps = [([1, 2, 3], ("a", "b", "c")), ([4, 5], ("a", "c")), ([6], ("c",)), ([7, 8], ("c", "d"))]
+    seen: list[tuple[str, int]] = []
+    for ids, owners in steps:
+        processor.apply(_batch(ids, owners, processor.readback), lambda r, t: seen.append((r, t)))
+    assert counted_tolist["tolist"] == 4
+    assert processor.num_steps == 4
+    assert processor.readback.journeys == 4
+    assert processor.readback.elements == 8  # 3 + 2 + 1 + 2
+    assert processor.transfers_per_step == 1.0
+    assert seen == [("a", 1), ("b", 2), ("c", 3), ("a", 4), ("c", 5), ("c", 6), ("c", 7), ("d", 8)]
+    check_single_transfer(processor)
+
+
+def test_processor_does_not_pay_again_for_a_batch_already_resolved():
+    processor = OutputProcessor()
+    batch = _batch([3, 4], ("a", "b"), processor.readback)
+    batch.resolve()  # a log line got there first
+    processor.apply(batch, lambda r, t: None)
+    assert processor.readback.journeys == 1
+    assert processor.transfers_per_step == 1.0
+
+
+def test_processor_rate_sees_a_readback_made_elsewhere():
+    # A caller that re-reads the tensor instead of going through the memo: 2 journeys a step.
+    processor = OutputProcessor()
+    for step in range(3):
+        batch = _batch([step, step + 1], ("a", "b"), processor.readback)
+        processor.readback.fetch(batch.tokens)
+        processor.apply(batch, lambda r, t: None)
+    assert processor.readback.journeys == 6
+    assert processor.transfers_per_step == 2.0  # 6 / 3
+    with pytest.raises(NotSingleTransfer, match=r"transfers_per_step=2.0 \(6 journeys over 3 steps\)"):
+        check_single_transfer(processor)
+
+
+def test_processor_skips_an_empty_batch_without_a_journey_or_a_step():
+    processor = OutputProcessor()
+    processor.apply(_batch([1], ("a",), processor.readback), lambda r, t: None)
+    calls: list[tuple[str, int]] = []
+    processor.apply(
+        TokenBatch(torch.empty(0, dtype=torch.int64), (), processor.readback),
+        lambda r, t: calls.append((r, t)),
+    )
+    assert calls == []
+    assert processor.num_steps == 1
+    assert processor.readback.journeys == 1
+    assert processor.transfers_per_step == 1.0
+
+
+def test_processor_refuses_a_batch_counted_on_another_readback():
+    processor = OutputProcessor()
+    with pytest.raises(ValueError, match=r"different Readback"):
+        processor.apply(_batch([1], ("a",), Readback()), lambda r, t: None)
+    assert processor.num_steps == 0
+
+
+def test_processor_uses_the_readback_it_is_given_and_resets_it():
+    readback = Readback()
+    processor = OutputProcessor(readback)
+    assert processor.readback is readback
+    processor.apply(_batch([1, 2], ("a", "b"), readback), lambda r, t: None)
+    processor.apply(_batch([3], ("a",), readback), lambda r, t: None)
+    assert (processor.num_steps, readback.journeys, readback.elements) == (2, 2, 3)
+    processor.reset()
+    assert (processor.num_steps, readback.journeys, readback.elements) == (0, 0, 0)
+    assert processor.transfers_per_step == 0.0
+
+
+def test_check_in_row_order_passes_the_same_order():
+    batch = _batch([1, 2, 3], ("a", "b", "c"))
+    check_in_row_order(batch, ("a", "b", "c"))
+    check_in_row_order(batch, ["a", "b", "c"])
+
+
+def test_check_in_row_order_refuses_a_shifted_row():
+    # "b" finished between steps and "d" was admitted into its row.
+    batch = _batch([1, 2, 3], ("a", "b", "c"))
+    with pytest.raises(RowOrderMismatch, match=r"row 1 belongs to request 'b', expected 'd'"):
+        check_in_row_order(batch, ("a", "d", "c"))
+    with pytest.raises(RowOrderMismatch, match=r"row 0 belongs to request 'a', expected 'c'"):
+        check_in_row_order(batch, ("c", "b", "a"))
+
+
+def test_check_in_row_order_refuses_a_different_row_count():
+    batch = _batch([1, 2, 3], ("a", "b", "c"))
+    with pytest.raises(RowOrderMismatch, match=r"batch has 3 rows, expected 2"):
+        check_in_row_order(batch, ("a", "b"))
+
+
+def test_row_order_mismatch_is_a_value_error():
+    assert issubclass(RowOrderMismatch, ValueError)
