@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from nanoserve.output_processor import OutputProcessor, TokenBatch, make_output
 from nanoserve.params import SamplingParams
 from nanoserve.recorder import NULL_RECORDER
 from nanoserve.request import FinishReason, Request, RequestOutput
-from nanoserve.sampling import BatchedSampler, RowHistory
+from nanoserve.sampling import BatchedSampler, RowHistory, packed_logprobs
 from nanoserve.scheduler import Scheduler, SchedulerOutput, cdiv
 
 
@@ -132,26 +132,13 @@ class Engine:
                 request_id = str(next(self._ids))
         elif self._in_use(request_id, params.n):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if params.n == 1:
-            requests = [Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)]
-        else:
-            requests = []
-            for i in range(params.n):
-                seed = None if params.seed is None else params.seed + i
-                child = Request(f"{request_id}.{i}", token_ids, replace(params, n=1, seed=seed), self.eos_token_ids,
-                                arrival_time)
-                child.parent_id, child.index = request_id, i
-                requests.append(child)
-        for request in requests:
+        copies = self.scheduler.add(Request(request_id, token_ids, params, self.eos_token_ids, arrival_time))
+        for request in copies:
             if self.tokenizer is not None:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer)
             if request.params.seed is not None:
                 self._generators[request.request_id] = torch.Generator(self.device).manual_seed(request.params.seed)
             self.requests[request.request_id] = request
-        if params.n == 1:
-            self.scheduler.add(requests[0])
-        else:
-            self.scheduler.add_group(request_id, requests)
         return request_id
 
     def _in_use(self, request_id: str, n: int) -> bool:
@@ -281,20 +268,8 @@ class Engine:
         if self.config.deferred_output:
             for r in rows:
                 r.num_pending_tokens += 1  # sampled, not yet home: the scheduler may already decode it
-        logprobs = self._logprobs(logits, tokens, rows) if any(p.logprobs is not None for p in params) else None
+        logprobs = packed_logprobs(logits, tokens, params)
         return TokenBatch(tokens, tuple(r.request_id for r in rows), self.output.readback, logprobs)
-
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor]:
-        """The model's own log-probabilities (before penalties and temperature, as vLLM reports them)
-        of the sampled token and the top k, packed per row as [sampled, k values, k ids] on the device."""
-        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-        k = max(requests[i].params.logprobs for i in rows)
-        index = torch.tensor(rows, device=logits.device)
-        logprobs = torch.log_softmax(logits[index].float(), dim=-1)  # [L, V]
-        sampled = logprobs.gather(1, tokens[index][:, None])  # [L, 1]
-        top = logprobs.topk(k, dim=-1)  # [L, k] values and ids
-        return rows, torch.cat([sampled, top.values, top.indices.float()], dim=1)  # [L, 1 + 2k]
 
     # ---- convenience -------------------------------------------------------------------------
 

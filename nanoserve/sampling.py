@@ -123,3 +123,19 @@ def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     keep[:, 0] = True  # the most likely token always survives
     filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
     return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def packed_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                    params: list[SamplingParams]) -> tuple[list[int], torch.Tensor] | None:
+    """The model's own log-probabilities (before penalties and temperature, as vLLM reports them)
+    of the sampled token and the top k, for the rows that ask: (those rows, [L, 1 + 2k] packed per
+    row as [sampled, k values, k ids], on the device). None when no row asks."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return None
+    k = max(params[i].logprobs for i in rows)
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = torch.log_softmax(logits[index].float(), dim=-1)  # [L, V]
+    sampled = logprobs.gather(1, tokens[index][:, None])  # [L, 1]
+    top = logprobs.topk(k, dim=-1)  # [L, k] values and ids
+    return rows, torch.cat([sampled, top.values, top.indices.float()], dim=1)  # [L, 1 + 2k]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nanoserve.blocks import BlockAllocator, hash_block
 from nanoserve.request import Request, RequestStatus
@@ -72,15 +72,26 @@ class Scheduler:
         self.groups: dict[str, list[str]] = {}  # group id -> its copies' ids, while any is unfinished
         self._num_unfinished: dict[str, int] = {}  # group id -> copies not yet finished
 
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
-
-    def add_group(self, group_id: str, copies: list[Request]) -> None:
-        """Queues the first copy; the rest wait until its prefill is done (see advance)."""
-        self.groups[group_id] = [c.request_id for c in copies]
-        self._num_unfinished[group_id] = len(copies)
+    def add(self, request: Request) -> list[Request]:
+        """Queues a request; returns what the scheduler will run for it: the request itself, or
+        for n > 1 its n copies (ids f"{id}.{i}", seeds seed + i), of which the first is queued and
+        the rest are held until its prefill is done (see advance)."""
+        params = request.params
+        if params.n == 1:
+            self.waiting.append(request)
+            return [request]
+        copies = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            copy = Request(f"{request.request_id}.{i}", request.prompt_token_ids, replace(params, n=1, seed=seed),
+                           request.eos_token_ids, request.arrival_time)
+            copy.parent_id, copy.index = request.request_id, i
+            copies.append(copy)
+        self.groups[request.request_id] = [c.request_id for c in copies]
+        self._num_unfinished[request.request_id] = len(copies)
         self.held[copies[0].request_id] = copies[1:]
         self.waiting.append(copies[0])
+        return copies
 
     def _release_held(self, request: Request) -> None:
         held = self.held.pop(request.request_id, None)

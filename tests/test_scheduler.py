@@ -14,7 +14,7 @@ from pathlib import Path
 
 from nanoserve.blocks import BlockAllocator
 from nanoserve.params import SamplingParams
-from nanoserve.request import Request, RequestStatus
+from nanoserve.request import FinishReason, Request, RequestStatus
 from nanoserve.scheduler import Scheduler, SchedulerOutput
 
 EOS = frozenset({2})
@@ -305,3 +305,39 @@ def test_scheduler_and_allocator_import_no_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "0 []"
+
+
+def test_n_copies_are_held_until_the_first_copys_prefill_then_share_its_cached_blocks():
+    scheduler = Scheduler(BlockAllocator(16), 4, 4, 64, True, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=2, n=3, seed=5)
+    copies = scheduler.add(Request("g", [10 + i for i in range(9)], params, EOS, arrival_time=0.0))
+    assert [(c.request_id, c.parent_id, c.index, c.params.n, c.params.seed) for c in copies] == [
+        ("g.0", "g", 0, 1, 5), ("g.1", "g", 1, 1, 6), ("g.2", "g", 2, 1, 7)]
+    assert scheduler.groups == {"g": ["g.0", "g.1", "g.2"]}
+    assert list(scheduler.waiting) == [copies[0]] and scheduler.held == {"g.0": copies[1:]}
+    out = scheduler.schedule()
+    assert plan(out) == [("g.0", 9, True)]  # alone: the others wait for its prompt
+    scheduler.advance(out)  # counters move, held copies are queued, full blocks registered
+    assert scheduler.held == {} and list(scheduler.waiting) == copies[1:]
+    copies[0].append_token(TOKEN, now=1.0)
+    out = scheduler.schedule()
+    # g.0 decodes; the copies' 9 tokens: two full blocks (8 tokens) come from the cache, the last is forwarded.
+    assert plan(out) == [("g.0", 1, True), ("g.1", 1, True), ("g.2", 1, True)]
+    assert [c.num_cached_tokens for c in copies] == [0, 8, 8]
+    assert copies[1].block_ids[:2] == copies[0].block_ids[:2] == copies[2].block_ids[:2]
+    for c in copies:
+        c.finish(FinishReason.ABORT, 1.0)
+        scheduler.finish(c)
+        assert ("g" in scheduler.groups) == (c is not copies[-1])  # the group closes with its last copy
+    assert scheduler.allocator.num_free == 16
+
+
+def test_advance_moves_each_scheduled_counter_by_its_new_tokens():
+    scheduler = make_scheduler(num_blocks=8, max_num_batched_tokens=6)
+    a, b = make_request("a", 5), make_request("b", 3)
+    scheduler.add(a)
+    scheduler.add(b)
+    out = scheduler.schedule()
+    assert plan(out) == [("a", 5, True), ("b", 1, False)]  # b's prompt is chunked by the budget
+    scheduler.advance(out)
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (5, 1)
