@@ -3,6 +3,7 @@ SamplingParams factory and the readback guard (every route by which a tensor val
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -31,7 +32,8 @@ def make_hf_llama(seed: int = 0, **overrides):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    hf = LlamaForCausalLM(HFLlamaConfig(**(TINY | overrides))).eval()
+    # A copy: transformers writes rope_theta into the rope_scaling dict it is given (LLAMA3_ROPE is shared).
+    hf = LlamaForCausalLM(HFLlamaConfig(**copy.deepcopy(TINY | overrides))).eval()
     # Random init leaves norms at 1; perturb them so a wrong norm would show.
     with torch.no_grad():
         for name, p in hf.named_parameters():

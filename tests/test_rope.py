@@ -3,6 +3,7 @@ frequencies, LlamaRotaryEmbedding for the cos/sin tables, apply_rotary_pos_emb f
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -29,7 +30,7 @@ ROPES = {
 
 def configs(name: str) -> tuple[HFLlamaConfig, LlamaConfig]:
     """The same architecture as transformers and nanoserve read it."""
-    hf = HFLlamaConfig(**(TINY | ROPES[name]))
+    hf = HFLlamaConfig(**copy.deepcopy(TINY | ROPES[name]))  # transformers writes into rope_scaling
     return hf, LlamaConfig.from_hf_dict(hf.to_dict())
 
 
