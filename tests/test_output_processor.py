@@ -14,16 +14,39 @@ from conftest import ReadbackHappened
 
 from nanoserve.instruments.sync_gates import NotSingleTransfer, check_device_resident, check_single_transfer
 from nanoserve.output_processor import (
+    HostCopy,
     OutputProcessor,
     Readback,
     RowOrderMismatch,
     TokenBatch,
     check_in_row_order,
 )
+from nanoserve.params import SamplingParams
+from nanoserve.request import Request
 
 
 def _batch(ids: list[int], request_ids: tuple[str, ...], readback: Readback | None = None) -> TokenBatch:
     return TokenBatch(torch.tensor(ids, dtype=torch.int64), request_ids, readback or Readback())
+
+
+REQUESTS: dict[str, Request] = {}
+
+
+def _owners(request_ids: tuple[str, ...]) -> list[Request]:
+    """Requests for the ids, made on first use and kept across steps (each may take 100 tokens)."""
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    return [REQUESTS.setdefault(r, Request(r, [1], params, frozenset({2}), arrival_time=0.0)) for r in request_ids]
+
+
+@pytest.fixture(autouse=True)
+def fresh_requests():
+    REQUESTS.clear()
+
+
+def _process(processor: OutputProcessor, batch: TokenBatch) -> list[tuple[str, int]]:
+    """(request id, the token it received) per output of one processed step."""
+    result = processor.process(batch, _owners(batch.request_ids))
+    return [(o.request_id, o.token_ids[-1]) for o in result.outputs]
 
 
 @pytest.mark.parametrize(
@@ -162,10 +185,7 @@ def test_token_batch_refuses_what_is_not_a_rows_int64_tensor(tokens, pattern):
 
 def test_processor_hands_each_row_to_its_owner_in_row_order():
     processor = OutputProcessor()
-    seen: list[tuple[str, int]] = []
-    processor.apply(
-        _batch([40, 41, 42], ("r2", "r0", "r1"), processor.readback), lambda r, t: seen.append((r, t))
-    )
+    seen = _process(processor, _batch([40, 41, 42], ("r2", "r0", "r1"), processor.readback))
     assert seen == [("r2", 40), ("r0", 41), ("r1", 42)]
 
 
@@ -180,7 +200,7 @@ def test_processor_counts_exactly_one_transfer_per_step(counted_tolist):
     steps = [([1, 2, 3], ("a", "b", "c")), ([4, 5], ("a", "c")), ([6], ("c",)), ([7, 8], ("c", "d"))]
     seen: list[tuple[str, int]] = []
     for ids, owners in steps:
-        processor.apply(_batch(ids, owners, processor.readback), lambda r, t: seen.append((r, t)))
+        seen += _process(processor, _batch(ids, owners, processor.readback))
     assert counted_tolist["tolist"] == 4
     assert processor.num_steps == 4
     assert processor.readback.journeys == 4
@@ -194,7 +214,7 @@ def test_processor_does_not_pay_again_for_a_batch_already_resolved():
     processor = OutputProcessor()
     batch = _batch([3, 4], ("a", "b"), processor.readback)
     batch.resolve()  # a log line got there first
-    processor.apply(batch, lambda r, t: None)
+    _process(processor, batch)
     assert processor.readback.journeys == 1
     assert processor.transfers_per_step == 1.0
 
@@ -205,7 +225,7 @@ def test_processor_rate_sees_a_readback_made_elsewhere():
     for step in range(3):
         batch = _batch([step, step + 1], ("a", "b"), processor.readback)
         processor.readback.fetch(batch.tokens)
-        processor.apply(batch, lambda r, t: None)
+        _process(processor, batch)
     assert processor.readback.journeys == 6
     assert processor.transfers_per_step == 2.0  # 6 / 3
     with pytest.raises(NotSingleTransfer, match=r"transfers_per_step=2.0 \(6 journeys over 3 steps\)"):
@@ -214,12 +234,8 @@ def test_processor_rate_sees_a_readback_made_elsewhere():
 
 def test_processor_skips_an_empty_batch_without_a_journey_or_a_step():
     processor = OutputProcessor()
-    processor.apply(_batch([1], ("a",), processor.readback), lambda r, t: None)
-    calls: list[tuple[str, int]] = []
-    processor.apply(
-        TokenBatch(torch.empty(0, dtype=torch.int64), (), processor.readback),
-        lambda r, t: calls.append((r, t)),
-    )
+    _process(processor, _batch([1], ("a",), processor.readback))
+    calls = _process(processor, TokenBatch(torch.empty(0, dtype=torch.int64), (), processor.readback))
     assert calls == []
     assert processor.num_steps == 1
     assert processor.readback.journeys == 1
@@ -229,7 +245,7 @@ def test_processor_skips_an_empty_batch_without_a_journey_or_a_step():
 def test_processor_refuses_a_batch_counted_on_another_readback():
     processor = OutputProcessor()
     with pytest.raises(ValueError, match=r"different Readback"):
-        processor.apply(_batch([1], ("a",), Readback()), lambda r, t: None)
+        _process(processor, _batch([1], ("a",), Readback()))
     assert processor.num_steps == 0
 
 
@@ -237,8 +253,8 @@ def test_processor_uses_the_readback_it_is_given_and_resets_it():
     readback = Readback()
     processor = OutputProcessor(readback)
     assert processor.readback is readback
-    processor.apply(_batch([1, 2], ("a", "b"), readback), lambda r, t: None)
-    processor.apply(_batch([3], ("a",), readback), lambda r, t: None)
+    _process(processor, _batch([1, 2], ("a", "b"), readback))
+    _process(processor, _batch([3], ("a",), readback))
     assert (processor.num_steps, readback.journeys, readback.elements) == (2, 2, 3)
     processor.reset()
     assert (processor.num_steps, readback.journeys, readback.elements) == (0, 0, 0)
@@ -268,3 +284,131 @@ def test_check_in_row_order_refuses_a_different_row_count():
 
 def test_row_order_mismatch_is_a_value_error():
     assert issubclass(RowOrderMismatch, ValueError)
+
+
+# --------------------------------------------------------------------------------------------
+# The stage's rules: stop ids, min_tokens, stop strings, overshoot, logprobs
+# --------------------------------------------------------------------------------------------
+
+
+class _Letters:
+    """A tokenizer stand-in: token t decodes to chr(ord('a') + t - 10); 0..9 are special."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + i - 10) for i in ids if i >= 10)
+
+
+def _request(request_id: str, **params) -> Request:
+    from nanoserve.detokenize import IncrementalDetokenizer
+
+    request = Request(request_id, [1], SamplingParams(temperature=0.0, **params), frozenset({2}), arrival_time=0.0)
+    request.detokenizer = IncrementalDetokenizer(_Letters())
+    return request
+
+
+def _step(processor: OutputProcessor, requests: list[Request], ids: list[int], logprobs=None):
+    batch = TokenBatch(torch.tensor(ids), tuple(r.request_id for r in requests), processor.readback, logprobs)
+    return processor.process(batch, requests)
+
+
+def test_a_stop_token_finishes_only_after_min_tokens():
+    processor = OutputProcessor()
+    early = _request("early", max_tokens=10)
+    late = _request("late", max_tokens=10, min_tokens=2)
+    result = _step(processor, [early, late], [2, 2])  # EOS for both: "late" has 1 < min_tokens
+    assert [(o.request_id, o.finished, o.finish_reason) for o in result.outputs] == [
+        ("early", True, "stop"), ("late", False, None)]
+    assert result.finished == [early]
+    result = _step(processor, [late], [2])
+    assert result.finished == [late] and result.outputs[0].token_ids == [2, 2]
+
+
+def test_a_stop_string_cuts_the_text_before_the_match_and_names_it():
+    processor = OutputProcessor()
+    request = _request("r", max_tokens=10, stop=["cd"])
+    outs = [_step(processor, [request], [t]).outputs[0] for t in (10, 11, 12, 13)]  # a b c d
+    assert [o.text for o in outs[:3]] == ["a", "ab", "abc"]
+    assert (outs[3].text, outs[3].finished, outs[3].finish_reason, outs[3].stop_reason) == ("ab", True, "stop", "cd")
+
+
+def test_a_row_whose_request_finished_after_launch_is_overshoot_and_dropped():
+    processor = OutputProcessor()
+    done, live = _request("done", max_tokens=1), _request("live", max_tokens=5)
+    _step(processor, [done, live], [10, 11])
+    assert done.is_finished and done.output_token_ids == [10]
+    result = _step(processor, [done, live], [12, 13])  # "done" was still in the batch launched before
+    assert [o.request_id for o in result.outputs] == ["live"]
+    assert done.output_token_ids == [10] and live.output_token_ids == [11, 13]
+
+
+def test_logprobs_are_attached_from_their_own_journey():
+    processor = OutputProcessor()
+    request = _request("r", max_tokens=5, logprobs=1)
+    other = _request("o", max_tokens=5)
+    # Row 0 asks, k = 2 computed: [sampled logprob, 2 top values, 2 top ids]; it wants only its top 1.
+    packed = torch.tensor([[-0.5, -0.25, -0.5, 17.0, 12.0]])  # values exact in float32
+    result = _step(processor, [request, other], [12, 13], ([0], packed))
+    assert result.outputs[0].logprobs == [{17: -0.25, 12: -0.5}]  # its top 1, and the sampled token 12
+    assert result.outputs[1].logprobs is None
+    assert processor.readback.journeys == 2  # the tokens, then the logprobs
+
+
+# --------------------------------------------------------------------------------------------
+# The journey home on a GPU: a pinned, non-blocking copy started at build, waited on in collect
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_cpu_batch_starts_no_copy_and_reads_its_tensor_at_resolve(counted_tolist):
+    tokens = torch.tensor([4, 5])
+    copy = HostCopy(tokens)
+    assert copy.host is None and copy.event is None and copy.wait() is tokens
+    assert counted_tolist["tolist"] == 0
+    assert _batch([4, 5], ("a", "b")).resolve() == [4, 5]
+    assert counted_tolist["tolist"] == 1
+
+
+def test_a_cuda_batch_copies_into_pinned_memory_then_waits_on_its_event_only(monkeypatch):
+    calls: list[str] = []
+
+    class FakeEvent:
+        def record(self):
+            calls.append("event.record")
+
+        def synchronize(self):
+            calls.append("event.synchronize")
+
+    class FakeHost:
+        def copy_(self, src, non_blocking=False):
+            calls.append(f"copy_(non_blocking={non_blocking})")
+
+        def tolist(self):
+            calls.append("host.tolist")
+            return [7, 8]
+
+    class FakeCudaTensor:
+        device = torch.device("cuda", 0)
+        shape = (2,)
+        dtype = torch.int64
+
+        def tolist(self):
+            raise AssertionError("the device tensor itself must not be read")
+
+    def fake_empty(shape, dtype, pin_memory=False):
+        calls.append(f"empty(pin_memory={pin_memory})")
+        return FakeHost()
+
+    monkeypatch.setattr(torch, "empty", fake_empty)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    copy = HostCopy(FakeCudaTensor())
+    assert calls == ["empty(pin_memory=True)", "copy_(non_blocking=True)", "event.record"]
+    assert Readback().fetch(copy) == [7, 8]
+    assert calls[3:] == ["event.synchronize", "host.tolist"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_real_cuda_batch_resolves_through_pinned_memory():
+    tokens = torch.tensor([3, 1, 4], device="cuda")
+    batch = TokenBatch(tokens, ("a", "b", "c"), Readback())
+    assert batch._copies[0].host.is_pinned()
+    assert batch.resolve() == [3, 1, 4]
