@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from nanoserve.blocks import BlockAllocator
 from nanoserve.config import EngineConfig
@@ -18,12 +19,13 @@ from nanoserve.inputs import build_inputs
 from nanoserve.model.kv_cache import KVCache, bytes_per_block
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.prepare import prepare_model
-from nanoserve.output_processor import OutputProcessor, TokenBatch, make_output
+from nanoserve.output_processor import OutputProcessor, make_output
 from nanoserve.params import SamplingParams
+from nanoserve.readback import TokenBatch
 from nanoserve.recorder import NULL_RECORDER
-from nanoserve.request import FinishReason, Request, RequestOutput
+from nanoserve.request import FinishReason, Request, RequestOutput, check_request, prompt_token_ids
 from nanoserve.sampling import BatchedSampler, RowHistory, packed_logprobs
-from nanoserve.scheduler import Scheduler, SchedulerOutput, cdiv
+from nanoserve.scheduler import Scheduler, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -109,23 +111,10 @@ class Engine:
                 max_model_len, a request the whole KV pool could not hold, or a duplicate id.
         """
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop={params.stop!r} needs a tokenizer; this engine has none")
-        token_ids = self._tokenize(prompt)
-        vocab = self.model.config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds max_model_len={self.max_model_len}")
-        blocks = cdiv(total, self.config.block_size)
-        if blocks > self.allocator.num_blocks:
-            raise ValueError(f"request needs {blocks} KV blocks at full length, the whole pool has "
-                             f"{self.allocator.num_blocks}")
+        token_ids = prompt_token_ids(prompt, self.tokenizer)
+        check_request(token_ids, params, has_tokenizer=self.tokenizer is not None,
+                      vocab_size=self.model.config.vocab_size, max_model_len=self.max_model_len,
+                      block_size=self.config.block_size, num_blocks=self.allocator.num_blocks)
         if request_id is None:
             request_id = str(next(self._ids))
             while self._in_use(request_id, params.n):  # a caller may have chosen the next number already
@@ -149,19 +138,6 @@ class Engine:
         """Whether `request_id` (an id add_request returned, or one copy's of an n > 1 group) has
         anything left to finish."""
         return request_id in self.requests or request_id in self.scheduler.groups
-
-    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty: it needs at least 1 token")
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; this engine has none, pass token ids")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = [int(t) for t in prompt]
-        if not token_ids:
-            raise ValueError("prompt is empty: it needs at least 1 token")
-        return token_ids
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Stops a request, or every unfinished copy of an n > 1 group, and returns their blocks to
@@ -319,11 +295,7 @@ class Engine:
             raise
         pending = set(ids)
         final: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
         while pending:
             if not self.has_unfinished():
                 raise RuntimeError(f"requests {sorted(pending)} vanished without finishing")
@@ -331,8 +303,6 @@ class Engine:
                 if out.finished and out.request_id in pending:
                     final[out.request_id] = out
                     pending.discard(out.request_id)
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+                    bar.update(1)
+        bar.close()
         return [final[i] for i in ids]

@@ -6,7 +6,7 @@ import torch
 
 from nanoserve.model.attention import AttentionMetadata, DecodeGroup, PrefillRun
 from nanoserve.model.llama import ModelInputs
-from nanoserve.output_processor import TokenBatch
+from nanoserve.readback import TokenBatch
 from nanoserve.scheduler import SchedulerOutput
 
 

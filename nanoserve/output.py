@@ -1,6 +1,7 @@
 """The seeds' `nanoserve.output`: the readback layer and its arithmetic, re-exported from where they live.
 
-`Readback`, `TokenBatch`, `OutputProcessor` and `check_in_row_order` are the engine's output stage
+`Readback`, `TokenBatch` and `check_in_row_order` are how tokens come home (`nanoserve.readback`), `OutputProcessor`
+the engine's output stage
 (`nanoserve.output_processor`); the sync-cost arithmetic and syncbench's table are an instrument
 (`nanoserve.instruments.sync`), and so are measuring a journey and the gates
 (`nanoserve.instruments.sync_gates`).
@@ -29,8 +30,8 @@ from nanoserve.instruments.sync_gates import (  # noqa: F401
     check_single_transfer,
     measure_transfer_s,
 )
-from nanoserve.output_processor import (  # noqa: F401
-    OutputProcessor,
+from nanoserve.output_processor import OutputProcessor  # noqa: F401
+from nanoserve.readback import (  # noqa: F401
     Readback,
     RowOrderMismatch,
     TokenBatch,

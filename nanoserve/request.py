@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,3 +156,47 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None  # per output token: sampled and top-k token -> logprob
     parent_id: str | None = None  # n > 1: the id add_request returned; request_id is f"{parent_id}.{index}"
     index: int = 0  # n > 1: which completion of the prompt
+
+
+def prompt_token_ids(prompt: str | Sequence[int], tokenizer: Any) -> list[int]:
+    """The prompt as token ids: a string is encoded by the tokenizer, ids are taken as given.
+
+    Raises:
+        ValueError: an empty prompt, or text with no tokenizer to encode it.
+    """
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty: it needs at least 1 token")
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; this engine has none, pass token ids")
+        token_ids = tokenizer.encode(prompt)
+    else:
+        token_ids = [int(t) for t in prompt]
+    if not token_ids:
+        raise ValueError("prompt is empty: it needs at least 1 token")
+    return token_ids
+
+
+def check_request(token_ids: list[int], params: SamplingParams, *, has_tokenizer: bool, vocab_size: int,
+                  max_model_len: int, block_size: int, num_blocks: int) -> None:
+    """Refuses, at the door, a request the engine could never finish.
+
+    Raises:
+        ValueError: params that are not SamplingParams, stop strings with no tokenizer, a token id
+            outside the vocabulary, prompt plus max_tokens over max_model_len, or a request the
+            whole KV pool could not hold at its full length.
+    """
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+    if params.stop and not has_tokenizer:
+        raise ValueError(f"stop={params.stop!r} needs a tokenizer; this engine has none")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    total = len(token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                         f"exceeds max_model_len={max_model_len}")
+    blocks = -(-total // block_size)
+    if blocks > num_blocks:
+        raise ValueError(f"request needs {blocks} KV blocks at full length, the whole pool has {num_blocks}")

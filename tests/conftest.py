@@ -168,3 +168,14 @@ def hf_default(default_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def process_batch(processor, batch) -> list[tuple[str, int]]:
+    """Runs one TokenBatch through an OutputProcessor with a fresh request per row (greedy, room for
+    100 tokens); returns (request id, the token it received) per output, in row order."""
+    from nanoserve.params import SamplingParams
+    from nanoserve.request import Request
+
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    owners = [Request(r, [1], params, frozenset({2}), arrival_time=0.0) for r in batch.request_ids]
+    return [(o.request_id, o.token_ids[-1]) for o in processor.process(batch, owners).outputs]

@@ -10,43 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ReadbackHappened
+from conftest import ReadbackHappened, process_batch
 
 from nanoserve.instruments.sync_gates import NotSingleTransfer, check_device_resident, check_single_transfer
-from nanoserve.output_processor import (
-    HostCopy,
-    OutputProcessor,
-    Readback,
-    RowOrderMismatch,
-    TokenBatch,
-    check_in_row_order,
-)
+from nanoserve.output_processor import OutputProcessor
 from nanoserve.params import SamplingParams
+from nanoserve.readback import HostCopy, Readback, RowOrderMismatch, TokenBatch, check_in_row_order
 from nanoserve.request import Request
 
 
 def _batch(ids: list[int], request_ids: tuple[str, ...], readback: Readback | None = None) -> TokenBatch:
     return TokenBatch(torch.tensor(ids, dtype=torch.int64), request_ids, readback or Readback())
-
-
-REQUESTS: dict[str, Request] = {}
-
-
-def _owners(request_ids: tuple[str, ...]) -> list[Request]:
-    """Requests for the ids, made on first use and kept across steps (each may take 100 tokens)."""
-    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
-    return [REQUESTS.setdefault(r, Request(r, [1], params, frozenset({2}), arrival_time=0.0)) for r in request_ids]
-
-
-@pytest.fixture(autouse=True)
-def fresh_requests():
-    REQUESTS.clear()
-
-
-def _process(processor: OutputProcessor, batch: TokenBatch) -> list[tuple[str, int]]:
-    """(request id, the token it received) per output of one processed step."""
-    result = processor.process(batch, _owners(batch.request_ids))
-    return [(o.request_id, o.token_ids[-1]) for o in result.outputs]
 
 
 @pytest.mark.parametrize(
@@ -185,7 +159,7 @@ def test_token_batch_refuses_what_is_not_a_rows_int64_tensor(tokens, pattern):
 
 def test_processor_hands_each_row_to_its_owner_in_row_order():
     processor = OutputProcessor()
-    seen = _process(processor, _batch([40, 41, 42], ("r2", "r0", "r1"), processor.readback))
+    seen = process_batch(processor, _batch([40, 41, 42], ("r2", "r0", "r1"), processor.readback))
     assert seen == [("r2", 40), ("r0", 41), ("r1", 42)]
 
 
@@ -200,7 +174,7 @@ def test_processor_counts_exactly_one_transfer_per_step(counted_tolist):
     steps = [([1, 2, 3], ("a", "b", "c")), ([4, 5], ("a", "c")), ([6], ("c",)), ([7, 8], ("c", "d"))]
     seen: list[tuple[str, int]] = []
     for ids, owners in steps:
-        seen += _process(processor, _batch(ids, owners, processor.readback))
+        seen += process_batch(processor, _batch(ids, owners, processor.readback))
     assert counted_tolist["tolist"] == 4
     assert processor.num_steps == 4
     assert processor.readback.journeys == 4
@@ -214,7 +188,7 @@ def test_processor_does_not_pay_again_for_a_batch_already_resolved():
     processor = OutputProcessor()
     batch = _batch([3, 4], ("a", "b"), processor.readback)
     batch.resolve()  # a log line got there first
-    _process(processor, batch)
+    process_batch(processor, batch)
     assert processor.readback.journeys == 1
     assert processor.transfers_per_step == 1.0
 
@@ -225,7 +199,7 @@ def test_processor_rate_sees_a_readback_made_elsewhere():
     for step in range(3):
         batch = _batch([step, step + 1], ("a", "b"), processor.readback)
         processor.readback.fetch(batch.tokens)
-        _process(processor, batch)
+        process_batch(processor, batch)
     assert processor.readback.journeys == 6
     assert processor.transfers_per_step == 2.0  # 6 / 3
     with pytest.raises(NotSingleTransfer, match=r"transfers_per_step=2.0 \(6 journeys over 3 steps\)"):
@@ -234,8 +208,8 @@ def test_processor_rate_sees_a_readback_made_elsewhere():
 
 def test_processor_skips_an_empty_batch_without_a_journey_or_a_step():
     processor = OutputProcessor()
-    _process(processor, _batch([1], ("a",), processor.readback))
-    calls = _process(processor, TokenBatch(torch.empty(0, dtype=torch.int64), (), processor.readback))
+    process_batch(processor, _batch([1], ("a",), processor.readback))
+    calls = process_batch(processor, TokenBatch(torch.empty(0, dtype=torch.int64), (), processor.readback))
     assert calls == []
     assert processor.num_steps == 1
     assert processor.readback.journeys == 1
@@ -245,7 +219,7 @@ def test_processor_skips_an_empty_batch_without_a_journey_or_a_step():
 def test_processor_refuses_a_batch_counted_on_another_readback():
     processor = OutputProcessor()
     with pytest.raises(ValueError, match=r"different Readback"):
-        _process(processor, _batch([1], ("a",), Readback()))
+        process_batch(processor, _batch([1], ("a",), Readback()))
     assert processor.num_steps == 0
 
 
@@ -253,8 +227,8 @@ def test_processor_uses_the_readback_it_is_given_and_resets_it():
     readback = Readback()
     processor = OutputProcessor(readback)
     assert processor.readback is readback
-    _process(processor, _batch([1, 2], ("a", "b"), readback))
-    _process(processor, _batch([3], ("a",), readback))
+    process_batch(processor, _batch([1, 2], ("a", "b"), readback))
+    process_batch(processor, _batch([3], ("a",), readback))
     assert (processor.num_steps, readback.journeys, readback.elements) == (2, 2, 3)
     processor.reset()
     assert (processor.num_steps, readback.journeys, readback.elements) == (0, 0, 0)

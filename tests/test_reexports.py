@@ -35,9 +35,8 @@ HOMES = {
             "MIN_MEASURABLE_S", "NotDeviceResident", "NotMeasurable", "NotSingleTransfer", "check_device_resident",
             "check_measurable", "check_single_transfer", "measure_transfer_s",
         ],
-        "nanoserve.output_processor": [
-            "OutputProcessor", "Readback", "RowOrderMismatch", "TokenBatch", "check_in_row_order",
-        ],
+        "nanoserve.output_processor": ["OutputProcessor"],
+        "nanoserve.readback": ["Readback", "RowOrderMismatch", "TokenBatch", "check_in_row_order"],
     },
     "nanoserve.baseline": {
         f"{INSTRUMENTS}.record": ["RunRecord"],

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import process_batch
 from test_output_processor import _batch
 
 from nanoserve.instruments.sync_gates import (
@@ -19,7 +20,8 @@ from nanoserve.instruments.sync_gates import (
     check_single_transfer,
     measure_transfer_s,
 )
-from nanoserve.output_processor import OutputProcessor, TokenBatch
+from nanoserve.output_processor import OutputProcessor
+from nanoserve.readback import TokenBatch
 
 
 def _fake_clock(readings: list[float]):
@@ -60,7 +62,7 @@ def test_check_single_transfer_passes_exactly_one():
     check_single_transfer(1.0)
     processor = OutputProcessor()
     for step in range(3):
-        processor.apply(_batch([step], ("a",), processor.readback), lambda r, t: None)
+        process_batch(processor, _batch([step], ("a",), processor.readback))
     check_single_transfer(processor)
 
 
@@ -78,7 +80,7 @@ def test_check_single_transfer_refuses_a_processor_with_no_steps():
 def test_check_single_transfer_refuses_one_extra_journey():
     processor = OutputProcessor()
     for step in range(4):
-        processor.apply(_batch([step], ("a",), processor.readback), lambda r, t: None)
+        process_batch(processor, _batch([step], ("a",), processor.readback))
     processor.readback.fetch(torch.tensor([0]))  # somebody's debug line
     with pytest.raises(NotSingleTransfer, match=r"transfers_per_step=1.25 \(5 journeys over 4 steps\)"):
         check_single_transfer(processor)
@@ -151,6 +153,6 @@ def test_on_cuda_the_transfer_is_measurable_and_the_batch_stays_resident():
     check_device_resident(tokens, f"cuda:{tokens.device.index}")
     processor = OutputProcessor()
     seen: list[tuple[str, int]] = []
-    processor.apply(TokenBatch(tokens, ("a", "b", "c"), processor.readback), lambda r, t: seen.append((r, t)))
+    seen += process_batch(processor, TokenBatch(tokens, ("a", "b", "c"), processor.readback))
     assert seen == [("a", 3), ("b", 1), ("c", 2)]
     check_single_transfer(processor)
