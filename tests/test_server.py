@@ -383,22 +383,23 @@ def test_metrics_text_format():
 
     sm = ServerMetrics()
     out = RequestOutput("r", [1, 2, 3], [7, 8, 9], "", True, "length", arrival_time=10.0, first_scheduled_time=10.0,
-                        first_token_time=10.03, finished_time=10.39, token_times=[10.03, 10.21, 10.39])
+                        first_token_time=10.03, finished_time=10.39, token_times=[10.03, 10.21, 10.39],
+                        running_s=0.39)
     sm.observe_finished(out)
     sm.observe_finished(RequestOutput("a", [1], [], "", True, "abort", 5.0, None, None, 6.0))
     text = sm.render(EngineStats(num_running=2, num_waiting=1, num_free_blocks=5, num_total_blocks=8, num_steps=0))
-    lines = text.splitlines()
-    assert 'nanoserve_requests_finished_total{finish_reason="length"} 1' in lines
-    assert 'nanoserve_requests_finished_total{finish_reason="abort"} 1' in lines
-    assert "nanoserve_prompt_tokens_total 4" in lines and "nanoserve_generation_tokens_total 3" in lines
-    assert "nanoserve_kv_blocks_used 3" in lines and "nanoserve_num_requests_waiting 1" in lines
+    lines = text.splitlines()  # prometheus_client writes every sample value as a float
+    assert 'nanoserve_requests_finished_total{finish_reason="length"} 1.0' in lines
+    assert 'nanoserve_requests_finished_total{finish_reason="abort"} 1.0' in lines
+    assert "nanoserve_prompt_tokens_total 4.0" in lines and "nanoserve_generation_tokens_total 3.0" in lines
+    assert "nanoserve_kv_blocks_used 3.0" in lines and "nanoserve_num_requests_waiting 1.0" in lines
     # TTFT 0.03 s falls in le=0.04 and above; TPOT (0.39 - 0.03) / 2 = 0.18 in le=0.2; E2E 0.39 in le=0.5.
-    assert 'nanoserve_time_to_first_token_seconds_bucket{le="0.02"} 0' in lines
-    assert 'nanoserve_time_to_first_token_seconds_bucket{le="0.04"} 1' in lines
-    assert 'nanoserve_time_to_first_token_seconds_bucket{le="+Inf"} 1' in lines
-    assert 'nanoserve_time_per_output_token_seconds_bucket{le="0.15"} 0' in lines
-    assert 'nanoserve_time_per_output_token_seconds_bucket{le="0.2"} 1' in lines
-    assert 'nanoserve_e2e_request_latency_seconds_bucket{le="0.3"} 0' in lines
-    assert 'nanoserve_e2e_request_latency_seconds_bucket{le="0.5"} 1' in lines
-    assert "nanoserve_e2e_request_latency_seconds_count 1" in lines  # the abort is not an E2E
+    assert 'nanoserve_time_to_first_token_seconds_bucket{le="0.02"} 0.0' in lines
+    assert 'nanoserve_time_to_first_token_seconds_bucket{le="0.04"} 1.0' in lines
+    assert 'nanoserve_time_to_first_token_seconds_bucket{le="+Inf"} 1.0' in lines
+    assert 'nanoserve_time_per_output_token_seconds_bucket{le="0.15"} 0.0' in lines
+    assert 'nanoserve_time_per_output_token_seconds_bucket{le="0.2"} 1.0' in lines
+    assert 'nanoserve_e2e_request_latency_seconds_bucket{le="0.3"} 0.0' in lines
+    assert 'nanoserve_e2e_request_latency_seconds_bucket{le="0.5"} 1.0' in lines
+    assert "nanoserve_e2e_request_latency_seconds_count 1.0" in lines  # the abort is not an E2E
     assert "# TYPE nanoserve_time_to_first_token_seconds histogram" in lines

@@ -5,14 +5,11 @@ A speedup is a product of two factors, and only one of them is the scheduler's:
     throughput = batch occupancy  x tokens per slot-second      (what the box did)
     throughput = system occupancy x tokens per request-second   (what the caller got)
 
-batch occupancy = sum(served_s) / wall is the mean number of rows actually holding a slot;
-system occupancy = sum(e2e_s) / wall also counts requests sitting on the queue doing nothing, so it
-reads 4.83 on an offline run at ONE slot, and a gate on it would wave through a run with no
-batching in it: `check_serial` and `check_concurrent` read batch occupancy. Both identities hold
-exactly in arithmetic (each side is tokens / wall with one factor cancelled), so in floats they
-agree to rounding. `compare` refuses a pair that disagree on request count, prompt lengths, output
-lengths or output tokens: a run that said something else prints a beautiful number either way.
-The tables and the slot sweep's doublings are in `nanoserve.instruments.sweep`.
+batch occupancy = sum(served_s) / wall is the mean number of rows holding a slot; system occupancy =
+sum(e2e_s) / wall also counts queued requests, so it reads 4.83 on an offline run at ONE slot: the
+gates read batch occupancy. Both identities hold exactly in arithmetic, so in floats they agree to
+rounding. `compare` refuses a pair that did different work: a run that said something else prints
+a beautiful number either way. The tables and a slot sweep's doublings are in `instruments.sweep`.
 """
 
 from __future__ import annotations
@@ -183,11 +180,8 @@ class Comparison:
 
     @property
     def prefill_speedup(self) -> float:
-        """Baseline mean prefill / candidate mean prefill (> 1: the candidate's prompt forward is faster).
-
-        A serial baseline's TTFT is its prefill, so this puts it next to the engine's prefill rather
-        than the engine's loaded TTFT, which is mostly queue.
-        """
+        """Baseline mean prefill / candidate mean prefill (> 1: the candidate's prompt forward is faster);
+        a serial baseline's TTFT is its prefill, the engine's loaded TTFT is mostly queue."""
         return self.baseline.mean_prefill_s / self.candidate.mean_prefill_s
 
     def as_row(self) -> dict[str, float | int | str]:
@@ -254,6 +248,7 @@ def _check_within_wall(run: SystemRun) -> None:
             "the wall clock must cover every request"
         )
 
+
 def check_serial(run: SystemRun, tolerance: float = 0.05) -> SystemRun:
     """Refuse a 'serial' run that was not one: requests must not overlap, and batch occupancy ~1.
 
@@ -282,14 +277,13 @@ def check_serial(run: SystemRun, tolerance: float = 0.05) -> SystemRun:
         )
     return run
 
+
 def check_concurrent(run: SystemRun, tolerance: float = 0.05) -> SystemRun:
     """Refuse a batched run whose batch occupancy says it did not batch, or could not have.
 
     Gates on batch occupancy (slot-seconds / wall), never on system occupancy, which counts queued
-    requests and reads well above 1 on an offline run at one slot.
-
-    With more than one slot and more than one request the batch occupancy must exceed
-    1 + tolerance; at any slot count it must not exceed slots x (1 + tolerance).
+    requests and reads well above 1 on an offline run at one slot. With more than one slot and more
+    than one request batch occupancy must exceed 1 + tolerance; it never may exceed slots x (1 + tolerance).
 
     Raises:
         RunUnsound: the records do not fit in the wall clock, batch occupancy is above the slot

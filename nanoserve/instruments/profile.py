@@ -38,6 +38,7 @@ def _sum_phases(name: str, phases: list[Phase], divisor: int) -> Phase:
         any(p.syncs for p in phases),
     )
 
+
 @dataclass(frozen=True)
 class StepProfile:
     """A set of steps read together. Per-step quantities are means over `samples`.

@@ -22,14 +22,18 @@ _EVENT_RESOLUTION_S = 2e-6  # CUDA event timestamps are ~0.5us apart; device-ove
 class NotWarmedUp(ProfileUnsound):
     """Still holds the first steps: context creation, allocator growth, autotuning."""
 
+
 class Unaccounted(ProfileUnsound):
     """Phases do not add up to the steps: it ranks where timers were put."""
+
 
 class Unattributable(ProfileUnsound):
     """Host time taken around async launches: compute billed to whatever synchronises next."""
 
+
 class NotDeviceTimed(ProfileUnsound):
     """No device clock: every second reads as overhead and every ceiling as infinite."""
+
 
 def check_warmed_up(profile: StepProfile, min_warmup: int = 1) -> None:
     """Refuses a profile that still contains the run's first steps.
@@ -48,6 +52,7 @@ def check_warmed_up(profile: StepProfile, min_warmup: int = 1) -> None:
             f"profile dropped warmup={profile.warmup} steps, below the minimum {min_warmup}: "
             "its first steps measure start-up, not the loop"
         )
+
 
 def check_accounted(profile: StepProfile, tolerance: float = 0.02) -> None:
     """Refuses a profile whose phases do not add up to its steps.
@@ -71,6 +76,7 @@ def check_accounted(profile: StepProfile, tolerance: float = 0.02) -> None:
             f"outside 100% +/- {tolerance:.2%}"
         )
 
+
 def check_attributable(profile: StepProfile, tolerance: float = 0.05) -> None:
     """Refuses a profile in which a phase's device time exceeds its host time.
 
@@ -92,6 +98,7 @@ def check_attributable(profile: StepProfile, tolerance: float = 0.05) -> None:
                     f"step {index} phase {phase.name!r}: device {phase.device_s:.6g} s exceeds host "
                     f"{phase.host_s:.6g} s by more than {tolerance:.0%}; time the host after a sync"
                 )
+
 
 def check_device_timed(profile: StepProfile) -> None:
     """Refuses to price an optimisation from a profile with no device clock (any CPU run).
@@ -124,8 +131,10 @@ def bar(fraction: float, width: int = 20) -> str:
     filled = round(fraction * width)
     return "#" * filled + "." * (width - filled)
 
+
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.3f}ms"
+
 
 def render(profile: StepProfile, width: int = 20) -> str:
     """The step as a text table: each phase's mean host, device, overhead and share of the step,
@@ -154,6 +163,7 @@ def render(profile: StepProfile, width: int = 20) -> str:
         f"model {recommended_model(profile)}"
     )
     return "\n".join(lines)
+
 
 def render_sweep(profiles: Mapping[int, StepProfile]) -> str:
     """One row per slot count: step, forward, loop, loop/token and loop share (the seed's sweep table)."""

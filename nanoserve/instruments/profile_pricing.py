@@ -47,6 +47,7 @@ def amdahl(fraction: float, factor: float) -> float:
     remaining = (1.0 - fraction) + fraction / factor
     return math.inf if remaining == 0.0 else 1.0 / remaining
 
+
 def step_time_under(overhead_s: float, device_s: float, model: str = SERIAL) -> float:
     """One step's time under an overlap model.
 
@@ -68,6 +69,7 @@ def step_time_under(overhead_s: float, device_s: float, model: str = SERIAL) -> 
         return max(overhead_s, device_s)
     raise ValueError(f"model={model!r} is not one of {MODELS}")
 
+
 def recommended_model(profile: StepProfile | Iterable[Phase]) -> str:
     """Serial if any phase syncs, else overlapped: a fact about the code, not a choice.
 
@@ -78,6 +80,7 @@ def recommended_model(profile: StepProfile | Iterable[Phase]) -> str:
     """
     phases = profile.phase_totals.values() if isinstance(profile, StepProfile) else profile
     return SERIAL if any(p.syncs for p in phases) else OVERLAPPED
+
 
 def check_model_applies(profile: StepProfile, model: str) -> None:
     """Refuses an overlap model the code does not follow.
@@ -98,11 +101,13 @@ def check_model_applies(profile: StepProfile, model: str) -> None:
             f"model={model!r} but the profile calls for {expected!r} (syncing phases: {syncing})"
         )
 
+
 def _resolve_model(profile: StepProfile, model: str | None) -> str:
     if model is None:
         return recommended_model(profile)
     check_model_applies(profile, model)
     return model
+
 
 def speedup_if(
     profile: StepProfile,
@@ -149,6 +154,7 @@ def speedup_if(
     new = step_time_under(new_overhead, profile.device_s, model)
     return math.inf if new == 0.0 else old / new
 
+
 def loop_overhead_s(profile: StepProfile, *, per_token: bool = False) -> float:
     """Mean host seconds per step of every phase but forward, told apart by name, not clock.
 
@@ -170,6 +176,7 @@ def loop_overhead_s(profile: StepProfile, *, per_token: bool = False) -> float:
         raise ValueError("profile sampled 0 rows; loop per token is undefined")
     return loop / profile.mean_rows
 
+
 def step_with_compute(profile: StepProfile, forward_s: float, *, model: str | None = None) -> float:
     """Projects the step with a different forward under this measured loop (a projection).
 
@@ -189,6 +196,7 @@ def step_with_compute(profile: StepProfile, forward_s: float, *, model: str | No
     if forward_s < 0.0:
         raise ValueError(f"forward_s={forward_s} must be >= 0")
     return step_time_under(loop_overhead_s(profile), forward_s, _resolve_model(profile, model))
+
 
 def project_point(profile: StepProfile, slots: int, *, forward_s: float | None = None) -> tuple[float, float]:
     """The profile as one point on the latency-versus-throughput curve.

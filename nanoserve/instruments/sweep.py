@@ -24,6 +24,7 @@ class Doubling:
         """'worth it' when the doubling raised throughput, else 'not worth it'."""
         return "worth it" if self.throughput_ratio > 1.0 else "not worth it"
 
+
 def marginal_doublings(runs: Sequence[SystemRun]) -> list[Doubling]:
     """The return on each doubling of a slot sweep; the knee is where throughput_ratio crosses 1.
 
@@ -81,6 +82,7 @@ def render(comparisons: Sequence[Comparison]) -> str:
     for c in comparisons:
         lines.append(row(c.candidate, c.speedup, c.per_slot_gain, c.prefill_speedup))
     return "\n".join(lines)
+
 
 def render_doublings(doublings: Sequence[Doubling]) -> str:
     """The marginal table: per doubling, how far per-slot-second fell, the throughput ratio, a verdict."""

@@ -27,6 +27,7 @@ def _check_strategy(strategy: str) -> None:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
 
+
 def syncs_per_step(rows: int, strategy: str, window: int = 1, *, num_greedy: int = 0) -> float:
     """Blocking synchronisations one step makes on the critical path.
 
@@ -68,6 +69,7 @@ def syncs_per_step(rows: int, strategy: str, window: int = 1, *, num_greedy: int
         return 1.0
     return float(rows - num_greedy + (1 if num_greedy else 0))
 
+
 def overshoot_tokens(strategy: str, window: int = 1) -> int:
     """Tokens a request may generate past its stop condition before the host sees the stop.
 
@@ -88,6 +90,7 @@ def overshoot_tokens(strategy: str, window: int = 1) -> int:
     if window < 1:
         raise ValueError(f"window={window} must be >= 1")
     return window if strategy == "deferred" else 0
+
 
 def readback_s(syncs: float, per_transfer_s: float) -> float:
     """Seconds a step spends stopped on readbacks: the count times the fixed cost of one.
@@ -110,6 +113,7 @@ def readback_s(syncs: float, per_transfer_s: float) -> float:
     if not (math.isfinite(per_transfer_s) and per_transfer_s >= 0):
         raise ValueError(f"per_transfer_s={per_transfer_s} must be finite and >= 0")
     return syncs * per_transfer_s
+
 
 def saving_per_step(
     rows: int,
@@ -141,6 +145,7 @@ def saving_per_step(
     syncs_before = syncs_per_step(rows, before, window, num_greedy=num_greedy)
     syncs_after = syncs_per_step(rows, after, window, num_greedy=num_greedy)
     return readback_s(syncs_before, per_transfer_s) - readback_s(syncs_after, per_transfer_s)
+
 
 def strategy_speedup(
     step_s: float,
@@ -179,6 +184,7 @@ def strategy_speedup(
     )
     return step_s / (step_s - saving)
 
+
 def sample_ceiling(step_s: float, sample_s: float) -> float:
     """The most a step can speed up by making the sample phase free (the profiler's
     ``speedup_if(profile, eliminate=("sample",))`` for one phase, as two floats).
@@ -203,6 +209,7 @@ def sample_ceiling(step_s: float, sample_s: float) -> float:
         raise ValueError(f"sample_s={sample_s} must be in [0, step_s={step_s})")
     return step_s / (step_s - sample_s)
 
+
 @dataclass(frozen=True)
 class SyncMeasurement:
     """The sample phase timed both ways over one logits tensor: one row of syncbench."""
@@ -226,6 +233,7 @@ class SyncMeasurement:
         return self.per_row_s / self.one_tensor_s
 
 _HEADER = "slots   params      per row    one tensor    faster    syncs before/after"
+
 
 def render(measurements: Sequence[SyncMeasurement]) -> str:
     """The syncbench table: one line per measurement under a header, times in ms.

@@ -1,7 +1,7 @@
 """Measuring one readback journey, and the gates that refuse a sync number this machine cannot
 honestly produce, each raising its own ``ValueError`` subclass: ``check_single_transfer``,
 ``check_device_resident`` and ``check_measurable`` (``check_in_row_order`` lives with the batch it
-checks, in ``nanoserve.output_processor``). The arithmetic they guard is ``nanoserve.instruments.sync``.
+checks, in ``nanoserve.readback``). The arithmetic they guard is ``nanoserve.instruments.sync``.
 """
 
 from __future__ import annotations
@@ -63,14 +63,18 @@ def measure_transfer_s(
         times.append(clock() - start)
     return statistics.median(times)
 
+
 class NotSingleTransfer(ValueError):
     """The synchronous loop read back more (or fewer) than once per step."""
+
 
 class NotDeviceResident(ValueError):
     """The sampler's output already came home, or is not a [rows] int64 tensor on the device."""
 
+
 class NotMeasurable(ValueError):
     """A sync saving was asked to be priced from a machine that cannot see it."""
+
 
 def check_single_transfer(source: OutputProcessor | float) -> None:
     """Refuse a synchronous loop that does not read back exactly once per step.
@@ -95,6 +99,7 @@ def check_single_transfer(source: OutputProcessor | float) -> None:
         raise NotSingleTransfer(
             f"transfers_per_step={rate}{detail} must be exactly 1.0 for the synchronous loop"
         )
+
 
 def check_device_resident(tensor: object, device: str | torch.device) -> None:
     """Refuse sampler output that is not a ``[rows]`` int64 tensor on the forward's device.
@@ -125,6 +130,7 @@ def check_device_resident(tensor: object, device: str | torch.device) -> None:
         raise NotDeviceResident(f"sampler output has dtype {tensor.dtype}, must be torch.int64")
     if tensor.dim() != 1:
         raise NotDeviceResident(f"sampler output has shape {tuple(tensor.shape)}, must be 1-D [rows]")
+
 
 def check_measurable(
     per_transfer_s: float, device: str | torch.device, *, resolution_s: float = MIN_MEASURABLE_S
