@@ -1,4 +1,4 @@
-"""profbench: one decode step taken apart, per slot count, on real weights (Day 46).
+"""profbench: one decode step taken apart, per slot count, on real weights.
 
 For each slot count B the engine serves B identical-shape requests at once (greedy, EOS ignored,
 fixed prompt and output length) with a StepRecorder attached. The first steps are dropped as

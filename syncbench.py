@@ -1,6 +1,6 @@
-"""syncbench: the sample phase two ways over one real logits tensor, and the readbacks it makes (Day 47).
+"""syncbench: the sample phase two ways over one real logits tensor, and the readbacks it makes.
 
-"per row" is the sampler as it was before Day 47, kept below as ``rowwise_sample``: a gather of the
+"per row" is a sampler that reads each sampled row home on its own, kept below as ``rowwise_sample``: a gather of the
 greedy rows then one ``.tolist()``, and one ``int(tensor)`` per sampled row. "one tensor" is
 ``BatchedSampler.sample_batch_device`` plus the single ``Readback.fetch`` that collect makes. Both
 run in this process, seconds apart, over the same ``[slots, vocab]`` logits taken from a real decode
@@ -89,12 +89,12 @@ def rowwise_sample(
     generators: list[torch.Generator | None] | None = None,
     default_generator: torch.Generator | None = None,
 ) -> list[int]:
-    """The per-row sampler as it was before Day 47, kept here as the "before" of a paired run.
+    """The per-row sampler, kept here as the "before" of a paired run.
 
     It lives in this script, not in nanoserve.sampling, so it cannot become a second path the
     engine might take, and the run refuses to print if it ever stops drawing the same tokens.
     The same maths as BatchedSampler (temperature, top-k/top-p/min-p on one sort, exponential
-    race), with the two costs Day 47 removed: greedy rows are gathered (``logits[greedy_rows]``
+    race), with the two costs the one-tensor sampler removes: greedy rows are gathered (``logits[greedy_rows]``
     copies [G, V] floats) before their argmax, and every sampled row comes home on its own
     ``int(tensor)``, one synchronisation each.
 

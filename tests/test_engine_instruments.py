@@ -79,7 +79,7 @@ def test_each_step_records_the_six_phases_in_order_with_the_hand_schedule():
     assert [len(t) for t in tokens] == [3, 3]
     for sample in recorder.samples:
         assert tuple(p.name for p in sample.phases) == PHASES
-        # Day 47 moved the readback off sample and onto collect: collect is the one syncing phase.
+        # The readback is in collect, not in sample: collect is the one syncing phase.
         assert [p.name for p in sample.phases if p.syncs] == ["collect"]
         assert all(p.device_s is None for p in sample.phases)  # a CPU has no second clock
         assert 0.0 < sample.accounted_s <= sample.host_s
@@ -193,7 +193,7 @@ def test_sample_reads_nothing_back_and_collect_reads_back_once_per_step(recorder
 
 
 def test_the_guard_around_sample_would_catch_a_readback(recorder):
-    # The same wrapper, over a _sample that reads its tokens home as the pre-Day-47 one did.
+    # The same wrapper, over a _sample that reads its tokens home row by row.
     engine = _engine(recorder)
     original = engine._sample
 

@@ -1,0 +1,119 @@
+"""commitbench: the decode step of two commits, timed as an interleaved pair on the default model.
+
+Each commit is checked out into its own git worktree and every measurement is a fresh child
+process that imports nanoserve from that tree, so the two sides share nothing but the machine.
+The children alternate (base, head, base, head, ...) round by round, and the report is the ratio
+of the medians, head / base: below 1.0 the head commit's step is faster.
+
+    python benchmarks/commitbench.py --base 5c0b1c5                # against the working tree
+    python benchmarks/commitbench.py --base 5c0b1c5 --head HEAD --slots 1 16 --rounds 4
+
+The child uses only the public API both commits must share (Engine.from_pretrained,
+EngineConfig, SamplingParams, add_request, step), in float32 with the engine's defaults otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from nanoserve.instruments.csv_writer import write_csv
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CHILD = r"""
+import json, sys, time
+import torch
+from nanoserve import Engine, EngineConfig, SamplingParams
+
+slots, steps, threads, prompt_len = (int(a) for a in sys.argv[1:5])
+torch.set_num_threads(threads)
+fields = EngineConfig.__dataclass_fields__
+config = EngineConfig(max_num_seqs=slots, max_model_len=1024,
+                      **({"dtype": "float32"} if "dtype" in fields else {}),
+                      **({"quantization": None} if "quantization" in fields else {}))
+engine = Engine.from_pretrained(None, config)
+params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+for i in range(slots):
+    engine.add_request([100 + (i * 7 + j) % 1000 for j in range(prompt_len)], params)
+while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+    engine.step()
+engine.step()  # the first decode: uncounted warm-up
+times = []
+for _ in range(steps):
+    start = time.perf_counter()
+    engine.step()
+    times.append(time.perf_counter() - start)
+print(json.dumps(times))
+"""
+
+
+def worktree(rev: str, into: Path) -> Path:
+    """A detached checkout of `rev` under `into`; "WORKTREE" is this tree as it stands."""
+    if rev == "WORKTREE":
+        return ROOT
+    path = into / rev.replace("/", "_")
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(path), rev],
+                   check=True, capture_output=True)
+    return path
+
+
+def step_times(tree: Path, slots: int, steps: int, threads: int, prompt_len: int) -> list[float]:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(slots), str(steps), str(threads), str(prompt_len)],
+                          cwd=tree, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child in {tree} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="the commit measured against")
+    parser.add_argument("--head", default="WORKTREE", help="a commit, or WORKTREE (default): this tree")
+    parser.add_argument("--slots", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--out", default="runs/commitbench.csv")
+    args = parser.parse_args()
+    for name in ("rounds", "steps", "prompt_len", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    with tempfile.TemporaryDirectory(prefix="commitbench-") as tmp:
+        trees = {"base": worktree(args.base, Path(tmp)), "head": worktree(args.head, Path(tmp))}
+        try:
+            times: dict[tuple[str, int], list[float]] = {}
+            for r in range(args.rounds):
+                for slots in args.slots:
+                    for side in (("base", "head") if r % 2 == 0 else ("head", "base")):
+                        times.setdefault((side, slots), []).extend(
+                            step_times(trees[side], slots, args.steps, args.threads, args.prompt_len))
+        finally:
+            for tree in trees.values():
+                if tree != ROOT:
+                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+                                   capture_output=True)
+    rows = []
+    print(f"commitbench: decode step, base {args.base} vs head {args.head}, {args.rounds} rounds x "
+          f"{args.steps} steps, {args.threads} threads, medians")
+    print(f"{'slots':>5} {'base ms':>10} {'head ms':>10} {'head/base':>10}")
+    for slots in args.slots:
+        base, head = statistics.median(times[("base", slots)]), statistics.median(times[("head", slots)])
+        print(f"{slots:>5} {base * 1e3:>10.2f} {head * 1e3:>10.2f} {head / base:>10.3f}")
+        rows.append({"base": args.base, "head": args.head, "slots": slots, "rounds": args.rounds,
+                     "steps": args.steps, "threads": args.threads, "base_step_ms": base * 1e3,
+                     "head_step_ms": head * 1e3, "head_over_base": head / base})
+    write_csv(args.out, rows)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
