@@ -4,7 +4,8 @@
 home, counted by its Readback), then does everything that needs the token as a Python int: append
 it, apply stop ids, stop strings and ``min_tokens``, detokenize, attach logprobs and build each
 :class:`RequestOutput`. It returns the outputs and the requests that finished; it never calls back
-into the engine. The sync-cost arithmetic and its gates are instruments: ``nanoserve.instruments.sync``.
+into the engine. The sync-cost arithmetic and its gates are instruments: ``nanoserve.instruments.sync``
+and ``nanoserve.instruments.sync_gates``.
 """
 
 from __future__ import annotations
