@@ -27,8 +27,7 @@ import dataclasses
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ import torch
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.instruments.csv_writer import write_csv
+from nanoserve.instruments.readback_guard import readbacks_counted
 from nanoserve.output import (
     NotMeasurable,
     Readback,
@@ -75,10 +75,6 @@ PROMPTS = (
     "Water boils at",
     "Dear hiring manager,",
 )
-
-# Every route by which a tensor's value reaches Python (repr goes through .item()).
-READBACK_ROUTES = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
-
 
 # ----------------------------------------------------------------------------- the "before" path
 
@@ -150,34 +146,6 @@ def _rowwise_filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.
 # ----------------------------------------------------------------------------- measuring
 
 
-@contextmanager
-def count_readbacks() -> Iterator[dict[str, int]]:
-    """Counts every call of each READBACK_ROUTES method of torch.Tensor while active.
-
-    Yields:
-        route name -> calls so far.
-    """
-    counts = dict.fromkeys(READBACK_ROUTES, 0)
-    originals = {name: getattr(torch.Tensor, name) for name in READBACK_ROUTES}
-
-    def counting(name: str) -> Callable[..., Any]:
-        original = originals[name]
-
-        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return original(self, *args, **kwargs)
-
-        return wrapper
-
-    try:
-        for name in READBACK_ROUTES:
-            setattr(torch.Tensor, name, counting(name))
-        yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -213,10 +181,10 @@ def time_pair(logits: torch.Tensor, params: list[SamplingParams], repeats: int, 
     def one_tensor() -> list[int]:
         return readback.fetch(sampler.sample_batch_device(logits, params, None, generator.manual_seed(seed)))
 
-    with count_readbacks() as counts:
+    with readbacks_counted(forbid=()) as counts:
         before = per_row()
     syncs_before = sum(counts.values())
-    with count_readbacks() as counts:
+    with readbacks_counted(forbid=()) as counts:
         after = one_tensor()
     syncs_after = sum(counts.values())
     if before != after:

@@ -4,13 +4,13 @@ SamplingParams factory and the readback guard (every route by which a tensor val
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from nanoserve import Engine, EngineConfig, SamplingParams
+from nanoserve.instruments.readback_guard import READBACK_ROUTES, ReadbackHappened, readbacks_counted  # noqa: F401
 from nanoserve.model import default
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.llama import LlamaModel
@@ -73,47 +73,6 @@ def make_tiny_engine(seed: int = 0, hf_overrides: dict | None = None, **config_o
 def greedy(max_tokens: int = 10, **overrides) -> SamplingParams:
     """Greedy SamplingParams that run to max_tokens (EOS ignored unless ignore_eos=False is passed)."""
     return SamplingParams(**({"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True} | overrides))
-
-
-# Every route by which a tensor's value becomes a Python value (repr goes through .item()).
-READBACK_ROUTES = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
-
-
-class ReadbackHappened(AssertionError):
-    """Raised by a patched tensor method: the code under test read a value home."""
-
-
-@contextmanager
-def readbacks_counted(forbid: Iterable[str] = READBACK_ROUTES) -> Iterator[dict[str, int]]:
-    """While active, each torch.Tensor method named in `forbid` raises ReadbackHappened and every
-    other READBACK_ROUTES method is counted. `forbid` may name further methods ("numpy", "cpu").
-
-    Yields:
-        method name -> calls so far (forbidden ones stay 0).
-    """
-    forbid = tuple(forbid)
-    names = tuple(dict.fromkeys(READBACK_ROUTES + forbid))
-    counts = dict.fromkeys(names, 0)
-    originals = {name: getattr(torch.Tensor, name) for name in names}
-
-    def patched(name: str):
-        original = originals[name]
-
-        def wrapper(self, *args, **kwargs):
-            if name in forbid:
-                raise ReadbackHappened(f"torch.Tensor.{name} was called")
-            counts[name] += 1
-            return original(self, *args, **kwargs)
-
-        return wrapper
-
-    try:
-        for name in names:
-            setattr(torch.Tensor, name, patched(name))
-        yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
 
 
 @pytest.fixture

@@ -23,34 +23,6 @@ def _batch(ids: list[int], request_ids: tuple[str, ...], readback: Readback | No
     return TokenBatch(torch.tensor(ids, dtype=torch.int64), request_ids, readback or Readback())
 
 
-@pytest.mark.parametrize(
-    "read",
-    [
-        lambda t: t.tolist(),
-        lambda t: t[0].item(),
-        lambda t: int(t[0]),
-        lambda t: float(t[0]),
-        lambda t: bool(t[0]),
-        lambda t: [10, 20, 30][t[0]],
-        repr,
-    ],
-    ids=["tolist", "item", "int", "float", "bool", "index", "repr"],
-)
-def test_no_readback_fixture_catches_every_route(no_readback, read):
-    tokens = torch.tensor([2, 1, 0], dtype=torch.int64)
-    with pytest.raises(ReadbackHappened):
-        read(tokens)
-
-
-def test_counted_tolist_fixture_counts_and_forbids_the_rest(counted_tolist):
-    tokens = torch.tensor([4, 5], dtype=torch.int64)
-    assert tokens.tolist() == [4, 5]
-    assert tokens.tolist() == [4, 5]
-    assert counted_tolist["tolist"] == 2
-    with pytest.raises(ReadbackHappened):
-        int(tokens[0])
-
-
 def test_readback_counts_journeys_and_elements():
     readback = Readback()
     assert (readback.journeys, readback.elements) == (0, 0)
