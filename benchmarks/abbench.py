@@ -1,16 +1,16 @@
 """abbench: one engine change, measured as a pair. Decode steps of a ragged batch are timed with
 the change off (A) and on (B), alternating A B A B ... in one process, and reported as a ratio.
 
-    python abbench.py --change groups     # length-grouped decode attention
-    python abbench.py --change deferred   # deferred output processing
-    python abbench.py --change compile    # torch.compile of the decoder layer against packed eager (warm-up apart)
-    python abbench.py --change packed     # matmul weights packed for oneDNN against plain F.linear
+    python benchmarks/abbench.py --change groups     # length-grouped decode attention
+    python benchmarks/abbench.py --change deferred   # deferred output processing
+    python benchmarks/abbench.py --change compile    # torch.compile of the decoder layer against packed eager (warm-up apart)
+    python benchmarks/abbench.py --change packed     # matmul weights packed for oneDNN against plain F.linear
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import os
 import random
 import statistics
@@ -20,44 +20,39 @@ from pathlib import Path
 import torch
 
 from nanoserve import Engine, EngineConfig, SamplingParams
-from nanoserve import inputs as inputs_module
 from nanoserve.instruments.csv_writer import write_csv
 
 CHANGES = ("groups", "deferred", "compile", "packed")
 
 
 def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
-    """`base` holds plain weights. Packing and compiling each change the model object, so every
-    engine gets a shallow copy (the same weight tensors until packed): A and B never share a change.
+    """An engine over `base`'s plain weights with `change` off (A) or on (B), every other setting equal.
+    Each engine prepares its own model from them (packed or compiled), so A and B never share a change.
     Compile is measured against the best eager engine, the packed one; packing against plain."""
     packed = {"packed": on, "compile": not on}.get(change, True)
     config = EngineConfig(max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192,
                           kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, pack_weights=packed,
                           deferred_output=(change == "deferred" and on), compile=(change == "compile" and on))
-    return Engine(copy.copy(base.model), base.tokenizer, config)
+    if change == "groups" and not on:  # decode rows attended as one group, never split by length
+        config = dataclasses.replace(config, decode_group_min_rows=None)
+    return Engine(base.model, base.tokenizer, config)
 
 
-def decode_step_times(engine: Engine, prompts: list[list[int]], steps: int, change: str, on: bool) -> list[float]:
+def decode_step_times(engine: Engine, prompts: list[list[int]], steps: int) -> list[float]:
     """Admits every prompt, finishes the prefills, then times `steps` decode steps."""
-    original = inputs_module.split_by_length
-    if change == "groups" and not on:
-        inputs_module.split_by_length = lambda lengths, **kw: [list(range(len(lengths)))]
-    try:
-        for p in prompts:
-            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-            engine.step()
+    for p in prompts:
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - start)
-        for rid in list(engine.requests):
-            engine.abort(rid)
-        return times
-    finally:
-        inputs_module.split_by_length = original
+    engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    return times
 
 
 def main() -> None:
@@ -86,7 +81,7 @@ def main() -> None:
         samples: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(args.rounds):
             for on in (False, True):
-                samples[on] += decode_step_times(engines[on], prompts, args.steps, args.change, on)
+                samples[on] += decode_step_times(engines[on], prompts, args.steps)
         a, b = statistics.median(samples[False]), statistics.median(samples[True])
         rows.append({"change": args.change, "slots": slots, "a_step_ms": a * 1e3, "b_step_ms": b * 1e3,
                      "b_over_a": b / a, "b_warmup_s": warmup[True]})

@@ -6,8 +6,8 @@
    prefilled in chunks within max_num_batched_tokens against in one step; greedy outputs of the
    decodes are checked equal between the two.
 
-    python cachebench.py            # system prompt 1024 tokens, long prompt 1536 tokens
-    python cachebench.py --quick
+    python benchmarks/cachebench.py            # system prompt 1024 tokens, long prompt 1536 tokens
+    python benchmarks/cachebench.py --quick
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ The rate sweep drives Poisson arrivals at each rate into an engine with fixed sl
 sweep offers every request at once at each slot count. Each setting is one point (output tokens/s,
 median end-to-end latency). Writes a CSV, and a PNG when matplotlib is installed.
 
-    python curvebench.py            # 32 requests, rates 0.5..8 req/s, slots 1..16
-    python curvebench.py --quick
+    python benchmarks/curvebench.py            # 32 requests, rates 0.5..8 req/s, slots 1..16
+    python benchmarks/curvebench.py --quick
 """
 
 from __future__ import annotations

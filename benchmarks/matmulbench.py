@@ -11,8 +11,8 @@ does instead of finding them in cache. For each row count M, each layout runs on
     xWt       x @ W^T with W^T stored contiguous [K, N] (MKL's other GEMV layout)
     packed    oneDNN's packed linear (torch.ops.mkldnn, weights reordered once): the engine's default
 
-    python matmulbench.py            # M = 1 2 4 8 16 32 64, about 3 minutes
-    python matmulbench.py --quick    # M = 1 16, 3 rounds
+    python benchmarks/matmulbench.py            # M = 1 2 4 8 16 32 64, about 3 minutes
+    python benchmarks/matmulbench.py --quick    # M = 1 16, 3 rounds
 
 Columns: ms per pass, GB/s of weights read (bytes / time), GFLOP/s (2 M N K / time), and each
 layout's time over `packed`'s. A read rate is what bounds a small-M pass; a FLOP rate a large one.

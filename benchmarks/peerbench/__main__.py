@@ -1,5 +1,5 @@
 """`python -m benchmarks.peerbench`."""
 
-from benchmarks.peerbench.bench import main
+from benchmarks.peerbench.cli import main
 
 main()

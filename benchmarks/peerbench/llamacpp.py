@@ -1,0 +1,150 @@
+"""The llama.cpp peers: setting them up once under .peers/ (sdist, f32 GGUF, llama-batched-bench),
+llama-cpp-python as a worker, and llama-batched-bench run and parsed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.peerbench.launcher import ROOT, run_child
+from benchmarks.peerbench.measured import LLAMA_BATCHED, LLAMA_PY, Measured, error_text, log
+
+PEERS_DIR = ROOT / ".peers"  # listed in .git/info/exclude: sdist, GGUF and llama.cpp build live here
+GGUF_NAME = "smollm2-135m-f32.gguf"
+BATCHED_BENCH = PEERS_DIR / "llama.cpp-build" / "bin" / "llama-batched-bench"
+LLAMA_CPP_SDIST = "llama-cpp-python"
+
+
+def has_module(name: str) -> bool:
+    """Whether `name` can be imported here, without importing it."""
+    return importlib.util.find_spec(name) is not None
+
+
+def parse_batched_bench(text: str) -> list[dict[str, float]]:
+    """The JSONL rows of `llama-batched-bench --output-format jsonl` found in its output."""
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"pl"' in line:
+            rows.append(json.loads(line))
+    return rows
+
+
+def worker_llama_py(task: dict[str, Any]) -> list[Measured]:
+    """llama.cpp through llama-cpp-python, greedy, one request at a time, f32 weights and KV cache."""
+    import llama_cpp
+    from llama_cpp import Llama
+
+    from nanoserve.instruments.baseline import check_serial
+    from nanoserve.instruments.runners import run_serial
+
+    f32 = getattr(llama_cpp, "GGML_TYPE_F32", 0)
+    llm = Llama(
+        model_path=task["gguf"], n_ctx=task["max_model_len"], n_batch=512, n_ubatch=512,
+        n_threads=task["threads"], n_threads_batch=task["threads"], type_k=f32, type_v=f32, seed=0, verbose=False,
+    )
+
+    def generate_one(prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float | None]:
+        llm.reset()
+        tokens: list[int] = []
+        first = None
+        for token in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+            if first is None:
+                first = time.perf_counter()
+            tokens.append(int(token))
+            if len(tokens) >= max_new_tokens:
+                break
+        return tokens, first
+
+    out = []
+    for name, wl in task["workloads"].items():
+        k = min(task["serial_requests"], len(wl["prompts"]))
+        generate_one(wl["prompts"][0], 4)  # warm-up, uncounted
+        log(f"llama-cpp-python {name} serial x{k}")
+        m = Measured(workload=name, system=LLAMA_PY, concurrency=1, note="f32 GGUF, f32 KV")
+        try:
+            m.run = check_serial(run_serial(generate_one, wl["prompts"][:k], wl["output_lens"][:k], system=LLAMA_PY))
+            m.steps = m.run.output_tokens
+        except Exception as e:
+            m.error = error_text(e)
+        out.append(m)
+    return out
+
+
+def run_batched_bench(
+    binary: Path, gguf: Path, shapes: dict[str, tuple[int, int]], concurrency: Sequence[int], threads: int,
+    timeout_s: float,
+) -> tuple[list[Measured], float]:
+    """llama-batched-bench once per workload shape (equal lengths), f32 KV; returns rows and peak RSS."""
+    out: list[Measured] = []
+    peak = 0.0
+    for name, (pp, tg) in shapes.items():
+        npl = sorted(set(concurrency))
+        cmd = [
+            str(binary), "-m", str(gguf), "-c", str(max(npl) * (pp + tg)), "-b", "2048", "-ub", "512",
+            "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, npl)), "-t", str(threads), "-tb", str(threads),
+            "-ctk", "f32", "-ctv", "f32", "--output-format", "jsonl",
+        ]
+        log(f"llama-batched-bench {name} pp={pp} tg={tg} npl={npl}")
+        child = run_child(cmd, timeout_s, None)
+        peak = max(peak, child.peak_rss_mib)
+        rows = {int(r["pl"]): r for r in parse_batched_bench(child.result or "")}
+        note = "equal lengths" if name == "offline" else f"equal-length stand-in at the ragged means pp={pp} tg={tg}"
+        for pl in npl:
+            m = Measured(workload=name, system=LLAMA_BATCHED, concurrency=pl, note=note)
+            r = rows.get(pl)
+            if r is None:
+                m.error = child.error or "no result row for this number of sequences"
+            else:
+                m.output_tokens, m.prompt_tokens = pl * tg, pl * pp
+                m.wall_s, m.ttft_s, m.tpot_s = float(r["t"]), float(r["t_pp"]), float(r["t_tg"]) / tg
+                m.steps = tg
+            out.append(m)
+    return out, peak
+
+
+def setup_llamacpp(python: str = sys.executable) -> None:
+    """Once: fetch the llama-cpp-python sdist, write the f32 GGUF, build llama-batched-bench (all under .peers/).
+
+    Does not `pip install llama-cpp-python` (a change to the environment, several minutes of
+    compiling); prints the command instead.
+    """
+    from nanoserve.model.default import default_model_dir
+
+    PEERS_DIR.mkdir(exist_ok=True)
+    sdists = sorted(PEERS_DIR.glob("llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        subprocess.run([python, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", LLAMA_CPP_SDIST,
+                        "-d", str(PEERS_DIR)], check=True)
+        sdists = sorted(PEERS_DIR.glob("llama_cpp_python-*.tar.gz"))
+    src = PEERS_DIR / sdists[-1].name.removesuffix(".tar.gz")
+    if not src.is_dir():
+        subprocess.run(["tar", "xzf", str(sdists[-1]), "-C", str(PEERS_DIR)], check=True)
+    vendor = src / "vendor" / "llama.cpp"
+    gguf = PEERS_DIR / GGUF_NAME
+    if not gguf.is_file():
+        pylib = PEERS_DIR / "pylib"  # sentencepiece for the converter, kept out of the venv
+        if not (pylib / "sentencepiece").is_dir():
+            subprocess.run([python, "-m", "pip", "install", "-q", "--target", str(pylib), "sentencepiece"], check=True)
+        env = os.environ | {"PYTHONPATH": f"{vendor / 'gguf-py'}{os.pathsep}{pylib}"}
+        subprocess.run([python, str(vendor / "convert_hf_to_gguf.py"), str(default_model_dir()), "--outtype", "f32",
+                        "--outfile", str(gguf)], check=True, env=env)
+    if not BATCHED_BENCH.is_file():
+        build = BATCHED_BENCH.parent.parent
+        start = time.perf_counter()
+        subprocess.run(["cmake", "-S", str(vendor), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+                        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"], check=True)
+        subprocess.run(["cmake", "--build", str(build), "--target", "llama-batched-bench", "-j", str(os.cpu_count())],
+                       check=True)
+        print(f"built {BATCHED_BENCH} in {time.perf_counter() - start:.0f} s")
+    print(f"GGUF: {gguf}\nllama-batched-bench: {BATCHED_BENCH}")
+    print("llama-cpp-python (optional, compiles llama.cpp for minutes): "
+          f"CMAKE_ARGS=-DGGML_NATIVE=ON {python} -m pip install {sdists[-1]}")
+

@@ -1,0 +1,67 @@
+"""abbench's pairs on a tiny random model: each change is a config value, the loaded model is never changed."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_tiny_engine
+
+import nanoserve.inputs
+from benchmarks.abbench import CHANGES, decode_step_times, make_engine
+
+
+@pytest.fixture(scope="module")
+def base():
+    # abbench's engines hold 2048 positions; the tiny model's plain weights, as abbench loads them
+    return make_tiny_engine(hf_overrides={"max_position_embeddings": 2048}, pack_weights=False)
+
+
+# (pack_weights, compile, deferred_output, decode_group_min_rows) of A (off) and B (on), from abbench's usage
+PAIRS = {
+    "groups": ((True, False, False, None), (True, False, False, 8)),
+    "deferred": ((True, False, False, 8), (True, False, True, 8)),
+    "compile": ((True, False, False, 8), (False, True, False, 8)),
+    "packed": ((False, False, False, 8), (True, False, False, 8)),
+}
+
+
+def test_every_change_has_a_pair():
+    assert set(CHANGES) == set(PAIRS)
+
+
+@pytest.mark.parametrize("change", sorted(PAIRS))
+def test_each_side_differs_only_in_its_change(base, change):
+    for on, expected in zip((False, True), PAIRS[change], strict=True):
+        c = make_engine(base, change, on, slots=2).config
+        assert (c.pack_weights, c.compile, c.deferred_output, c.decode_group_min_rows) == expected, (change, on)
+        assert c.max_num_seqs == 2
+
+
+def test_preparing_either_side_leaves_the_loaded_model_as_it_was(base):
+    layer = base.model.layers[0]
+    qkv, lm_head = layer.qkv, base.model.lm_head_weight
+    packed = make_engine(base, "packed", True, slots=2)
+    plain = make_engine(base, "packed", False, slots=2)
+    assert plain.model is base.model  # nothing to prepare: the given model itself
+    assert base.model.packed is False
+    assert base.model.layers[0] is layer and layer.qkv is qkv and base.model.lm_head_weight is lm_head
+    if packed.model.packed:  # oneDNN present: B runs its own packed copy
+        assert packed.model is not base.model and packed.model.layers[0].qkv is not qkv
+
+
+@pytest.mark.parametrize(("on", "expected_splits"), [(False, 0), (True, 3)])
+def test_groups_off_never_splits_decode_rows(base, monkeypatch, on, expected_splits):
+    calls = []
+    split = nanoserve.inputs.split_by_length
+
+    def spy(lengths, **kw):
+        calls.append(len(lengths))
+        return split(lengths, **kw)
+
+    monkeypatch.setattr(nanoserve.inputs, "split_by_length", spy)
+    engine = make_engine(base, "groups", on, slots=8)
+    prompts = [[5] * n for n in range(3, 11)]  # 8 ragged prompts: 8 decode rows, the default threshold
+    times = decode_step_times(engine, prompts, steps=2)
+    assert len(times) == 2
+    assert engine.requests == {}  # every request aborted after the timed steps
+    # B: the untimed first decode step and the 2 timed ones each split their 8 rows; A: never
+    assert calls == [8] * expected_splits
