@@ -1,0 +1,390 @@
+"""GGUF files read onto nanoserve's loader: a LlamaConfig and Hugging Face-named tensors.
+
+Block-quantized tensors stay quantized (BlockQuantized: codes, per-block scales and mins), so an
+int4/int8 kernel can consume them; F32/F16/BF16 tensors come back dense in their own dtype.
+Dimension names: N output rows, K input columns, B = K // 32 quantization blocks per row.
+
+The header is parsed here rather than by gguf.GGUFReader, which builds a memory-map view per
+array element (2.2 s for the default model's 147k tokenizer entries, against 0.1 s here). Tensor
+data is memory-mapped and copied once, into the codes or the dense tensor.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from nanoserve.model.config import LlamaConfig
+
+BLOCK = 32  # elements per quantization block in Q4_0, Q4_1 and Q8_0
+GGUF_TYPES_SERVED = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+# ggml type id -> (name, numpy dtype of the stored items, bytes per element or per block of 32)
+TYPE_IDS = {0: ("F32", "<f4", 4), 1: ("F16", "<f2", 2), 30: ("BF16", "<i2", 2),
+            2: ("Q4_0", np.uint8, 18), 3: ("Q4_1", np.uint8, 20), 8: ("Q8_0", np.uint8, 34)}
+# Bytes ahead of the 16 packed nibbles (Q4_*) or 32 int8 codes (Q8_0) in a block: fp16 d, then fp16 m for Q4_1.
+HEADER_BYTES = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}
+
+
+@dataclass
+class BlockQuantized:
+    """A GGUF block-quantized matrix kept as its codes: w[n, k] = scales[n, k // 32] * codes[n, k]
+    (+ mins[n, k // 32] for Q4_1; for Q4_0 the code is offset: scales * (codes - 8))."""
+
+    kind: str  # "Q4_0", "Q4_1" or "Q8_0"
+    codes: torch.Tensor  # [N, K]: uint8 in 0..15 for Q4_0/Q4_1, int8 for Q8_0
+    scales: torch.Tensor  # [N, B] float32: each block's fp16 d, widened exactly
+    mins: torch.Tensor | None  # [N, B] float32: each block's fp16 m for Q4_1, None otherwise
+
+    def __post_init__(self) -> None:
+        if self.kind not in HEADER_BYTES:
+            raise ValueError(f"BlockQuantized kind {self.kind!r} is not one of {tuple(HEADER_BYTES)}")
+        N, K = self.codes.shape
+        if K % BLOCK or self.scales.shape != (N, K // BLOCK):
+            raise ValueError(f"{self.kind} codes {[N, K]} need K a multiple of {BLOCK} and scales "
+                             f"{[N, K // BLOCK]}, got scales {list(self.scales.shape)}")
+        if (self.mins is not None) != (self.kind == "Q4_1"):
+            raise ValueError(f"{self.kind} {'needs' if self.kind == 'Q4_1' else 'takes no'} mins")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K), the dense matrix's shape."""
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense matrix [N, K] float32, with gguf.quants.dequantize's arithmetic (bit-exact)."""
+        N, K = self.shape
+        codes = self.codes.view(N, K // BLOCK, BLOCK).float()  # [N, B, 32]
+        if self.kind == "Q4_0":
+            codes = codes - 8
+        w = self.scales.unsqueeze(-1) * codes  # [N, B, 32]
+        if self.mins is not None:
+            w = w + self.mins.unsqueeze(-1)
+        return w.view(N, K)
+
+    def rows(self, index: torch.Tensor) -> BlockQuantized:
+        """The rows index [M] int64 of this matrix, as a BlockQuantized [M, K]."""
+        return BlockQuantized(self.kind, self.codes.index_select(0, index), self.scales.index_select(0, index),
+                              None if self.mins is None else self.mins.index_select(0, index))
+
+
+def decode_blocks(raw: np.ndarray, kind: str) -> BlockQuantized:
+    """GGUF row bytes raw [N, B * block bytes] uint8 -> BlockQuantized [N, 32 B]."""
+    N = raw.shape[0]
+    header = HEADER_BYTES[kind]
+    blocks = raw.reshape(N, -1, header + (BLOCK if kind == "Q8_0" else BLOCK // 2))  # [N, B, block bytes]
+    B = blocks.shape[1]
+
+    def fp16_at(offset: int) -> torch.Tensor:
+        half = np.ascontiguousarray(blocks[..., offset:offset + 2]).view(np.float16)  # [N, B, 1]
+        return torch.from_numpy(half.reshape(N, B).astype(np.float32))  # [N, B]
+
+    payload = blocks[..., header:]  # [N, B, 32] int8 or [N, B, 16] packed nibbles
+    if kind == "Q8_0":
+        codes = np.array(payload).view(np.int8)  # [N, B, 32], always a copy: never the file's pages
+    else:
+        # Byte j of a block holds element j in its low nibble and element j + 16 in its high one.
+        codes = np.empty((N, B, BLOCK), dtype=np.uint8)
+        np.bitwise_and(payload, 0x0F, out=codes[..., :BLOCK // 2])
+        np.right_shift(payload, 4, out=codes[..., BLOCK // 2:])
+    return BlockQuantized(kind, torch.from_numpy(codes.reshape(N, B * BLOCK)), fp16_at(0),
+                          fp16_at(2) if kind == "Q4_1" else None)
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    type_id: int  # the ggml type, a key of TYPE_IDS when served
+    shape: tuple[int, ...]  # torch order, (N, K) for a matrix: GGUF lists it reversed, K first
+    start: int  # byte offset of its data in the file
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """A GGUF file's metadata and tensor directory, over a read-only memory map of the whole file."""
+
+    metadata: dict[str, Any]  # key -> int, float, bool, str or a list of them
+    tensors: dict[str, GGUFTensor]  # in file order
+    mapped: np.ndarray  # [file bytes] uint8
+
+    def type_name(self, name: str) -> str:
+        type_id = self.tensors[name].type_id
+        if type_id in TYPE_IDS:
+            return TYPE_IDS[type_id][0]
+        try:
+            from gguf import GGMLQuantizationType  # only to name a type nanoserve does not read
+        except ImportError:
+            return f"ggml type {type_id}"
+        return GGMLQuantizationType(type_id).name
+
+    def data(self, name: str) -> np.ndarray:
+        """A served tensor's stored items, read-only: [N, B * block bytes] uint8 for a block type, else `shape`."""
+        tensor = self.tensors[name]
+        kind, dtype, item_bytes = TYPE_IDS[tensor.type_id]
+        rows, cols = int(np.prod(tensor.shape[:-1])), tensor.shape[-1]
+        row_bytes = cols // BLOCK * item_bytes if kind in HEADER_BYTES else cols * item_bytes
+        raw = self.mapped[tensor.start:tensor.start + rows * row_bytes]
+        if raw.size != rows * row_bytes:
+            raise ValueError(f"tensor {name!r} needs {rows * row_bytes} bytes at offset {tensor.start}; the file "
+                             f"has {self.mapped.size} bytes (truncated?)")
+        return raw.reshape(rows, row_bytes) if kind in HEADER_BYTES else raw.view(dtype).reshape(tensor.shape)
+
+
+SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+STRING, ARRAY = 8, 9
+
+
+def read_gguf_file(path: str | Path) -> GGUFFile:
+    """Parses the header of GGUF version 2 or 3 (little-endian) and maps the file.
+
+    Raises:
+        ValueError: for a file that is not GGUF, a version other than 2 or 3, or a header cut short.
+    """
+    file = find_gguf(path)
+    mapped = np.memmap(file, dtype=np.uint8, mode="r")
+    buf = memoryview(mapped)
+    pos = 0
+
+    def take(fmt: str) -> Any:
+        nonlocal pos
+        (value,) = struct.unpack_from(fmt, buf, pos)
+        pos += struct.calcsize(fmt)
+        return value
+
+    def take_string() -> str:
+        nonlocal pos
+        n = take("<Q")
+        pos += n
+        return bytes(buf[pos - n:pos]).decode("utf-8", errors="replace")
+
+    def take_value(value_type: int) -> Any:
+        nonlocal pos
+        if value_type == STRING:
+            return take_string()
+        if value_type in SCALARS:
+            return take(SCALARS[value_type])
+        if value_type != ARRAY:
+            raise ValueError(f"{file}: metadata value type {value_type} is not a GGUF type (0..12)")
+        item_type, count = take("<I"), take("<Q")
+        if item_type in SCALARS:  # numbers in one read
+            items = np.frombuffer(buf, SCALARS[item_type], count, pos)
+            pos += items.nbytes
+            return items.tolist()
+        return [take_value(item_type) for _ in range(count)]
+
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{file} is not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF')")
+    version = take("<4xI")
+    if version not in (2, 3):
+        raise ValueError(f"{file} is GGUF version {version}: nanoserve reads versions 2 and 3 (little-endian)")
+    num_tensors, num_keys = take("<Q"), take("<Q")
+    metadata, infos = {}, []
+    try:
+        for _ in range(num_keys):
+            key = take_string()
+            metadata[key] = take_value(take("<I"))
+        for _ in range(num_tensors):
+            name = take_string()
+            dims = [take("<Q") for _ in range(take("<I"))]  # ne0 (K) first
+            infos.append((name, take("<I"), tuple(reversed(dims)), take("<Q")))
+    except struct.error as e:
+        raise ValueError(f"{file} ends inside its header ({len(metadata)} of {num_keys} keys, "
+                         f"{len(infos)} of {num_tensors} tensors read)") from e
+    alignment = metadata.get("general.alignment", 32)
+    data_start = -(-pos // alignment) * alignment
+    tensors = {name: GGUFTensor(name, type_id, shape, data_start + offset) for name, type_id, shape, offset in infos}
+    return GGUFFile(metadata, tensors, mapped)
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How one GGUF `general.architecture` maps onto a Hugging Face checkpoint."""
+
+    hf_architecture: str  # the config.json "architectures" entry
+    permutes_qk: bool  # llama.cpp's converter interleaves the rotary halves of q/k rows; undone on load
+    names: dict[str, str]  # GGUF tensor stem -> HF module name ("{i}" is the layer)
+
+
+LLAMA_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
+    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj",
+    "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
+    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
+    "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
+    "blk.{i}.ffn_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
+    "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
+    "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+}
+ARCHITECTURES = {"llama": GGUFArchitecture("LlamaForCausalLM", permutes_qk=True, names=LLAMA_NAMES)}
+
+
+def find_gguf(path: str | Path) -> Path:
+    """A .gguf file itself, or the one .gguf file in a directory.
+
+    Raises:
+        FileNotFoundError: when path does not exist.
+        ValueError: for a file not named *.gguf, or a directory holding no or several .gguf files.
+    """
+    path = Path(path)
+    if path.is_dir():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) != 1:
+            raise ValueError(f"{path} holds {len(found)} .gguf files {[f.name for f in found]}; expected exactly 1")
+        return found[0]
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found")
+    if path.suffix != ".gguf":
+        raise ValueError(f"{path} is not a .gguf file")
+    return path
+
+
+def architecture_of(parsed: GGUFFile) -> tuple[str, GGUFArchitecture]:
+    arch = parsed.metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported: nanoserve reads {tuple(ARCHITECTURES)}")
+    return arch, ARCHITECTURES[arch]
+
+
+def config_from_gguf(parsed: GGUFFile) -> LlamaConfig:
+    """The LlamaConfig of a parsed file (read_gguf_config's work, without re-reading the header)."""
+    arch, spec = architecture_of(parsed)
+    meta = parsed.metadata
+    if "rope_freqs.weight" in parsed.tensors:
+        raise ValueError("tensor 'rope_freqs.weight' (rotary frequency factors stored as a tensor, as llama.cpp "
+                         "writes Llama 3.1 rope scaling) is not supported: nanoserve reads rope scaling from metadata")
+
+    def arch_key(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    num_heads = arch_key("attention.head_count")
+    num_kv_heads = arch_key("attention.head_count_kv", num_heads)
+    if isinstance(num_kv_heads, list):
+        raise ValueError(f"{arch}.attention.head_count_kv={num_kv_heads} varies by layer: not supported")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    d = {
+        "architectures": [spec.hf_architecture],
+        "vocab_size": len(tokens) if tokens is not None else arch_key("vocab_size"),
+        "hidden_size": arch_key("embedding_length"),
+        "intermediate_size": arch_key("feed_forward_length"),
+        "num_hidden_layers": arch_key("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": arch_key("attention.key_length"),
+        "rms_norm_eps": arch_key("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": arch_key("rope.freq_base", 10000.0),
+        "rope_scaling": rope_scaling(arch_key),
+        "max_position_embeddings": arch_key("context_length", 2048),
+        # llama.cpp drops output.weight when the head shares the embedding.
+        "tie_word_embeddings": "output.weight" not in parsed.tensors,
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+    }
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if d[k] is None]
+    if missing:
+        raise ValueError(f"GGUF metadata gives no value for {missing} (architecture {arch!r})")
+    return LlamaConfig.from_hf_dict(d)
+
+
+def rope_scaling(arch_key) -> dict[str, Any] | None:
+    """{arch}.rope.scaling.* as an HF rope_scaling dict; LlamaConfig refuses the types it does not run."""
+    kind, factor = arch_key("rope.scaling.type"), arch_key("rope.scaling.factor")
+    if kind is None and arch_key("rope.scale_linear") is not None:  # the key older converters wrote
+        kind, factor = "linear", arch_key("rope.scale_linear")
+    if kind in (None, "none"):
+        return None
+    scaling = {"rope_type": kind, "factor": factor}
+    if arch_key("rope.scaling.original_context_length") is not None:
+        scaling["original_max_position_embeddings"] = arch_key("rope.scaling.original_context_length")
+    return scaling
+
+
+def read_gguf_config(path: str | Path) -> LlamaConfig:
+    """The LlamaConfig a GGUF file's metadata describes (path: the file or its directory).
+
+    Raises:
+        ValueError: for an architecture not in ARCHITECTURES (naming it), missing metadata, or rope
+            scaling nanoserve does not run.
+    """
+    return config_from_gguf(read_gguf_file(path))
+
+
+def qk_row_order(num_rows: int, num_heads: int) -> torch.Tensor:
+    """[num_rows] int64: the GGUF row holding each HF row of a q/k projection.
+
+    llama.cpp stores each head's D rows as (D/2 pairs, 2), interleaving the two rotary halves that
+    HF keeps as (2, D/2): HF row h D + j D/2 + i is GGUF row h D + 2 i + j.
+    """
+    half = num_rows // num_heads // 2
+    return torch.arange(num_rows).view(num_heads, half, 2).transpose(1, 2).reshape(num_rows)
+
+
+def hf_name(gguf_name: str, names: dict[str, str]) -> str:
+    stem, _, suffix = gguf_name.rpartition(".")
+    layer = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+    key = f"blk.{{i}}.{layer.group(2)}" if layer else stem
+    if key not in names or suffix not in ("weight", "bias"):
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face name in nanoserve's table")
+    return names[key].format(i=layer.group(1) if layer else "") + "." + suffix
+
+
+def load_tensor(parsed: GGUFFile, name: str) -> torch.Tensor | BlockQuantized:
+    """One tensor in GGUF row order: BlockQuantized [N, K], or dense (copied out of the map, own dtype).
+
+    Raises:
+        ValueError: naming the tensor and its GGUF type when that type is not in GGUF_TYPES_SERVED.
+    """
+    if parsed.tensors[name].type_id not in TYPE_IDS:
+        raise ValueError(f"tensor {name!r} has GGUF type {parsed.type_name(name)}: "
+                         f"nanoserve reads {', '.join(GGUF_TYPES_SERVED)}")
+    kind, data = parsed.type_name(name), parsed.data(name)
+    if kind in HEADER_BYTES:
+        if len(parsed.tensors[name].shape) != 2:
+            raise ValueError(f"tensor {name!r} is {kind} of shape {parsed.tensors[name].shape}: only matrices are read")
+        return decode_blocks(data, kind)
+    dense = torch.from_numpy(np.array(data))  # a copy: writable memory the tensor owns, not the file's pages
+    return dense.view(torch.bfloat16) if kind == "BF16" else dense
+
+
+def load_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor | BlockQuantized]]:
+    """The config and Hugging Face-named tensors of a GGUF file (path: the file or its directory).
+
+    Q4_0/Q4_1/Q8_0 matrices come back as BlockQuantized [N, K]; F32/F16/BF16 as dense tensors in
+    their own dtype. q_proj/k_proj rows come back in HF order. lm_head.weight is present only when
+    the file has its own output.weight (config.tie_word_embeddings is False).
+
+    Raises:
+        ValueError: naming a tensor whose GGUF type is not in GGUF_TYPES_SERVED, or whose name has no
+            HF equivalent; and read_gguf_config's errors.
+    """
+    parsed = read_gguf_file(path)
+    config = config_from_gguf(parsed)
+    _, spec = architecture_of(parsed)
+    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+    tensors: dict[str, torch.Tensor | BlockQuantized] = {}
+    for gguf_name in parsed.tensors:
+        name = hf_name(gguf_name, spec.names)
+        value = load_tensor(parsed, gguf_name)
+        proj = name.split(".")[-2]
+        if spec.permutes_qk and proj in heads:
+            order = qk_row_order(value.shape[0], heads[proj])  # rows are output channels; blocks run along K
+            value = value.rows(order) if isinstance(value, BlockQuantized) else value.index_select(0, order)
+        tensors[name] = value
+    return config, tensors
+
+
+def load_gguf_tokenizer(path: str | Path):
+    """A Hugging Face tokenizer that transformers builds from the GGUF's tokenizer.ggml.* metadata."""
+    from transformers import AutoTokenizer
+
+    file = find_gguf(path)
+    return AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)

