@@ -65,6 +65,9 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
     split = decode_group_min_rows is not None and len(decoding) >= decode_group_min_rows
     groups = split_by_length([-(-context_lens[i] // block_size) for i in decoding]) if split else [
         list(range(len(decoding)))]
+    # split_by_length orders a group by length; the rows go back to row order, which a whole-step
+    # group (no row index) relies on: its block table's row i must be T's row i.
+    groups = [sorted(g) for g in groups]
     whole_step = len(groups) == 1 and len(decoding) == num_seqs  # one group, in row order: no gather or scatter
     decode_groups = [_decode_group([decoding[j] for j in g], None if whole_step else first_rows, block_tables,
                                    context_lens, block_size, device) for g in groups if g]

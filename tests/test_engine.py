@@ -9,7 +9,7 @@ preemption), and block counts and queue lengths are worked out by hand from the 
 from __future__ import annotations
 
 import pytest
-from conftest import CharTokenizer, make_tiny_engine
+from conftest import CharTokenizer, greedy, make_tiny_engine
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 
@@ -298,3 +298,17 @@ def test_a_model_in_another_dtype_than_the_config_is_refused():
     model = make_tiny_engine().model  # float32 on cpu
     with pytest.raises(ValueError, match="the model is torch.float32 on cpu, the config asks for dtype='bfloat16'"):
         Engine(model, None, EngineConfig(dtype="bfloat16", num_kv_blocks=8))
+
+
+def test_decode_rows_split_by_length_keep_each_row_its_own_block_table():
+    """Eight rows, the first one block shorter than the rest (4-token blocks): with
+    decode_group_min_rows=2 the split is tried every step, and where no second group pays it keeps
+    one group ordered by length, the short row no longer first. Each request must still produce
+    the tokens it produces alone: a block table in length order instead of row order gives a row
+    another row's context."""
+    lengths = [5, 10, 11, 12, 10, 11, 12, 9]
+    prompts = [[3 + (i * 11 + j) % 90 for j in range(n)] for i, n in enumerate(lengths)]
+    params = greedy(12)
+    engine = make_tiny_engine(max_num_seqs=8, num_kv_blocks=128, decode_group_min_rows=2)
+    together = [out.token_ids for out in engine.generate(prompts, params)]
+    assert together == [solo(prompt, params) for prompt in prompts]
