@@ -51,7 +51,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    engine = Engine.from_pretrained(args.model, EngineConfig(max_model_len=1024))
+    engine = Engine.from_pretrained(args.model, EngineConfig(dtype="float32", quantization=None, max_model_len=1024))
     model_dir = args.model or str(__import__("nanoserve.model.default", fromlist=["x"]).default_model_dir())
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
@@ -69,7 +69,7 @@ def main() -> None:
     baseline = check_serial(run_serial(generate_one, prompts, output_len, system="hf-generate"))
     comparisons = []
     for slots in slots_list:
-        config = EngineConfig(max_num_seqs=slots, max_model_len=1024, kv_cache_memory_bytes=256 * 2**20)
+        config = EngineConfig(dtype="float32", quantization=None, max_num_seqs=slots, max_model_len=1024, kv_cache_memory_bytes=256 * 2**20)
         run = run_concurrent(Engine(engine.model, engine.tokenizer, config), prompts, output_len)
         if slots > 1:
             check_concurrent(run)

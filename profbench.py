@@ -102,7 +102,8 @@ def profile_slots(
         max_num_batched_tokens=max(2048, slots * len(prompt_ids)),  # every prompt in one step
         max_model_len=max_len,
         device=engine.config.device,
-        dtype=engine.config.dtype,
+        dtype=engine.precision.dtype,  # the model is laid out already: the same precision, nothing redone
+        quantization=engine.config.quantization,
     )
     bench = Engine(engine.model, engine.tokenizer, config)
     timer = CudaEventTimer() if bench.device.type == "cuda" else None
@@ -201,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="forward substituted by step_with_compute (a projection)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", help="EngineConfig.dtype (default auto: the probe chooses)")
+    parser.add_argument("--quantization", default="auto", help="EngineConfig.quantization: auto, int8, int4 or none")
     parser.add_argument("--out", default="runs/profbench.csv")
     args = parser.parse_args(argv)
     slots_list = args.slots or ([1, 2, 4] if args.quick else [1, 2, 4, 8, 16])
@@ -214,14 +217,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    engine = Engine.from_pretrained(args.model, EngineConfig(device=args.device))
+    quantization = None if args.quantization == "none" else args.quantization
+    engine = Engine.from_pretrained(args.model, EngineConfig(device=args.device, dtype=args.dtype,
+                                                             quantization=quantization))
     model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct (embedded default)"
     prompt_ids = make_prompt(engine.tokenizer, args.prompt_tokens)
     # Uncounted warm-up for the process (allocator growth, first-call dispatch), on top of the
     # per-run warm-up steps the profile drops.
     profile_slots(engine, 1, prompt_ids, args.warmup + 2, args.warmup, args.threads)
 
-    print(f"profbench: {model_name}, {args.device} {engine.config.dtype}, {torch.get_num_threads()} threads; "
+    print(f"profbench: {model_name}, {args.device} {engine.precision.dtype} quantization "
+          f"{engine.precision.quantization} ({engine.precision.reason}), {torch.get_num_threads()} threads; "
           f"B requests x {output_tokens} tokens on a {args.prompt_tokens}-token prompt, greedy, EOS ignored; "
           f"{args.warmup} warm-up steps dropped, decode steps only")
     results = []

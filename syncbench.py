@@ -278,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     max_slots = max(slots_list)
-    config = EngineConfig(max_num_seqs=max_slots, max_model_len=256, num_kv_blocks=max_slots * cdiv(256, 16),
+    config = EngineConfig(dtype="float32", quantization=None, max_num_seqs=max_slots, max_model_len=256, num_kv_blocks=max_slots * cdiv(256, 16),
                           device=args.device)
     engine = Engine.from_pretrained(args.model, config)
     vocab = engine.model.config.vocab_size

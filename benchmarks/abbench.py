@@ -30,7 +30,7 @@ def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
     Each engine prepares its own model from them (packed or compiled), so A and B never share a change.
     Compile is measured against the best eager engine, the packed one; packing against plain."""
     packed = {"packed": on, "compile": not on}.get(change, True)
-    config = EngineConfig(max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192,
+    config = EngineConfig(dtype="float32", quantization=None, max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192,
                           kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, pack_weights=packed,
                           deferred_output=(change == "deferred" and on), compile=(change == "compile" and on))
     if change == "groups" and not on:  # decode rows attended as one group, never split by length
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    base = Engine.from_pretrained(args.model, EngineConfig(max_model_len=2048, pack_weights=False))
+    base = Engine.from_pretrained(args.model, EngineConfig(dtype="float32", quantization=None, max_model_len=2048, pack_weights=False))
     rng = random.Random(0)
     vocab = base.model.config.vocab_size
     rows = []

@@ -33,9 +33,9 @@ def ttft(engine: Engine, prompt: list[int]) -> float:
 def prefix_rows(base: Engine, system: list[int], questions: list[list[int]]) -> list[dict]:
     rows = []
     for i, question in enumerate(questions):
-        cold_engine = Engine(base.model, base.tokenizer, EngineConfig(max_model_len=4096, enable_prefix_caching=False))
+        cold_engine = Engine(base.model, base.tokenizer, EngineConfig(dtype="float32", quantization=None, max_model_len=4096, enable_prefix_caching=False))
         cold = ttft(cold_engine, system + question)
-        warm_engine = Engine(base.model, base.tokenizer, EngineConfig(max_model_len=4096))
+        warm_engine = Engine(base.model, base.tokenizer, EngineConfig(dtype="float32", quantization=None, max_model_len=4096))
         ttft(warm_engine, system + [7, 8, 9])  # another question warms the shared system prompt
         warm = ttft(warm_engine, system + question)
         rows.append({"bench": "prefix", "case": i, "system_tokens": len(system), "cold_ttft_s": cold,
@@ -45,7 +45,7 @@ def prefix_rows(base: Engine, system: list[int], questions: list[list[int]]) -> 
 
 def chunked_row(base: Engine, chunked: bool, decodes: list[list[int]], long_prompt: list[int], budget: int,
                 output_len: int) -> tuple[dict, list[list[int]]]:
-    config = EngineConfig(max_model_len=4096, max_num_seqs=len(decodes) + 1, enable_prefix_caching=False,
+    config = EngineConfig(dtype="float32", quantization=None, max_model_len=4096, max_num_seqs=len(decodes) + 1, enable_prefix_caching=False,
                           enable_chunked_prefill=chunked, max_num_batched_tokens=budget if chunked else 4096)
     engine = Engine(base.model, base.tokenizer, config)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -80,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
-    base = Engine.from_pretrained(args.model, EngineConfig(max_model_len=4096))
+    base = Engine.from_pretrained(args.model, EngineConfig(dtype="float32", quantization=None, max_model_len=4096))
     vocab = base.model.config.vocab_size
 
     def tokens(n: int) -> list[int]:

@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/curvebench.csv")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    base = Engine.from_pretrained(args.model, EngineConfig(max_model_len=1024))
+    base = Engine.from_pretrained(args.model, EngineConfig(dtype="float32", quantization=None, max_model_len=1024))
     n, prompt_len, output_len = (8, 16, 8) if args.quick else (32, 32, 32)
     rates = [1.0, 4.0] if args.quick else [0.5, 1.0, 2.0, 4.0, 8.0]
     slot_counts = [1, 4] if args.quick else [1, 2, 4, 8, 16]
@@ -39,7 +39,7 @@ def main() -> None:
     workload = offline_workload(n, prompt_len, output_len, base.model.config.vocab_size, seed=0)
 
     def engine(slots: int) -> Engine:
-        return Engine(base.model, base.tokenizer, EngineConfig(max_num_seqs=slots, max_model_len=1024,
+        return Engine(base.model, base.tokenizer, EngineConfig(dtype="float32", quantization=None, max_num_seqs=slots, max_model_len=1024,
                                                                 enable_prefix_caching=False))
 
     drive(engine(rate_slots), offline_workload(2, 8, 4, base.model.config.vocab_size, seed=1))  # warm-up

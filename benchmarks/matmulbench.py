@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.instruments.csv_writer import write_csv
-from nanoserve.model.llama import pack_linear_weight
+from nanoserve.model.quant import pack_linear_weight
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [N, K]: qkv, o, gate_up, down
 HEAD_SHAPE = (49152, 576)

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_QUANTIZATIONS = ("auto", "int8", "int4", None)
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,17 @@ class EngineConfig:
     # slots, 0.75x at 32, 1.13x at 4); None never splits.
     decode_group_min_rows: int | None = 8
     compile: bool = False  # torch.compile the decoder layer (warm-up: Engine.warmup() reports the cost)
-    dtype: str = "float32"
+    # "auto": bfloat16 where the device computes it faster than float32 (a CUDA device with bf16;
+    # on a CPU, a start-up probe of a few ms decides), float32 elsewhere. Engine.precision says why.
+    dtype: str = "auto"
+    # Weight-only quantization: None (dense in dtype), "int8" (per output channel), "int4" (groups of
+    # 32, scale and zero; the head in int8), "auto" (a checkpoint's own quantization kept where its
+    # kernel outruns the dense matmul, dense otherwise).
+    quantization: str | None = "auto"
+    # A quantized linear runs torch's weight-only kernels up to this many rows and a dense copy in
+    # the dtype above it (the kernels are shaped for few rows: benchmarks/matmulbench.py --quant);
+    # None keeps no dense copy (less memory, slow prefill).
+    max_kernel_rows: int | None = 8
     device: str = "cpu"
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
 
@@ -45,7 +56,11 @@ class EngineConfig:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")
         if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(_DTYPES)}")
+            raise ValueError(f"dtype={self.dtype!r} is not one of {list(_DTYPES)}")
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is not one of {list(_QUANTIZATIONS)}")
+        if self.max_kernel_rows is not None and (not isinstance(self.max_kernel_rows, int) or self.max_kernel_rows < 1):
+            raise ValueError(f"max_kernel_rows={self.max_kernel_rows!r} must be None or an integer >= 1")
         try:
             torch.device(self.device)
         except RuntimeError as e:
@@ -63,7 +78,3 @@ class EngineConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_model_len="
                 f"{self.max_model_len}: without chunked prefill a long prompt could never be scheduled"
             )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]

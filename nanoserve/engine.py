@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,7 +19,8 @@ from nanoserve.detokenize import IncrementalDetokenizer
 from nanoserve.inputs import build_inputs
 from nanoserve.model.kv_cache import KVCache, bytes_per_block
 from nanoserve.model.llama import LlamaModel
-from nanoserve.model.prepare import prepare_model
+from nanoserve.model.precision import resolve
+from nanoserve.model.prepare import is_quantized, prepare_model, weight_bytes
 from nanoserve.output_processor import OutputProcessor, make_output
 from nanoserve.params import SamplingParams
 from nanoserve.readback import TokenBatch
@@ -26,6 +28,8 @@ from nanoserve.recorder import NULL_RECORDER
 from nanoserve.request import FinishReason, Request, RequestOutput, check_request, prompt_token_ids
 from nanoserve.sampling import BatchedSampler, RowHistory, packed_logprobs
 from nanoserve.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger("nanoserve")
 
 
 @dataclass(frozen=True)
@@ -41,22 +45,30 @@ class Engine:
     """Continuous-batching inference over a paged KV cache.
 
     Args:
-        model: a LlamaModel already on config.device in config.dtype.
+        model: a LlamaModel on config.device, as loaded: the engine runs a copy laid out in the
+            precision `config` resolves to (Engine.precision), packed or compiled as it asks.
         tokenizer: a Hugging Face tokenizer, or None (then prompts must be token ids and text is "").
         config: the EngineConfig.
     Raises:
-        ValueError: when config.max_model_len exceeds what the model can position, or the model's
-            dtype or device differs from the config's.
+        ValueError: when config.max_model_len exceeds what the model can position, the model's
+            device differs from the config's, or a quantization has no kernels on the device.
     """
 
     def __init__(self, model: LlamaModel, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.tokenizer, self.config = tokenizer, config
         self.device = torch.device(config.device)
-        if model.dtype != config.torch_dtype or model.device.type != self.device.type:
-            raise ValueError(f"the model is {model.dtype} on {model.device}, the config asks for "
-                             f"dtype={config.dtype!r} on device={config.device!r}")
-        model = self.model = prepare_model(model, pack_weights=config.pack_weights, compile=config.compile)
+        if model.device.type != self.device.type:
+            raise ValueError(f"the model is on {model.device}, the config asks for device={config.device!r}")
+        # The precision is chosen once (dtype and quantization "auto" by a probe) and the model laid
+        # out for it: a new model, the one given is left as it was.
+        self.precision = resolve(config.dtype, config.quantization, self.device, is_quantized(model))
+        logger.info("nanoserve: computing in %s, quantization %s (%s)%s", self.precision.dtype,
+                    self.precision.quantization, self.precision.reason,
+                    f"; probe {self.precision.probe.describe()}" if self.precision.probe else "")
+        model = self.model = prepare_model(model, pack_weights=config.pack_weights, compile=config.compile,
+                                           dtype=self.precision.torch_dtype, quantization=self.precision.quantization,
+                                           max_kernel_rows=config.max_kernel_rows)
         num_positions = model.cos.shape[0]
         self.max_model_len = config.max_model_len or num_positions
         if self.max_model_len > num_positions:
@@ -89,15 +101,25 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, config: EngineConfig | None = None) -> Engine:
-        """Loads a Hugging Face Llama-family checkpoint directory; None loads the embedded default model."""
-        from transformers import AutoTokenizer
-
-        from nanoserve.model.default import default_model_dir
+        """Loads a Hugging Face Llama-family checkpoint directory, or a GGUF file (or a directory
+        holding one and no config.json), served as it is stored; None serves the embedded default
+        model from its own GGUF file."""
+        from nanoserve.model.default import gguf_path
+        from nanoserve.model.gguf import find_gguf, load_gguf, load_gguf_tokenizer
         from nanoserve.model.weights import load_model
 
         config = config or EngineConfig()
-        path = Path(path) if path is not None else default_model_dir()
-        model = load_model(path, config.torch_dtype, config.device, max_positions=config.max_model_len)
+        path = Path(path) if path is not None else gguf_path()
+        # Loaded in float32 (a quantized matrix as stored); the constructor lays it out.
+        if path.suffix == ".gguf" or (path.is_dir() and not (path / "config.json").is_file()):
+            file = find_gguf(path)
+            model_config, tensors = load_gguf(file)
+            model = LlamaModel.from_state_dict(model_config, tensors, torch.float32, config.device,
+                                               max_positions=config.max_model_len)
+            return cls(model, load_gguf_tokenizer(file), config)
+        from transformers import AutoTokenizer
+
+        model = load_model(path, torch.float32, config.device, max_positions=config.max_model_len)
         return cls(model, AutoTokenizer.from_pretrained(path), config)
 
     # ---- requests in -------------------------------------------------------------------------
@@ -271,6 +293,10 @@ class Engine:
             num_total_blocks=self.allocator.num_blocks,
             num_steps=self.num_steps,
         )
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held by the weights, by form (see prepare.weight_bytes), and by the KV pool."""
+        return weight_bytes(self.model) | {"kv_cache": self.kv.nbytes}
 
     def check_invariants(self) -> None:
         """Every KV block is free xor owned by exactly the requests that list it."""

@@ -66,7 +66,7 @@ class CharTokenizer:
 def make_tiny_engine(seed: int = 0, hf_overrides: dict | None = None, **config_overrides) -> Engine:
     """An Engine over a tiny random Llama (see TINY) with a character tokenizer."""
     hf = make_hf_llama(seed, **(hf_overrides or {}))
-    config = EngineConfig(**({"block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 4} | config_overrides))
+    config = EngineConfig(**({"block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 4, "dtype": "float32", "quantization": None} | config_overrides))
     return Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), config)
 
 

@@ -27,16 +27,16 @@ def test_a_packed_model_refuses_compile_by_name():
     engine = make_tiny_engine()  # pack_weights defaults on: the engine's model holds oneDNN tensors
     assert engine.model.packed
     with pytest.raises(ValueError, match="packed.*pack_weights=False"):
-        Engine(engine.model, None, EngineConfig(compile=True, num_kv_blocks=8))
+        Engine(engine.model, None, EngineConfig(dtype="float32", quantization=None, compile=True, num_kv_blocks=8))
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids  # still serves
 
 
 def test_two_engines_from_one_loaded_model_do_not_share_a_preparation():
     hf = make_hf_llama(seed=0)
     model = nanoserve_model_from_hf(hf)
-    plain = Engine(model, None, EngineConfig(pack_weights=False, num_kv_blocks=8, block_size=4))
-    compiled = Engine(model, None, EngineConfig(compile=True, num_kv_blocks=8, block_size=4))
-    packed = Engine(model, None, EngineConfig(num_kv_blocks=8, block_size=4))
+    plain = Engine(model, None, EngineConfig(dtype="float32", quantization=None, pack_weights=False, num_kv_blocks=8, block_size=4))
+    compiled = Engine(model, None, EngineConfig(dtype="float32", quantization=None, compile=True, num_kv_blocks=8, block_size=4))
+    packed = Engine(model, None, EngineConfig(dtype="float32", quantization=None, num_kv_blocks=8, block_size=4))
     assert plain.model is model and model.layer_fn is decoder_layer and not model.packed
     assert compiled.model.layer_fn is not decoder_layer and not compiled.model.packed
     assert packed.model.packed == torch.backends.mkldnn.is_available() and packed.model.layer_fn is decoder_layer

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from nanoserve import EngineConfig
 
@@ -16,7 +15,7 @@ from nanoserve import EngineConfig
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens=0 must be an integer >= 1"),
     ({"num_kv_blocks": 0}, "num_kv_blocks=0 must be None or an integer >= 1"),
     ({"max_model_len": 1}, "max_model_len=1 must be None or an integer >= 2"),
-    ({"dtype": "float8"}, r"dtype='float8' is not one of \['bfloat16', 'float16', 'float32'\]"),
+    ({"dtype": "float8"}, r"dtype='float8' is not one of \['auto', 'float32', 'bfloat16', 'float16'\]"),
     ({"device": "nonsense"}, "device='nonsense' is not a torch device"),
     ({"decode_group_min_rows": 1}, "decode_group_min_rows=1 must be None or an integer >= 2"),
     ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes=0 must be >= 1"),
@@ -36,7 +35,9 @@ def test_invalid_engine_config_is_refused_by_name(overrides, message):
     ({"max_model_len": 8.0}, "max_model_len=8.0 must be None or an integer >= 2"),
     ({"decode_group_min_rows": 4.0}, "decode_group_min_rows=4.0 must be None or an integer >= 2"),
     ({"kv_cache_memory_bytes": -1}, "kv_cache_memory_bytes=-1 must be >= 1"),
-    ({"dtype": "fp32"}, r"dtype='fp32' is not one of \['bfloat16', 'float16', 'float32'\]"),
+    ({"dtype": "fp32"}, r"dtype='fp32' is not one of \['auto', 'float32', 'bfloat16', 'float16'\]"),
+    ({"quantization": "int3"}, r"quantization='int3' is not one of \['auto', 'int8', 'int4', None\]"),
+    ({"max_kernel_rows": 0}, "max_kernel_rows=0 must be None or an integer >= 1"),
 ])
 def test_wrong_types_and_negatives_are_refused_by_name(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -62,13 +63,8 @@ def test_defaults():
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len) == (16, 2048, None)
     assert (config.enable_chunked_prefill, config.enable_prefix_caching, config.deferred_output) == (True, True, False)
     assert (config.pack_weights, config.decode_group_min_rows, config.compile) == (True, 8, False)
-    assert (config.dtype, config.device, config.seed) == ("float32", "cpu", 0)
-
-
-@pytest.mark.parametrize("name, dtype", [("float32", torch.float32), ("float16", torch.float16),
-                                         ("bfloat16", torch.bfloat16)])
-def test_torch_dtype(name, dtype):
-    assert EngineConfig(dtype=name).torch_dtype is dtype
+    assert (config.dtype, config.device, config.seed) == ("auto", "cpu", 0)
+    assert (config.quantization, config.max_kernel_rows) == ("auto", 8)
 
 
 def test_frozen():

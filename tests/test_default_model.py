@@ -45,7 +45,7 @@ def reference(hf_default):
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer(default_model_dir):
-    engine = Engine.from_pretrained(default_model_dir, EngineConfig(max_model_len=512))
+    engine = Engine.from_pretrained(default_model_dir, EngineConfig(dtype="float32", quantization=None, max_model_len=512))
     return engine.model, engine.tokenizer
 
 
@@ -54,7 +54,7 @@ def model_and_tokenizer(default_model_dir):
 ])
 def test_greedy_ids_equal_transformers_generate(reference, model_and_tokenizer, max_num_seqs, num_kv_blocks, deferred):
     model, tokenizer = model_and_tokenizer
-    config = EngineConfig(max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks, max_model_len=512,
+    config = EngineConfig(dtype="float32", quantization=None, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks, max_model_len=512,
                           kv_cache_memory_bytes=64 * 2**20, deferred_output=deferred)
     engine = Engine(model, tokenizer, config)
     outputs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
@@ -69,7 +69,7 @@ def test_greedy_ids_equal_transformers_generate(reference, model_and_tokenizer, 
 
 def test_text_matches_tokenizer_decode(reference, model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=4, max_model_len=512))
+    engine = Engine(model, tokenizer, EngineConfig(dtype="float32", quantization=None, max_num_seqs=4, max_model_len=512))
     outputs = engine.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     for (_, ref_ids), out in zip(reference, outputs, strict=False):
         assert out.text == tokenizer.decode(ref_ids, skip_special_tokens=True)

@@ -9,6 +9,7 @@ preemption), and block counts and queue lengths are worked out by hand from the 
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import CharTokenizer, greedy, make_tiny_engine
 
 from nanoserve import Engine, EngineConfig, SamplingParams
@@ -294,10 +295,11 @@ def test_a_seeded_request_gives_the_same_tokens_with_company():
     assert other_seed != alone
 
 
-def test_a_model_in_another_dtype_than_the_config_is_refused():
+def test_a_model_in_another_dtype_runs_as_a_copy_in_the_configured_dtype():
     model = make_tiny_engine().model  # float32 on cpu
-    with pytest.raises(ValueError, match="the model is torch.float32 on cpu, the config asks for dtype='bfloat16'"):
-        Engine(model, None, EngineConfig(dtype="bfloat16", num_kv_blocks=8))
+    engine = Engine(model, None, EngineConfig(dtype="bfloat16", quantization=None, num_kv_blocks=8))
+    assert (engine.model.dtype, engine.kv.k.dtype, engine.precision.dtype) == ((torch.bfloat16,) * 2 + ("bfloat16",))
+    assert model.dtype == torch.float32 and model.layers[0].qkv.dtype == torch.float32  # the given model is unchanged
 
 
 def test_decode_rows_split_by_length_keep_each_row_its_own_block_table():

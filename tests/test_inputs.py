@@ -36,7 +36,7 @@ def spy_on_groups(monkeypatch) -> list[tuple[int, list[tuple[int, bool]]]]:
 def test_grouped_decode_logits_equal_transformers(monkeypatch):
     calls = spy_on_groups(monkeypatch)
     hf = make_hf_llama(seed=8)
-    engine = Engine(nanoserve_model_from_hf(hf), None, EngineConfig(block_size=4, num_kv_blocks=128, max_num_seqs=8))
+    engine = Engine(nanoserve_model_from_hf(hf), None, EngineConfig(dtype="float32", quantization=None, block_size=4, num_kv_blocks=128, max_num_seqs=8))
     prompts = [[5, 6], [7 + i % 60 for i in range(60)], [9, 10, 11], [12] * 5, [13 + i % 50 for i in range(41)], [14], [15, 16], [17] * 3]
     captured, outputs = run_and_capture(engine, prompts, max_tokens=5)
     assert assert_logits_match(hf, captured, outputs) == 40
@@ -49,7 +49,7 @@ def test_mixed_steps_attend_each_prompt_alone_and_equal_transformers(monkeypatch
     # with chunks of a later, longer prompt, whose second chunk has cached context to read.
     calls = spy_on_groups(monkeypatch)
     hf = make_hf_llama(seed=9)
-    config = EngineConfig(block_size=4, num_kv_blocks=160, max_num_seqs=12, max_num_batched_tokens=9)
+    config = EngineConfig(dtype="float32", quantization=None, block_size=4, num_kv_blocks=160, max_num_seqs=12, max_num_batched_tokens=9)
     engine = Engine(nanoserve_model_from_hf(hf), None, config)
     prompts = [[20 + i] for i in range(8)] + [[5 + i % 70 for i in range(23)], [3, 4, 5], [40 + i % 30 for i in range(17)]]
     captured, outputs = run_and_capture(engine, prompts, max_tokens=6)

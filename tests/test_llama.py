@@ -14,6 +14,7 @@ from conftest import LLAMA3_ROPE, TINY, CharTokenizer, make_hf_llama, nanoserve_
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.model import llama
 from nanoserve.model.prepare import packed
+from nanoserve.model.quant import pack_linear_weight
 
 ARCHITECTURES = {
     "gqa": {},
@@ -59,7 +60,7 @@ def assert_logits_match(hf, captured, outputs) -> int:
 @pytest.mark.parametrize("pack_weights", [True, False], ids=["packed", "plain"])
 def test_logits_equal_transformers_at_prefill_and_every_decode(arch, block_size, pack_weights):
     hf = make_hf_llama(seed=1, **ARCHITECTURES[arch])
-    config = EngineConfig(block_size=block_size, num_kv_blocks=256 // block_size + 8, max_num_seqs=4,
+    config = EngineConfig(dtype="float32", quantization=None, block_size=block_size, num_kv_blocks=256 // block_size + 8, max_num_seqs=4,
                           pack_weights=pack_weights)
     engine = Engine(nanoserve_model_from_hf(hf), CharTokenizer(TINY["vocab_size"]), config)
     assert engine.model.packed == (pack_weights and torch.backends.mkldnn.is_available())
@@ -74,7 +75,7 @@ def test_packed_linear_equals_the_plain_matmul(rows):
     # Each row is a dot product done by hand in float64: the reference owes nothing to oneDNN or MKL.
     gen = torch.Generator().manual_seed(rows)
     weight, x = torch.randn(48, 40, generator=gen), torch.randn(rows, 40, generator=gen)
-    packed = llama.pack_linear_weight(weight)
+    packed = pack_linear_weight(weight)
     assert packed.is_mkldnn and not weight.is_mkldnn
     expected = torch.tensor([[sum(float(a) * float(b) for a, b in zip(xr, wr, strict=True)) for wr in weight] for xr in x],
                             dtype=torch.float64)
@@ -82,7 +83,7 @@ def test_packed_linear_equals_the_plain_matmul(rows):
     torch.testing.assert_close(llama.linear(x, weight).double(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_packing_leaves_other_dtypes_and_the_embedding_plain():
+def test_packing_leaves_float16_and_the_embedding_plain():
     model = nanoserve_model_from_hf(make_hf_llama(seed=4, tie_word_embeddings=True))
     prepared = packed(model)
     assert prepared.packed and not model.packed  # a new model: the one given is unchanged
@@ -90,14 +91,18 @@ def test_packing_leaves_other_dtypes_and_the_embedding_plain():
     assert not prepared.embed.is_mkldnn and prepared.lm_head is prepared.embed  # the lookup still reads plain rows
     assert all(w.is_mkldnn for layer in prepared.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert packed(prepared) is prepared  # twice is once
-    half = nanoserve_model_from_hf(make_hf_llama(seed=4), dtype=torch.bfloat16)
+    half = nanoserve_model_from_hf(make_hf_llama(seed=4), dtype=torch.float16)
     assert packed(half) is half and not half.packed
+    # bfloat16 packs where oneDNN computes it natively (a CPU with AVX-512 bf16 or AMX), else stays plain.
+    bf16 = nanoserve_model_from_hf(make_hf_llama(seed=4), dtype=torch.bfloat16)
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert packed(bf16).packed == native and not bf16.packed
 
 
 def test_llama3_rope_reaches_scaled_positions():
     # Positions past original_max_position_embeddings are where llama3 scaling changes anything.
     hf = make_hf_llama(seed=2, **ARCHITECTURES["llama3-rope"])
-    engine = Engine(nanoserve_model_from_hf(hf), None, EngineConfig(block_size=8, num_kv_blocks=40))
+    engine = Engine(nanoserve_model_from_hf(hf), None, EngineConfig(dtype="float32", quantization=None, block_size=8, num_kv_blocks=40))
     long_prompt = [[7 + (i * 13) % 80 for i in range(120)]]
     captured, outputs = run_and_capture(engine, long_prompt, max_tokens=8)
     assert assert_logits_match(hf, captured, outputs) == 8
@@ -105,7 +110,7 @@ def test_llama3_rope_reaches_scaled_positions():
 
 def test_chunked_prefill_logits_equal_transformers():
     hf = make_hf_llama(seed=3)
-    config = EngineConfig(block_size=4, num_kv_blocks=80, max_num_seqs=4, max_num_batched_tokens=7)
+    config = EngineConfig(dtype="float32", quantization=None, block_size=4, num_kv_blocks=80, max_num_seqs=4, max_num_batched_tokens=7)
     engine = Engine(nanoserve_model_from_hf(hf), None, config)
     captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=6)
     assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 6

@@ -37,7 +37,7 @@ def test_a_freed_cached_block_is_found_until_allocate_evicts_it_least_recently_f
 
 def _engine(caching: bool, **overrides) -> Engine:
     hf = make_hf_llama(seed=4)
-    config = EngineConfig(**({"block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 4,
+    config = EngineConfig(dtype="float32", quantization=None, **({"block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 4,
                               "enable_prefix_caching": caching} | overrides))
     return Engine(nanoserve_model_from_hf(hf), CharTokenizer(TINY["vocab_size"]), config)
 
@@ -59,7 +59,7 @@ def test_second_request_with_a_shared_prefix_hits_and_outputs_are_identical():
 
 def test_logits_with_cache_hits_equal_transformers():
     hf = make_hf_llama(seed=5)
-    engine = Engine(nanoserve_model_from_hf(hf), None, EngineConfig(block_size=4, num_kv_blocks=64))
+    engine = Engine(nanoserve_model_from_hf(hf), None, EngineConfig(dtype="float32", quantization=None, block_size=4, num_kv_blocks=64))
     run_and_capture(engine, [SYSTEM + [60]], max_tokens=2)
     captured, outputs = run_and_capture(engine, [SYSTEM + [61, 62], SYSTEM + [63]], max_tokens=5)
     assert [o.num_cached_tokens for o in outputs] == [20, 20]

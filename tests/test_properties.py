@@ -145,7 +145,7 @@ def solo_tokens(prompt: list[int]) -> list[int]:
     key = tuple(prompt)
     if key not in _SOLO:
         base = base_engine()
-        engine = Engine(base.model, base.tokenizer, EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=1))
+        engine = Engine(base.model, base.tokenizer, EngineConfig(dtype="float32", quantization=None, block_size=4, num_kv_blocks=64, max_num_seqs=1))
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         _SOLO[key] = engine.generate([prompt], params)[0].token_ids
     return _SOLO[key]
@@ -161,7 +161,7 @@ def engine_scenarios(draw):
     largest = max(cdiv(len(p) + m, block_size) for _, p, m in requests)
     num_kv_blocks = draw(st.integers(largest, largest + 2))  # tight: preemption is common
     aborts = draw(st.lists(st.tuples(st.integers(0, 12), st.integers(0, len(requests) - 1)), max_size=2))
-    config = EngineConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=draw(st.integers(1, 5)),
+    config = EngineConfig(dtype="float32", quantization=None, block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=draw(st.integers(1, 5)),
                           max_num_batched_tokens=draw(st.integers(1, 16)), max_model_len=32)
     return config, requests, aborts
 

@@ -163,7 +163,7 @@ def test_default_model_agrees_with_hf_generate(hf_default, default_model_dir):
     model, tokenizer = hf_default
     prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def fib(n):", "1, 2, 3,")]
     base = check_serial(run_serial(hf_generate_one(model), prompts, 6))
-    engine = Engine.from_pretrained(default_model_dir, EngineConfig(max_num_seqs=4, max_model_len=256))
+    engine = Engine.from_pretrained(default_model_dir, EngineConfig(dtype="float32", quantization=None, max_num_seqs=4, max_model_len=256))
     cand = check_concurrent(run_concurrent(engine, prompts, 6))
     c = compare(base, cand)  # refuses unless every token id agrees
     assert c.candidate.output_tokens == 18

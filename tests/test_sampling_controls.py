@@ -21,7 +21,7 @@ def hf():
 
 def engine_for(hf) -> Engine:
     return Engine(nanoserve_model_from_hf(hf), CharTokenizer(TINY["vocab_size"]),
-                  EngineConfig(block_size=4, num_kv_blocks=64, enable_prefix_caching=False))
+                  EngineConfig(dtype="float32", quantization=None, block_size=4, num_kv_blocks=64, enable_prefix_caching=False))
 
 
 def test_stop_string_across_token_boundaries_cuts_the_text_before_the_match(hf):

@@ -86,7 +86,7 @@ def engine(default_model_dir):
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield Engine.from_pretrained(default_model_dir, EngineConfig(num_kv_blocks=64))
+    yield Engine.from_pretrained(default_model_dir, EngineConfig(dtype="float32", quantization=None, num_kv_blocks=64))
     torch.set_num_threads(before)
 
 

@@ -35,7 +35,7 @@ def worker_nanoserve(task: dict[str, Any]) -> list[Measured]:
     max_len = task["max_model_len"]
     block = EngineConfig().block_size
     one_request = -(-max_len // block)  # the loading engine's KV pool: one request, not the 512 MiB default
-    base = Engine.from_pretrained(None, EngineConfig(max_model_len=max_len, num_kv_blocks=one_request))
+    base = Engine.from_pretrained(None, EngineConfig(dtype="float32", quantization=None, max_model_len=max_len, num_kv_blocks=one_request))
     model, tok = base.model, base.tokenizer
     del base
     per_block = bytes_per_block(model.config, block, model.dtype)
@@ -44,7 +44,7 @@ def worker_nanoserve(task: dict[str, Any]) -> list[Measured]:
     for name, wl in task["workloads"].items():
         longest = max(len(p) + n for p, n in zip(wl["prompts"], wl["output_lens"], strict=True))
         if first:  # warm-up, uncounted: allocation and kernel selection
-            warm = EngineConfig(max_model_len=max_len, max_num_seqs=2, num_kv_blocks=2 * one_request)
+            warm = EngineConfig(dtype="float32", quantization=None, max_model_len=max_len, max_num_seqs=2, num_kv_blocks=2 * one_request)
             run_concurrent(Engine(model, tok, warm), wl["prompts"][:2], 4)
             first = False
         for slots in task["slots"]:
@@ -54,7 +54,7 @@ def worker_nanoserve(task: dict[str, Any]) -> list[Measured]:
             prompts, lens = wl["prompts"][:k], wl["output_lens"][:k]
             # Enough KV blocks that every slot can hold the longest request: no preemption.
             blocks = min(slots, len(prompts)) * (-(-longest // block)) + slots
-            config = EngineConfig(max_num_seqs=slots, max_model_len=max_len, num_kv_blocks=blocks)
+            config = EngineConfig(dtype="float32", quantization=None, max_num_seqs=slots, max_model_len=max_len, num_kv_blocks=blocks)
             log(f"nanoserve {name} slots={slots}")
             m = Measured(workload=name, system=NANOSERVE, concurrency=slots)
             if k < len(wl["prompts"]):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from nanoserve.model.attention import AttentionMetadata, paged_attention
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.kv_cache import KVCache
+from nanoserve.model.quant import QuantLinear, Stored, cat_rows, dense_linear, embedding
 from nanoserve.model.rope import apply_rope, rope_table
 
 
@@ -28,34 +29,28 @@ class ModelInputs:
     attn: AttentionMetadata
 
 
+# A matmul weight [N, K]: dense (plain or oneDNN-packed), quantized as stored (runs dequantized: the
+# float32 reference), or quantized in its kernel form (nanoserve.model.quant).
+Weight = torch.Tensor | QuantLinear | Stored
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [E]
-    qkv: torch.Tensor  # [(H + 2 Hkv) D, E]: q, k, v projections fused into one matmul
-    o: torch.Tensor  # [E, H D]
+    qkv: Weight  # [(H + 2 Hkv) D, E]: q, k, v projections fused into one matmul
+    o: Weight  # [E, H D]
     post_norm: torch.Tensor  # [E]
-    gate_up: torch.Tensor  # [2 I, E]: gate and up fused into one matmul
-    down: torch.Tensor  # [E, I]
+    gate_up: Weight  # [2 I, E]: gate and up fused into one matmul
+    down: Weight  # [E, I]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T -> [M, N]. A weight packed by pack_linear_weight goes to oneDNN."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-    return F.linear(x, weight)
-
-
-def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN's packed linear applies to float32 weights on a CPU whose torch has oneDNN."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-
-
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] -> the same matrix reordered once into oneDNN's blocked layout (an opaque
-    tensor that only `linear` reads). This is what torch.compile's freezing does for CPU linears.
-    Measured over all 30 layers of the default model, 2 threads, fp32 (notes/peerbench.md): 1.3x
-    faster than F.linear at 1 row, 1.5-2.4x at 2-64 rows, and 1.8x on the 113 MB vocabulary head."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype, by whichever form the weight is in."""
+    if isinstance(weight, torch.Tensor):
+        return dense_linear(x, weight)
+    if isinstance(weight, QuantLinear):
+        return weight(x)
+    return F.linear(x, weight.dequantize().to(x.dtype))  # as stored: the exact, slow reference
 
 
 @dataclass(frozen=True)
@@ -108,15 +103,16 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
 class LlamaModel:
     """Weights and the forward pass. Call it under torch.inference_mode()."""
 
-    def __init__(self, config: LlamaConfig, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
-                 lm_head: torch.Tensor, max_positions: int | None = None) -> None:
+    def __init__(self, config: LlamaConfig, embed: torch.Tensor | Stored, layers: list[LayerWeights],
+                 norm: torch.Tensor, lm_head: Weight, max_positions: int | None = None) -> None:
         self.config = config
-        self.embed = embed  # [V, E]
+        self.embed = embed  # [V, E], dense or as stored (a lookup dequantizes its rows)
         self.layers = layers
         self.norm = norm  # [E]
-        self.lm_head = lm_head  # [V, E], the same tensor as embed when tied
-        self.dtype = embed.dtype
-        self.device = embed.device
+        self.lm_head = lm_head  # [V, E], the same object as embed when tied
+        # The activations' dtype is the norms' (a checkpoint's quantized embedding has none of its own).
+        self.dtype = norm.dtype
+        self.device = norm.device
         # The table covers the positions the engine will use, not the model's 128k maximum.
         num_positions = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
         self.cos, self.sin = rope_table(config, num_positions, self.dtype, self.device)  # [P, D]
@@ -139,18 +135,19 @@ class LlamaModel:
             if got != shape:
                 raise ValueError(f"tensor {name!r} has shape {list(got)}, expected {list(shape)}")
 
-        def get(name: str) -> torch.Tensor:
-            return tensors[name].to(device=device, dtype=dtype)
+        def get(name: str) -> torch.Tensor | Stored:
+            value = tensors[name]  # a quantized matrix stays as stored: prepare_model chooses its form
+            return value.to(device=device, dtype=dtype) if isinstance(value, torch.Tensor) else value
 
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             layers.append(LayerWeights(
                 input_norm=get(p + "input_layernorm.weight"),
-                qkv=torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
+                qkv=cat_rows([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
                 o=get(p + "self_attn.o_proj.weight"),
                 post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]).contiguous(),
+                gate_up=cat_rows([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
                 down=get(p + "mlp.down_proj.weight"),
             ))
         embed = get("model.embed_tokens.weight")
@@ -160,7 +157,7 @@ class LlamaModel:
     def forward(self, inputs: ModelInputs, kv: KVCache) -> torch.Tensor:
         """Runs one step and returns logits [R, V] for the rows that sample, in float32."""
         eps = self.config.rms_norm_eps
-        h = F.embedding(inputs.input_ids, self.embed)  # [T, E]
+        h = embedding(inputs.input_ids, self.embed, self.dtype)  # [T, E]
         cos = self.cos[inputs.positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[inputs.positions].unsqueeze(1)  # [T, 1, D]
         for i, layer in enumerate(self.layers):
@@ -171,6 +168,6 @@ class LlamaModel:
 
     @property
     def packed(self) -> bool:
-        return self.lm_head_weight.is_mkldnn
+        return isinstance(self.lm_head_weight, torch.Tensor) and self.lm_head_weight.is_mkldnn
 
     __call__ = forward

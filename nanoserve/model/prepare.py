@@ -8,27 +8,86 @@ not copied.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 
-from nanoserve.model.llama import LayerWeights, LlamaModel, can_pack, decoder_layer, pack_linear_weight
+from nanoserve.model.llama import LayerWeights, LlamaModel, Weight, decoder_layer
+from nanoserve.model.quant import (
+    ChannelInt8,
+    QuantLinear,
+    Stored,
+    can_pack,
+    dense_of,
+    pack_linear_weight,
+    quant_linear,
+    quantize_int4,
+    quantize_int8,
+)
+from nanoserve.model.rope import rope_table
+
+QUANTIZATIONS = ("int8", "int4", "keep")  # and None: dense
 
 
-def packed(model: LlamaModel) -> LlamaModel:
-    """A model whose matmul weights are reordered once into oneDNN's packed layout (see
-    pack_linear_weight). The embedding stays plain for its lookup, so a tied head costs one extra
-    [V, E] copy. Returns `model` itself when there is nothing to pack: already packed, not float32
-    on a CPU with oneDNN, or compiled (the compiled graph reads plain tensors)."""
-    if model.packed or not can_pack(model.lm_head) or model.layer_fn is not decoder_layer:
-        return model
+@dataclass(frozen=True)
+class Layout:
+    """What every matmul weight becomes.
+
+    quantization: None (dense in dtype), "int8" (per output channel), "int4" (groups of 32; the
+        head in int8), or "keep" (a checkpoint's own quantized matrices in kernel form, the others
+        dense).
+    max_kernel_rows: past this many rows a quantized linear reads a dense copy; None: no copy.
+    """
+
+    dtype: torch.dtype
+    quantization: str | None = None
+    max_kernel_rows: int | None = None
+    pack_weights: bool = True
+
+
+def _linear_weight(w: Weight, layout: Layout, head: bool) -> Weight:
+    if isinstance(w, QuantLinear) or (isinstance(w, torch.Tensor) and w.is_mkldnn):
+        return w  # already prepared
+    stored: Stored | None = None
+    if layout.quantization == "keep" and not isinstance(w, torch.Tensor):
+        stored = w
+    elif layout.quantization == "int8" or (layout.quantization == "int4" and head):
+        stored = w if isinstance(w, ChannelInt8) else quantize_int8(dense_of(w))
+    elif layout.quantization == "int4":
+        stored = quantize_int4(dense_of(w))
+    if stored is not None:
+        return quant_linear(stored, layout.dtype, layout.max_kernel_rows, layout.pack_weights)
+    dense = dense_of(w).to(layout.dtype)
+    return pack_linear_weight(dense) if layout.pack_weights and can_pack(dense) else dense
+
+
+def laid_out(model: LlamaModel, layout: Layout) -> LlamaModel:
+    """A model in layout.dtype whose matmul weights are in the layout's form; the norms follow the
+    dtype, a dense embedding too (a quantized one stays as stored: a lookup dequantizes its rows).
+
+    Raises:
+        ValueError: an unknown quantization, or a model already compiled.
+    """
+    if layout.quantization not in (*QUANTIZATIONS, None):
+        raise ValueError(f"quantization={layout.quantization!r} is not one of {[*QUANTIZATIONS, None]}")
+    if model.layer_fn is not decoder_layer:
+        raise ValueError("lay a model out before compiling it: the compiled graph reads plain tensors")
+    dtype = layout.dtype
     prepared = copy.copy(model)
     prepared.layers = [
-        LayerWeights(input_norm=layer.input_norm, qkv=pack_linear_weight(layer.qkv), o=pack_linear_weight(layer.o),
-                     post_norm=layer.post_norm, gate_up=pack_linear_weight(layer.gate_up),
-                     down=pack_linear_weight(layer.down))
+        LayerWeights(input_norm=layer.input_norm.to(dtype), qkv=_linear_weight(layer.qkv, layout, False),
+                     o=_linear_weight(layer.o, layout, False), post_norm=layer.post_norm.to(dtype),
+                     gate_up=_linear_weight(layer.gate_up, layout, False),
+                     down=_linear_weight(layer.down, layout, False))
         for layer in model.layers
     ]
-    prepared.lm_head_weight = pack_linear_weight(model.lm_head)
+    prepared.embed = model.embed.to(dtype) if isinstance(model.embed, torch.Tensor) else model.embed
+    prepared.lm_head = prepared.embed if model.lm_head is model.embed else model.lm_head
+    prepared.lm_head_weight = _linear_weight(model.lm_head, layout, True)
+    prepared.norm = model.norm.to(dtype)
+    prepared.dtype = dtype
+    if dtype != model.dtype:
+        prepared.cos, prepared.sin = rope_table(model.config, model.cos.shape[0], dtype, model.device)
     return prepared
 
 
@@ -49,8 +108,56 @@ def compiled(model: LlamaModel) -> LlamaModel:
     return prepared
 
 
-def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool) -> LlamaModel:
-    """The model an engine runs: compiled, or packed, or `model` itself as it was loaded."""
+def packed(model: LlamaModel) -> LlamaModel:
+    """A model whose dense matmul weights are reordered once into oneDNN's packed layout (see
+    pack_linear_weight), in its own dtype. The embedding stays plain for its lookup, so a tied head
+    costs one extra [V, E] copy. Returns `model` itself when there is nothing to pack."""
+    if model.packed or not isinstance(model.lm_head, torch.Tensor) or not can_pack(model.lm_head) \
+            or model.layer_fn is not decoder_layer:
+        return model
+    return laid_out(model, Layout(model.dtype, pack_weights=True))
+
+
+def is_quantized(model: LlamaModel) -> bool:
+    """Whether any matmul weight of a loaded model is a quantized matrix as stored."""
+    weights = [model.lm_head_weight] + [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return any(not isinstance(w, (torch.Tensor, QuantLinear)) for w in weights)
+
+
+def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype: torch.dtype | None = None,
+                  quantization: str | None = None, max_kernel_rows: int | None = None) -> LlamaModel:
+    """The model an engine runs: laid out in `dtype` (default: the model's own) with the weights'
+    quantization, then compiled, or `model` itself when nothing changes."""
+    dtype = dtype or model.dtype
     if compile:
+        if dtype != model.dtype or quantization is not None:
+            model = laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights=False))
         return compiled(model)
-    return packed(model) if pack_weights else model
+    if dtype == model.dtype and quantization is None and not is_quantized(model):
+        return packed(model) if pack_weights else model
+    return laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights))
+
+
+def _nbytes(w: Weight) -> dict[str, int]:
+    if isinstance(w, QuantLinear):
+        return {"quantized": w.kernel_bytes, "dense_copies": w.dense_bytes}
+    if isinstance(w, torch.Tensor):
+        return {"dense": w.numel() * w.element_size()}  # numel: an oneDNN-packed tensor has no plain storage
+    parts = [w.codes, w.scales] + ([w.mins] if getattr(w, "mins", None) is not None else [])
+    return {"stored": sum(t.nbytes for t in parts)}
+
+
+def weight_bytes(model: LlamaModel) -> dict[str, int]:
+    """Bytes the model's weights hold, by form: dense (plain or oneDNN-packed), quantized (the
+    kernels' layouts), dense_copies (what quantized linears read past max_kernel_rows) and stored
+    (quantized matrices as loaded, such as a GGUF embedding that lookups dequantize by row)."""
+    total = {"dense": 0, "quantized": 0, "dense_copies": 0, "stored": 0}
+    weights: list[Weight] = [model.embed, model.norm]
+    if model.lm_head_weight is not model.embed:
+        weights.append(model.lm_head_weight)
+    for layer in model.layers:
+        weights += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+    for w in weights:
+        for key, value in _nbytes(w).items():
+            total[key] += value
+    return total

@@ -1,0 +1,131 @@
+"""Choosing the precision by measurement: dtype="auto" and quantization="auto" resolved at start-up.
+
+On a CPU the right precision depends on the instructions it has: with AVX-512 bf16 (and AMX) a
+bf16 matmul runs several times faster than float32; on an AVX2-only CPU it runs tens of times
+slower (measured about 70x on an AMD EPYC Zen 3). So nothing here reads a CPU's name: a probe of a
+few milliseconds times both, and the int4 kernel beside the dense matmul at one row in the chosen
+dtype, and the choice follows the figures, which the engine logs once and reports.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.model.quant import int4_pass, quantize_int4
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Milliseconds per call, best of a few, on this device (2 threads' worth of the run's threads)."""
+
+    float32_ms: float  # [rows, K] @ [K, N]^T in float32
+    bfloat16_ms: float  # the same in bfloat16
+    int4_ms: float  # the int4 kernel at one row, activations in kernel_dtype
+    dense_ms: float  # the dense matmul at one row, in kernel_dtype
+    kernel_dtype: str  # the faster of the two, unless the caller named one
+    shape: tuple[int, int, int]  # (rows, K, N) of the matmul pair
+
+    def describe(self) -> str:
+        rows, K, N = self.shape
+        return (f"[{rows}x{K}]@[{K}x{N}]: float32 {self.float32_ms:.3f} ms, bfloat16 {self.bfloat16_ms:.3f} ms; "
+                f"one row in {self.kernel_dtype}: int4 kernel {self.int4_ms:.3f} ms, dense {self.dense_ms:.3f} ms")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What the engine computes in, and why."""
+
+    dtype: str  # "float32", "bfloat16" or "float16"
+    quantization: str | None  # None, "int8", "int4" or "keep" (the checkpoint's own)
+    reason: str
+    probe: Probe | None = None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def _best_ms(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()  # first call: allocation, oneDNN primitive creation
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+@functools.cache  # once per process and argument set: the choice is logged once
+def probe_cpu(kernel_dtype: str | None = None, rows: int = 16, K: int = 512, N: int = 1024) -> Probe:
+    """Times float32 against bfloat16 on one matmul, then the int4 kernel against the dense matmul
+    at one row in kernel_dtype (None: the faster of the two): 8 MFLOP per call, a few milliseconds
+    in all on a CPU with bf16 (tens of milliseconds on one without, where bf16 is emulated)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(N, K, generator=gen) * 0.02
+    x = torch.randn(rows, K, generator=gen)
+    with torch.inference_mode():
+        fp32 = _best_ms(lambda: torch.nn.functional.linear(x, w))
+        wb, xb = w.bfloat16(), x.bfloat16()
+        bf16 = _best_ms(lambda: torch.nn.functional.linear(xb, wb))
+        dtype = DTYPES[kernel_dtype] if kernel_dtype else (torch.bfloat16 if bf16 < fp32 else torch.float32)
+        stored = quantize_int4(w)
+        kernel = int4_pass(stored.codes, stored.scales, stored.mins + 8 * stored.scales, dtype)
+        one, dense = x[:1].to(dtype), w.to(dtype)
+        int4 = _best_ms(lambda: kernel(one))
+        dense_ms = _best_ms(lambda: torch.nn.functional.linear(one, dense))
+    return Probe(fp32, bf16, int4, dense_ms, str(dtype).removeprefix("torch."), (rows, K, N))
+
+
+def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoint_quantized: bool,
+            probe: Callable[..., Probe] | None = None) -> Precision:
+    """Turns the config's "auto" values into a Precision.
+
+    dtype "auto": bfloat16 on a CUDA device that supports it; on a CPU, bfloat16 when the probe
+    times it faster than float32; float32 otherwise. quantization "auto": a checkpoint's own
+    quantized matrices are kept in kernel form when the probe times the int4 kernel faster than
+    the dense matmul at one row (where it is not, as with float32 activations on a CPU, they are
+    dequantized into dense); a dense checkpoint stays dense.
+    """
+    probe = probe or probe_cpu  # looked up at call time, so a test can stand in for it
+    figures: Probe | None = None
+    reasons = []
+    if dtype == "auto":
+        if device.type == "cuda":
+            dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+            reasons.append(f"dtype {dtype}: CUDA device {torch.cuda.get_device_name(device)}")
+        elif device.type == "cpu":
+            figures = probe()
+            dtype = "bfloat16" if figures.bfloat16_ms < figures.float32_ms else "float32"
+            reasons.append(f"dtype {dtype}: bfloat16 {figures.float32_ms / figures.bfloat16_ms:.2f}x float32's speed")
+        else:
+            dtype = "float32"
+            reasons.append(f"dtype float32: no probe for device type {device.type!r}")
+    else:
+        reasons.append(f"dtype {dtype}: as configured")
+    if quantization == "auto":
+        if not checkpoint_quantized:
+            quantization = None
+            reasons.append("dense: the checkpoint is not quantized")
+        elif device.type != "cpu":
+            quantization = None
+            reasons.append(f"the checkpoint's quantization dequantized: no quantized kernels on {device.type}")
+        else:
+            if figures is None or figures.kernel_dtype != dtype:
+                figures = probe(kernel_dtype=dtype)
+            faster = figures.int4_ms < figures.dense_ms
+            quantization = "keep" if faster else None
+            reasons.append(f"the checkpoint's quantization {'kept' if faster else 'dequantized'}: int4 kernel "
+                           f"{figures.dense_ms / figures.int4_ms:.2f}x the dense matmul's speed at one row")
+    elif quantization is not None and device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on torch's CPU kernels; device={device.type!r} has "
+                         "none here: use quantization=None")
+    else:
+        reasons.append(f"quantization {quantization}: as configured")
+    return Precision(dtype, quantization, "; ".join(reasons), figures)

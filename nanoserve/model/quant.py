@@ -1,0 +1,229 @@
+"""Weight-only quantized linears on torch's own CPU kernels, and the dense copy they fall back to.
+
+Two forms of a quantized matrix [N, K] (N output rows, K input columns, G = 32 per group):
+
+- as stored: `BlockQuantized` (nanoserve.model.gguf; GGUF's Q4_0, Q4_1 and Q8_0, or nanoserve's own
+  int4 in groups of 32, which is Q4_1's form: w = d q + m, q in 0..15) and `ChannelInt8` (int8 per
+  output channel, w = s[n] q). Both dequantize exactly to float32, the reference every test uses;
+- as run: `QuantLinear`, one or two kernel passes summed, in the activations' dtype.
+
+The kernels: `_weight_int4pack_mm_for_cpu` reads 4-bit codes in groups of 32 with a scale and a
+zero per group, w = (q - 8) s + z; `_weight_int8pack_mm` reads int8 with one scale per output
+channel. Both take scales in the activations' dtype, so bf16 activations round a GGUF fp16 scale
+to bf16 (8 bits of mantissa): that rounding, not the mapping, is the only change from the file.
+
+- Q4_0 (w = d (q - 8)): one int4 pass, s = d, z = 0;
+- Q4_1 (w = d q + m): one int4 pass, s = d, z = m + 8 d;
+- Q8_0 (w = d q, q int8 in groups of 32): two int4 passes, exact: q = 16 hi + lo with lo in 0..15
+  and hi in -8..7, so w = (hi + 8 - 8) 16 d + (lo - 8) d + 8 d; the high pass's scale 16 d is d in
+  bf16 times a power of two, so both passes round d alike;
+- int8 per channel: one int8 pass.
+
+The kernels are shaped for few rows: past `max_kernel_rows` rows a linear reads its dense copy
+(in the activations' dtype) instead, so prefill and large batches never pay the slow path. The
+copy costs memory (2 bytes a weight in bf16); `weight_bytes` counts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.model.gguf import BLOCK, BlockQuantized
+
+GROUP = BLOCK  # 32: the group size of every int4 layout here
+
+
+@dataclass
+class ChannelInt8:
+    """int8 per output channel: w[n, k] = scales[n] * codes[n, k]."""
+
+    codes: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.scales.unsqueeze(1) * self.codes.float()  # [N, K] float32
+
+    def rows(self, index: torch.Tensor) -> ChannelInt8:
+        return ChannelInt8(self.codes.index_select(0, index), self.scales.index_select(0, index))
+
+
+Stored = BlockQuantized | ChannelInt8
+
+
+def quantize_int8(w: torch.Tensor) -> ChannelInt8:
+    """w [N, K] -> int8 per output channel, symmetric: s = max |w[n]| / 127, q = round(w / s)."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [N]
+    codes = torch.round(w / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    return ChannelInt8(codes, scales)
+
+
+def quantize_int4(w: torch.Tensor) -> BlockQuantized:
+    """w [N, K] -> 4 bits in groups of 32, asymmetric over each group's range: d = (max - min) / 15,
+    m = min, q = round((w - m) / d) in 0..15 (GGUF's Q4_1 form, w = d q + m)."""
+    N, K = w.shape
+    if K % GROUP:
+        raise ValueError(f"int4 needs the input width a multiple of {GROUP}; this matrix has K={K}")
+    groups = w.float().view(N, K // GROUP, GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, B]
+    scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = torch.round((groups - low.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
+    return BlockQuantized("Q4_1", codes.view(N, K), scales, low)
+
+
+def dense_of(w: torch.Tensor | Stored) -> torch.Tensor:
+    """The float matrix of a dense or stored-quantized weight (float32 for a quantized one)."""
+    return w if isinstance(w, torch.Tensor) else w.dequantize()
+
+
+def cat_rows(parts: list[torch.Tensor | Stored]) -> torch.Tensor | Stored:
+    """Stacks matrices along N (q, k, v into one qkv): quantized parts of one kind stay quantized,
+    anything mixed becomes dense float32."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts).contiguous()
+    first = parts[0]
+    if isinstance(first, BlockQuantized) and all(isinstance(p, BlockQuantized) and p.kind == first.kind
+                                                   for p in parts):
+        return BlockQuantized(first.kind, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                              None if first.mins is None else torch.cat([p.mins for p in parts]))
+    if all(isinstance(p, ChannelInt8) for p in parts):
+        return ChannelInt8(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
+    return torch.cat([dense_of(p).float() for p in parts]).contiguous()
+
+
+@dataclass
+class Int4Pass:
+    """One _weight_int4pack_mm_for_cpu call: w = (q - 8) s + z per group of 32."""
+
+    packed: torch.Tensor  # [Np, K / 2] uint8, the kernel's layout; Np: N rounded up to 16 (zero rows)
+    scales_and_zeros: torch.Tensor  # [K / 32, Np, 2] in the activations' dtype
+    num_rows: int  # N
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
+        return out if out.shape[-1] == self.num_rows else out[:, :self.num_rows]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+
+@dataclass
+class Int8Pass:
+    """One _weight_int8pack_mm call: w = s[n] q."""
+
+    codes: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N] in the activations' dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
+def int4_pass(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> Int4Pass:
+    """codes [N, K] in 0..15, scales and zeros [N, K / 32] float32 -> one kernel pass. The kernel
+    takes N in multiples of 16: the rows past N are zeros (scale and zero 0), cut from the output."""
+    N = codes.shape[0]
+    pad = -N % 16
+    if pad:
+        codes, scales, zeros = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scales, zeros))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+    scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [B, Np, 2]
+    return Int4Pass(packed, scales_and_zeros, N)
+
+
+def kernel_passes(w: Stored, dtype: torch.dtype) -> list[Int4Pass | Int8Pass]:
+    """The kernel passes whose sum is x @ w^T, for activations in `dtype` (see the module docstring)."""
+    if isinstance(w, ChannelInt8):
+        return [Int8Pass(w.codes.contiguous(), w.scales.to(dtype).contiguous())]
+    if w.kind == "Q4_0":
+        return [int4_pass(w.codes, w.scales, torch.zeros_like(w.scales), dtype)]
+    if w.kind == "Q4_1":
+        return [int4_pass(w.codes, w.scales, w.mins + 8 * w.scales, dtype)]
+    codes = w.codes.to(torch.int32)  # Q8_0: int8 in -128..127
+    low = codes & 15  # 0..15
+    high = (codes - low) // 16 + 8  # (-8..7) + 8
+    return [int4_pass(high, 16 * w.scales, torch.zeros_like(w.scales), dtype),
+            int4_pass(low, w.scales, 8 * w.scales, dtype)]
+
+
+@dataclass
+class QuantLinear:
+    """A linear run by quantized kernels for up to max_kernel_rows rows and by its dense copy above."""
+
+    passes: list[Int4Pass | Int8Pass]
+    dense: torch.Tensor | None  # [N, K] in the activations' dtype (oneDNN-packed where that runs faster), or None
+    max_kernel_rows: int
+    shape: tuple[int, int]  # (N, K)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] > self.max_kernel_rows:
+            return dense_linear(x, self.dense)
+        out = self.passes[0](x)
+        for kernel_pass in self.passes[1:]:
+            out = out + kernel_pass(x)
+        return out
+
+    @property
+    def kernel_bytes(self) -> int:
+        return sum(p.nbytes for p in self.passes)
+
+    @property
+    def dense_bytes(self) -> int:
+        if self.dense is None:
+            return 0
+        N, K = self.shape
+        return N * K * self.dense.element_size() if self.dense.is_mkldnn else self.dense.nbytes
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T -> [M, N]. A weight packed by pack_linear_weight goes to oneDNN."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return F.linear(x, weight)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """oneDNN's packed linear applies on a CPU whose torch has oneDNN, to float32 weights, and to
+    bfloat16 ones where oneDNN computes bf16 natively."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> the same matrix reordered once into oneDNN's blocked layout (an opaque
+    tensor that only `dense_linear` reads). This is what torch.compile's freezing does for CPU
+    linears. Measured over all 30 layers of the default model, 2 threads, fp32 (notes/peerbench.md):
+    1.3x faster than F.linear at 1 row, 1.5-2.4x at 2-64 rows, and 1.8x on the 113 MB head."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
+def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pack: bool) -> QuantLinear:
+    """The kernel form of a stored quantized matrix, with a dense copy for more than
+    max_kernel_rows rows (None: no copy, the kernels take every row count)."""
+    dense = None
+    if max_kernel_rows is not None:
+        dense = w.dequantize().to(dtype)
+        if pack and can_pack(dense):
+            dense = pack_linear_weight(dense)
+    return QuantLinear(kernel_passes(w, dtype), dense, max_kernel_rows or 0, w.shape)
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor | Stored, dtype: torch.dtype) -> torch.Tensor:
+    """ids [T] -> rows [T, E] in `dtype`; a quantized table dequantizes only the rows it looks up."""
+    if isinstance(table, torch.Tensor):
+        return F.embedding(ids, table)
+    return table.rows(ids).dequantize().to(dtype)

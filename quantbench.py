@@ -1,0 +1,184 @@
+"""quantbench: every precision this machine offers against float32 on the same weights, accuracy
+beside speed and memory, on the embedded default model (SmolLM2-135M-Instruct, its Q4_1 GGUF).
+
+The reference is float32 over the GGUF's weights dequantized exactly. For each precision:
+- over the fixed text data/quantbench.txt, teacher-forced (nanoserve.instruments.accuracy):
+  perplexity and its change against float32, top-1 agreement with float32's next token, and the
+  mean KL(float32 || precision) of the next-token distributions;
+- greedy agreement on a prompt set: mean common-prefix length with float32's own greedy tokens
+  and the share of runs that match to the end;
+- decode rate at 1 and 16 slots (aggregate tokens/s over decode steps) and resident memory, each
+  precision in a fresh child process, one at a time, so nothing else shares the cores.
+transformers' own model in bfloat16 is scored on the same text as the bar the default precision's
+agreement is held to. A precision whose perplexity is more than 2% worse than float32 says so.
+
+    python quantbench.py                         # the full text, every precision; a few minutes
+    python quantbench.py --tokens 1024 --quick   # a smaller run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from nanoserve import Engine, EngineConfig, SamplingParams
+from nanoserve.instruments.accuracy import compare, greedy_agreement, teacher_forced_logits, worse_than
+from nanoserve.instruments.csv_writer import write_csv
+
+ROOT = Path(__file__).resolve().parent
+TEXT = ROOT / "data" / "quantbench.txt"
+# name -> (EngineConfig.dtype, EngineConfig.quantization); "auto" dtype lets the probe pick the activations.
+PRECISIONS = {
+    "float32": ("float32", None),
+    "bfloat16": ("bfloat16", None),
+    "int8": ("auto", "int8"),
+    "int4": ("auto", "int4"),
+    "gguf-q4_1": ("auto", "auto"),  # the default: the file's own Q4_1 (and Q8_0 embedding) kept where it pays
+}
+PROMPTS = [
+    "The capital of France is", "def fibonacci(n):", "Once upon a time", "The three laws of thermodynamics are",
+    "import numpy as np\n", "My favourite recipe for bread", "In 1905 Albert Einstein", "The quick brown fox",
+    "SELECT name FROM", "Dear hiring manager,", "The mitochondria is", "To be or not to be",
+]
+
+
+def engine_for(name: str, **overrides) -> Engine:
+    dtype, quantization = PRECISIONS[name]
+    return Engine.from_pretrained(None, EngineConfig(dtype=dtype, quantization=quantization, **overrides))
+
+
+def decode_rate(engine: Engine, slots: int, steps: int, prompt_len: int = 64) -> float:
+    """Aggregate decode tokens/s with `slots` requests decoding together (prefill excluded)."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    for i in range(slots):
+        engine.add_request([100 + (i * 7 + j) % 1000 for j in range(prompt_len)], params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    engine.step()  # the first decode: uncounted
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    while engine.has_unfinished():
+        engine.step()
+    return slots / statistics.median(times)
+
+
+def child(name: str, slots_list: list[int], steps: int) -> None:
+    """One precision alone in this process: decode rates and resident memory, as one JSON line."""
+    import psutil
+
+    engine = engine_for(name, max_num_seqs=max(slots_list), max_model_len=1024)
+    rates = {slots: decode_rate(engine, slots, steps) for slots in slots_list}
+    print(json.dumps({"rates": rates, "rss_bytes": psutil.Process().memory_info().rss, "memory": engine.memory(),
+                      "dtype": engine.precision.dtype, "quantization": engine.precision.quantization,
+                      "reason": engine.precision.reason}))
+
+
+def run_child(name: str, slots_list: list[int], steps: int, threads: int) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", name, "--slots", *map(str, slots_list),
+                           "--steps", str(steps), "--threads", str(threads)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"quantbench child {name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
+    parser.add_argument("--tokens", type=int, default=None, help="score the text's first N tokens (default: all)")
+    parser.add_argument("--slots", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--steps", type=int, default=24, help="decode steps timed per slot count")
+    parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
+    parser.add_argument("--quick", action="store_true", help="4 prompts, 8 decode steps")
+    parser.add_argument("--no-transformers", action="store_true", help="skip transformers' bf16 bar")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--out", default="runs/quantbench.csv")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.child:
+        child(args.child, args.slots, args.steps)
+        return
+    prompts = PROMPTS[:4] if args.quick else PROMPTS
+    steps = 8 if args.quick else args.steps
+    if "float32" not in args.precisions:
+        args.precisions.insert(0, "float32")
+
+    reference_engine = engine_for("float32", max_model_len=8192)
+    token_ids = reference_engine.tokenizer.encode(TEXT.read_text())[: args.tokens]
+    targets = torch.tensor(token_ids[1:])
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    print(f"quantbench: SmolLM2-135M-Instruct (its Q4_1 GGUF), {len(token_ids)} tokens of {TEXT.name}, "
+          f"{len(prompts)} prompts x {args.max_tokens} greedy tokens, {args.threads} threads")
+    reference = teacher_forced_logits(reference_engine.model, token_ids)[:-1]
+    reference_runs = [o.token_ids for o in reference_engine.generate(prompts, greedy)]
+    del reference_engine
+
+    rows = []
+    for name in args.precisions:
+        engine = engine_for(name, max_model_len=8192)
+        report = compare(reference, teacher_forced_logits(engine.model, token_ids)[:-1], targets)
+        agreement = greedy_agreement(reference_runs, [o.token_ids for o in engine.generate(prompts, greedy)])
+        precision = engine.precision
+        del engine
+        measured = run_child(name, args.slots, steps, args.threads)
+        rows.append({
+            "precision": name, "dtype": precision.dtype, "quantization": precision.quantization,
+            "positions": report.positions, "perplexity": report.perplexity, "perplexity_ref": report.perplexity_ref,
+            "perplexity_change": report.perplexity_change, "worse_than_2pct": worse_than(report),
+            "top1_agreement": report.top1_agreement, "mean_kl": report.mean_kl,
+            "greedy_mean_prefix": agreement["mean_common_prefix"], "greedy_full_match": agreement["full_match"],
+            **{f"decode_tok_s_{s}": measured["rates"][str(s)] for s in args.slots},
+            "rss_mb": measured["rss_bytes"] / 2**20,
+            **{f"{k}_mb": v / 2**20 for k, v in measured["memory"].items()},
+            "threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "date": time.strftime("%Y-%m-%d"),
+        })
+        print(f"  {name}: done ({precision.dtype}, quantization {precision.quantization})", flush=True)
+    if not args.no_transformers:
+        rows.append(transformers_bf16(token_ids, reference, targets))
+
+    print(f"\n{'precision':<14}{'dtype':<10}{'ppl':>8}{'Δppl':>8}{'top1':>8}{'KL':>9}{'prefix':>8}"
+          + "".join(f"{'tok/s@' + str(s):>11}" for s in args.slots) + f"{'RSS MB':>9}{'weights MB':>12}")
+    for r in rows:
+        weights = sum(r.get(f"{k}_mb", 0) for k in ("dense", "quantized", "dense_copies", "stored"))
+        flag = "  (>2% worse)" if r["worse_than_2pct"] else ""
+        print(f"{r['precision']:<14}{r['dtype']:<10}{r['perplexity']:>8.3f}{r['perplexity_change']:>+8.2%}"
+              f"{r['top1_agreement']:>8.2%}{r['mean_kl']:>9.5f}{r.get('greedy_mean_prefix', float('nan')):>8.1f}"
+              + "".join(f"{r.get(f'decode_tok_s_{s}', float('nan')):>11.1f}" for s in args.slots)
+              + f"{r.get('rss_mb', float('nan')):>9.0f}{weights:>12.0f}{flag}")
+    write_csv(args.out, rows)
+    print(f"wrote {args.out}")
+
+
+def transformers_bf16(token_ids: list[int], reference: torch.Tensor, targets: torch.Tensor) -> dict:
+    """transformers' own model in bfloat16 over the same text: the bar for the default's agreement."""
+    from transformers import AutoModelForCausalLM
+
+    from nanoserve.model.default import default_model_dir
+
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.bfloat16).eval()
+    with torch.inference_mode():
+        logits = hf(torch.tensor([token_ids])).logits[0, :-1].float()
+    report = compare(reference, logits, targets)
+    return {"precision": "transformers", "dtype": "bfloat16", "quantization": None, "positions": report.positions,
+            "perplexity": report.perplexity, "perplexity_ref": report.perplexity_ref,
+            "perplexity_change": report.perplexity_change, "worse_than_2pct": worse_than(report),
+            "top1_agreement": report.top1_agreement, "mean_kl": report.mean_kl,
+            "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""dtype="auto" and quantization="auto": the choice follows the probe's figures, faked both ways."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import make_hf_llama, nanoserve_model_from_hf
+
+from nanoserve import Engine, EngineConfig
+from nanoserve.model import precision
+from nanoserve.model.precision import Probe, probe_cpu, resolve
+
+CPU = torch.device("cpu")
+
+
+def fake(float32_ms, bfloat16_ms, int4_ms=1.0, dense_ms=2.0):
+    def probe(kernel_dtype=None):
+        chosen = kernel_dtype or ("bfloat16" if bfloat16_ms < float32_ms else "float32")
+        return Probe(float32_ms, bfloat16_ms, int4_ms, dense_ms, chosen, (16, 512, 1024))
+    return probe
+
+
+def test_auto_picks_bfloat16_where_the_probe_times_it_faster():
+    chosen = resolve("auto", None, CPU, False, probe=fake(float32_ms=0.16, bfloat16_ms=0.05))
+    assert (chosen.dtype, chosen.torch_dtype) == ("bfloat16", torch.bfloat16)
+    assert "3.20x float32's speed" in chosen.reason and chosen.probe.bfloat16_ms == 0.05
+
+
+def test_auto_keeps_float32_where_bfloat16_is_emulated():
+    # An AVX2-only CPU: bf16 measured about 70x slower than float32.
+    chosen = resolve("auto", None, CPU, False, probe=fake(float32_ms=0.2, bfloat16_ms=14.0))
+    assert chosen.dtype == "float32" and "0.01x float32's speed" in chosen.reason
+
+
+def test_auto_quantization_keeps_the_checkpoints_blocks_only_where_the_kernel_is_faster():
+    fast = resolve("auto", "auto", CPU, True, probe=fake(0.16, 0.05, int4_ms=0.02, dense_ms=0.05))
+    assert (fast.dtype, fast.quantization) == ("bfloat16", "keep")
+    slow = resolve("auto", "auto", CPU, True, probe=fake(0.2, 14.0, int4_ms=0.45, dense_ms=0.02))
+    assert (slow.dtype, slow.quantization) == ("float32", None) and "dequantized" in slow.reason
+    dense = resolve("auto", "auto", CPU, False, probe=fake(0.16, 0.05))
+    assert dense.quantization is None and "not quantized" in dense.reason
+
+
+def test_explicit_values_are_taken_without_a_probe():
+    def no_probe(**_):
+        raise AssertionError("an explicit dtype needs no probe")
+    chosen = resolve("float32", "int4", CPU, False, probe=no_probe)
+    assert (chosen.dtype, chosen.quantization, chosen.probe) == ("float32", "int4", None)
+
+
+def test_quantization_off_the_cpu_is_refused_by_name():
+    with pytest.raises(ValueError, match="quantization='int8' runs on torch's CPU kernels; device='cuda'"):
+        resolve("float16", "int8", torch.device("cuda"), False)
+
+
+def test_the_real_probe_reports_its_figures():
+    figures = probe_cpu()
+    assert min(figures.float32_ms, figures.bfloat16_ms, figures.int4_ms, figures.dense_ms) > 0
+    assert figures.kernel_dtype in ("float32", "bfloat16") and "float32" in figures.describe()
+
+
+def test_the_engine_reports_and_logs_its_choice(monkeypatch, caplog):
+    monkeypatch.setattr(precision, "probe_cpu", fake(0.2, 14.0))
+    model = nanoserve_model_from_hf(make_hf_llama(seed=1))
+    with caplog.at_level(logging.INFO, logger="nanoserve"):
+        engine = Engine(model, None, EngineConfig(num_kv_blocks=8))
+    assert (engine.precision.dtype, engine.model.dtype) == ("float32", torch.float32)
+    assert any("computing in float32" in r.message and "0.01x" in r.message for r in caplog.records)
+    monkeypatch.setattr(precision, "probe_cpu", fake(0.2, 0.05))
+    engine = Engine(model, None, EngineConfig(num_kv_blocks=8))
+    assert (engine.precision.dtype, engine.model.dtype, engine.kv.k.dtype) == ("bfloat16",) + (torch.bfloat16,) * 2
