@@ -73,3 +73,14 @@ def test_text_matches_tokenizer_decode(reference, model_and_tokenizer):
     outputs = engine.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     for (_, ref_ids), out in zip(reference, outputs, strict=False):
         assert out.text == tokenizer.decode(ref_ids, skip_special_tokens=True)
+
+
+def test_the_gguf_served_as_stored_in_float32_equals_transformers_generate(reference):
+    """The default model straight from its Q4_1 file (no conversion), dtype float32 and no
+    quantization: the blocks dequantized exactly, so the exact path stays token-identical, and
+    the tokenizer built from the GGUF's metadata encodes the prompts as transformers' does."""
+    engine = Engine.from_pretrained(None, EngineConfig(dtype="float32", quantization=None, max_num_seqs=8,
+                                                       max_model_len=512))
+    assert (engine.precision.dtype, engine.precision.quantization) == ("float32", None)
+    outputs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [(out.prompt_token_ids, out.token_ids) for out in outputs] == reference

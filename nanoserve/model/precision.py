@@ -25,7 +25,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 class Probe:
     """Milliseconds per call, best of a few, on this device (2 threads' worth of the run's threads)."""
 
-    float32_ms: float  # [rows, K] @ [K, N]^T in float32
+    float32_ms: float  # [rows, K] @ [K, N]^T in float32, on one thread
     bfloat16_ms: float  # the same in bfloat16
     int4_ms: float  # the int4 kernel at one row, activations in kernel_dtype
     dense_ms: float  # the dense matmul at one row, in kernel_dtype
@@ -52,14 +52,21 @@ class Precision:
         return DTYPES[self.dtype]
 
 
-def _best_ms(fn: Callable[[], object], repeats: int = 5) -> float:
-    fn()  # first call: allocation, oneDNN primitive creation
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+def _best_ms(a: Callable[[], object], b: Callable[[], object], rounds: int = 7) -> tuple[float, float]:
+    """The best of `rounds` timings of each, the two interleaved so that a burst of other load on
+    the machine falls on both alike rather than on one."""
+    a(), b()  # first calls: allocation, oneDNN primitive creation
+    best_a = best_b = float("inf")
+    for _ in range(rounds):
+        for fn, is_a in ((a, True), (b, False)):
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            if is_a:
+                best_a = min(best_a, elapsed)
+            else:
+                best_b = min(best_b, elapsed)
+    return best_a * 1e3, best_b * 1e3
 
 
 @functools.cache  # once per process and argument set: the choice is logged once
@@ -67,19 +74,28 @@ def probe_cpu(kernel_dtype: str | None = None, rows: int = 16, K: int = 512, N: 
     """Times float32 against bfloat16 on one matmul, then the int4 kernel against the dense matmul
     at one row in kernel_dtype (None: the faster of the two): 8 MFLOP per call, a few milliseconds
     in all on a CPU with bf16 (tens of milliseconds on one without, where bf16 is emulated)."""
+    # One thread: the ratio is a property of the core's instructions, and one thread's timing is far
+    # less disturbed than a team's when other processes share the cores (a team waits for its slowest).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _probe(kernel_dtype, rows, K, N)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _probe(kernel_dtype: str | None, rows: int, K: int, N: int) -> Probe:
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(N, K, generator=gen) * 0.02
     x = torch.randn(rows, K, generator=gen)
     with torch.inference_mode():
-        fp32 = _best_ms(lambda: torch.nn.functional.linear(x, w))
         wb, xb = w.bfloat16(), x.bfloat16()
-        bf16 = _best_ms(lambda: torch.nn.functional.linear(xb, wb))
+        fp32, bf16 = _best_ms(lambda: torch.nn.functional.linear(x, w), lambda: torch.nn.functional.linear(xb, wb))
         dtype = DTYPES[kernel_dtype] if kernel_dtype else (torch.bfloat16 if bf16 < fp32 else torch.float32)
         stored = quantize_int4(w)
         kernel = int4_pass(stored.codes, stored.scales, stored.mins + 8 * stored.scales, dtype)
         one, dense = x[:1].to(dtype), w.to(dtype)
-        int4 = _best_ms(lambda: kernel(one))
-        dense_ms = _best_ms(lambda: torch.nn.functional.linear(one, dense))
+        int4, dense_ms = _best_ms(lambda: kernel(one), lambda: torch.nn.functional.linear(one, dense))
     return Probe(fp32, bf16, int4, dense_ms, str(dtype).removeprefix("torch."), (rows, K, N))
 
 
