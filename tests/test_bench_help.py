@@ -20,7 +20,8 @@ def test_the_benches_live_in_benchmarks():
 
 @pytest.mark.parametrize(
     "argv",
-    [[f"benchmarks/{name}"] for name in SCRIPTS] + [["-m", "benchmarks.peerbench"]],
+    [[f"benchmarks/{name}"] for name in SCRIPTS] + [["-m", "benchmarks.peerbench"], ["-m", "benchmarks.peerbench.precision"],
+     ["quantbench.py"]],
     ids=lambda argv: argv[-1],
 )
 def test_help_from_the_repository_root(argv):

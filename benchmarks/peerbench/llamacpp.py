@@ -139,10 +139,15 @@ def setup_llamacpp(python: str = sys.executable) -> None:
     if not BATCHED_BENCH.is_file():
         build = BATCHED_BENCH.parent.parent
         start = time.perf_counter()
+        # Native, but without AMX tiles: on a Xeon with AMX, llama.cpp's AMX matmul died here on its
+        # first tile instruction (SIGILL at ldtilecfg, 2026-12-02), while torch's oneDNN ran AMX in the
+        # same sandbox. The notes say so beside every llama.cpp figure from such a machine.
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
         subprocess.run(["cmake", "-S", str(vendor), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+                        f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}",
                         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"], check=True)
-        subprocess.run(["cmake", "--build", str(build), "--target", "llama-batched-bench", "-j", str(os.cpu_count())],
-                       check=True)
+        subprocess.run(["cmake", "--build", str(build), "--target", "llama-batched-bench", "llama-quantize",
+                        "-j", str(os.cpu_count())], check=True)
         print(f"built {BATCHED_BENCH} in {time.perf_counter() - start:.0f} s")
     print(f"GGUF: {gguf}\nllama-batched-bench: {BATCHED_BENCH}")
     print("llama-cpp-python (optional, compiles llama.cpp for minutes): "

@@ -1,0 +1,167 @@
+"""peerbench's precision axis: nanoserve and llama.cpp on the same GGUF file, decode against decode.
+
+Each pair serves one file: the f32 GGUF of the default model's weights (written by the setup from
+the dequantized Q4_1), BF16 and Q8_0 GGUFs made from it by llama.cpp's own llama-quantize, and the
+shipped Q4_1 file itself. nanoserve serves each file as stored (f32 in float32; BF16 in bfloat16;
+Q8_0 and Q4_1 as int4 kernel passes with bf16 activations where the probe picks bf16), llama.cpp
+runs llama-batched-bench on it. The figure compared is the aggregate decode rate at the same
+number of sequences: llama-batched-bench's S_TG against nanoserve's tokens per second over decode
+steps (prompts of --pp tokens, the prefill left out). Each side is a fresh process, one at a time,
+the pairs interleaved round by round; the report is medians and their ratio.
+
+    python -m benchmarks.peerbench --setup-llamacpp              # once: the f32 GGUF and the binaries
+    python -m benchmarks.peerbench.precision --slots 1 16 32 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.peerbench.launcher import ROOT, run_child
+from benchmarks.peerbench.llamacpp import BATCHED_BENCH, GGUF_NAME, PEERS_DIR, parse_batched_bench
+from nanoserve.instruments.csv_writer import write_csv
+
+QUANTIZE = BATCHED_BENCH.parent / "llama-quantize"
+# name -> (GGUF file under .peers or "shipped", nanoserve dtype, nanoserve quantization)
+PAIRS = {
+    "f32": (GGUF_NAME, "float32", None),
+    "bf16": ("smollm2-135m-bf16.gguf", "bfloat16", None),
+    "q8_0": ("smollm2-135m-q8_0.gguf", "auto", "auto"),
+    "q4_1": ("shipped", "auto", "auto"),
+}
+
+CHILD = r"""
+import json, sys, time, statistics
+import psutil, torch
+from nanoserve import Engine, EngineConfig, SamplingParams
+
+gguf, dtype, quantization, pp, tg, threads = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7])
+slots_list = [int(s) for s in sys.argv[7:]]
+torch.set_num_threads(threads)
+config = EngineConfig(dtype=dtype, quantization=None if quantization == "none" else quantization,
+                      max_num_seqs=max(slots_list), max_model_len=pp + tg + 8)
+engine = Engine.from_pretrained(gguf, config)
+rates = {}
+for slots in slots_list:
+    params = SamplingParams(temperature=0.0, max_tokens=tg, ignore_eos=True)
+    for i in range(slots):
+        engine.add_request([100 + (i * 7 + j) % 1000 for j in range(pp)], params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    engine.step()  # the first decode: uncounted
+    times = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    rates[slots] = slots / statistics.median(times[:-1] or times)
+print(json.dumps({"rates": rates, "rss_mib": psutil.Process().memory_info().rss / 2**20,
+                  "dtype": engine.precision.dtype, "quantization": engine.precision.quantization,
+                  "memory": engine.memory()}))
+"""
+
+
+def gguf_files() -> dict[str, Path]:
+    """Each pair's file, making the BF16 and Q8_0 GGUFs from the f32 one with llama-quantize once.
+
+    Raises:
+        FileNotFoundError: naming the setup command when the f32 GGUF or llama-quantize is missing.
+    """
+    from nanoserve.model.default import gguf_path
+
+    f32 = PEERS_DIR / GGUF_NAME
+    if not f32.is_file() or not QUANTIZE.is_file():
+        raise FileNotFoundError(f"{f32} or {QUANTIZE} missing: run `python -m benchmarks.peerbench --setup-llamacpp`")
+    files = {}
+    for name, (file, _, _) in PAIRS.items():
+        path = gguf_path() if file == "shipped" else PEERS_DIR / file
+        if not path.is_file():
+            subprocess.run([str(QUANTIZE), str(f32), str(path), name.upper()], check=True, capture_output=True)
+        files[name] = path
+    return files
+
+
+def nanoserve_rates(gguf: Path, dtype: str, quantization: str | None, pp: int, tg: int, threads: int,
+                    slots: list[int]) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(gguf), dtype, quantization or "none", str(pp), str(tg),
+                           str(threads), *map(str, slots)], capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nanoserve child on {gguf.name} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"rates": {int(k): v for k, v in result["rates"].items()}, "rss_mib": result["rss_mib"],
+            "precision": f"{result['dtype']}/{result['quantization']}"}
+
+
+def llama_rates(gguf: Path, pp: int, tg: int, threads: int, slots: list[int]) -> dict:
+    """llama-batched-bench's S_TG (aggregate decode tokens/s) at each number of sequences; f16 KV (its default)."""
+    cmd = [str(BATCHED_BENCH), "-m", str(gguf), "-c", str(max(slots) * (pp + tg)), "-b", "2048", "-ub", "512",
+           "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, slots)), "-t", str(threads),
+           "-tb", str(threads), "--output-format", "jsonl"]
+    child = run_child(cmd, 1800, None)
+    rows = {int(r["pl"]): r for r in parse_batched_bench(child.result or "")}
+    missing = [s for s in slots if s not in rows]
+    if missing:
+        raise RuntimeError(f"llama-batched-bench on {gguf.name} gave no row for {missing}: {child.error}")
+    return {"rates": {s: float(rows[s]["speed_tg"]) for s in slots}, "rss_mib": child.peak_rss_mib}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
+    parser.add_argument("--slots", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=64, help="prompt tokens per sequence")
+    parser.add_argument("--tg", type=int, default=64, help="generated tokens per sequence")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--out", default="runs/peerbench_precision.csv")
+    args = parser.parse_args()
+    if args.rounds < 1 or min(args.slots) < 1:
+        parser.error("--rounds and every --slots value must be >= 1")
+    files = gguf_files()
+    got: dict[tuple[str, str], list[dict]] = {}
+    for r in range(args.rounds):
+        for name in args.pairs:
+            _, dtype, quantization = PAIRS[name]
+            order = ("nanoserve", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "nanoserve")
+            for system in order:
+                if system == "nanoserve":
+                    result = nanoserve_rates(files[name], dtype, quantization, args.pp, args.tg, args.threads,
+                                             args.slots)
+                else:
+                    result = llama_rates(files[name], args.pp, args.tg, args.threads, args.slots)
+                got.setdefault((name, system), []).append(result)
+                print(f"  round {r + 1} {name} {system}: "
+                      + ", ".join(f"{s}: {v:.1f}" for s, v in result["rates"].items()), flush=True)
+    rows = []
+    print(f"\npeerbench precision: decode tok/s (aggregate, median of {args.rounds}), pp={args.pp} tg={args.tg}, "
+          f"{args.threads} threads")
+    print(f"{'file':<6}{'nanoserve as':<20}{'slots':>6}{'nanoserve':>11}{'llama.cpp':>11}{'ratio':>8}"
+          f"{'RSS MiB n/l':>14}")
+    for name in args.pairs:
+        ours, theirs = got[(name, "nanoserve")], got[(name, "llama.cpp")]
+        for s in args.slots:
+            n = statistics.median(x["rates"][s] for x in ours)
+            ll = statistics.median(x["rates"][s] for x in theirs)
+            rss_n = max(x["rss_mib"] for x in ours)
+            rss_l = max((x["rss_mib"] for x in theirs if not math.isnan(x["rss_mib"])), default=math.nan)
+            print(f"{name:<6}{ours[0]['precision']:<20}{s:>6}{n:>11.1f}{ll:>11.1f}{n / ll:>8.2f}"
+                  f"{rss_n:>7.0f}/{rss_l:<6.0f}")
+            rows.append({"file": name, "gguf": files[name].name, "nanoserve_precision": ours[0]["precision"],
+                         "slots": s, "nanoserve_decode_tok_s": n, "llamacpp_decode_tok_s": ll,
+                         "nanoserve_over_llamacpp": n / ll, "nanoserve_rss_mib": rss_n, "llamacpp_peak_rss_mib": rss_l,
+                         "pp": args.pp, "tg": args.tg, "rounds": args.rounds, "threads": args.threads,
+                         "date": time.strftime("%Y-%m-%d")})
+    write_csv(args.out, rows)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
