@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import torch
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.instruments.accuracy import compare, greedy_agreement, teacher_forced_logits, worse_than
 from nanoserve.instruments.csv_writer import write_csv
+from nanoserve.instruments.runners import decode_rate
 
 ROOT = Path(__file__).resolve().parent
 TEXT = ROOT / "data" / "quantbench.txt"
@@ -53,24 +53,6 @@ PROMPTS = [
 def engine_for(name: str, **overrides) -> Engine:
     dtype, quantization = PRECISIONS[name]
     return Engine.from_pretrained(None, EngineConfig(dtype=dtype, quantization=quantization, **overrides))
-
-
-def decode_rate(engine: Engine, slots: int, steps: int, prompt_len: int = 64) -> float:
-    """Aggregate decode tokens/s with `slots` requests decoding together (prefill excluded)."""
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
-    for i in range(slots):
-        engine.add_request([100 + (i * 7 + j) % 1000 for j in range(prompt_len)], params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
-    engine.step()  # the first decode: uncounted
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    while engine.has_unfinished():
-        engine.step()
-    return slots / statistics.median(times)
 
 
 def child(name: str, slots_list: list[int], steps: int) -> None:

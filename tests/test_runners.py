@@ -167,3 +167,18 @@ def test_default_model_agrees_with_hf_generate(hf_default, default_model_dir):
     cand = check_concurrent(run_concurrent(engine, prompts, 6))
     c = compare(base, cand)  # refuses unless every token id agrees
     assert c.candidate.output_tokens == 18
+
+
+def test_decode_rate_times_decode_steps_and_leaves_the_engine_empty():
+    from conftest import make_tiny_engine
+
+    from nanoserve.instruments.runners import decode_rate
+
+    engine = make_tiny_engine(max_num_seqs=3, num_kv_blocks=64)
+    steps_before = engine.num_steps
+    rate = decode_rate(engine, slots=3, steps=4, prompt_len=6)
+    assert rate > 0 and not engine.has_unfinished()
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+    # 3 prompts of 6 tokens fit one step's budget: 1 prefill, 1 uncounted decode, 4 timed, then the
+    # last of max_tokens = steps + 2 = 6 tokens (the prefill samples the first).
+    assert engine.num_steps - steps_before == 1 + 1 + 4

@@ -6,7 +6,7 @@ shipped Q4_1 file itself. nanoserve serves each file as stored (f32 in float32; 
 Q8_0 and Q4_1 as int4 kernel passes with bf16 activations where the probe picks bf16), llama.cpp
 runs llama-batched-bench on it. The figure compared is the aggregate decode rate at the same
 number of sequences: llama-batched-bench's S_TG against nanoserve's tokens per second over decode
-steps (prompts of --pp tokens, the prefill left out). Each side is a fresh process, one at a time,
+steps (prompts of --pp tokens, the prefill and the first decode left out, tg - 2 steps timed). Each side is a fresh process, one at a time,
 the pairs interleaved round by round; the report is medians and their ratio.
 
     python -m benchmarks.peerbench --setup-llamacpp              # once: the f32 GGUF and the binaries
@@ -39,9 +39,10 @@ PAIRS = {
 }
 
 CHILD = r"""
-import json, sys, time, statistics
+import json, sys
 import psutil, torch
-from nanoserve import Engine, EngineConfig, SamplingParams
+from nanoserve import Engine, EngineConfig
+from nanoserve.instruments.runners import decode_rate
 
 gguf, dtype, quantization, pp, tg, threads = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7])
 slots_list = [int(s) for s in sys.argv[7:]]
@@ -49,20 +50,7 @@ torch.set_num_threads(threads)
 config = EngineConfig(dtype=dtype, quantization=None if quantization == "none" else quantization,
                       max_num_seqs=max(slots_list), max_model_len=pp + tg + 8)
 engine = Engine.from_pretrained(gguf, config)
-rates = {}
-for slots in slots_list:
-    params = SamplingParams(temperature=0.0, max_tokens=tg, ignore_eos=True)
-    for i in range(slots):
-        engine.add_request([100 + (i * 7 + j) % 1000 for j in range(pp)], params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
-    engine.step()  # the first decode: uncounted
-    times = []
-    while engine.has_unfinished():
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    rates[slots] = slots / statistics.median(times[:-1] or times)
+rates = {slots: decode_rate(engine, slots, tg - 2, pp) for slots in slots_list}
 print(json.dumps({"rates": rates, "rss_mib": psutil.Process().memory_info().rss / 2**20,
                   "dtype": engine.precision.dtype, "quantization": engine.precision.quantization,
                   "memory": engine.memory()}))

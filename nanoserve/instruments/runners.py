@@ -4,6 +4,7 @@ concurrent run read from its own stamps."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -173,3 +174,23 @@ def run_concurrent(
         wall_s=wall,
         slots=slots,
     )
+
+
+def decode_rate(engine: Engine, slots: int, steps: int, prompt_len: int = 64) -> float:
+    """Aggregate decode tokens/s with `slots` requests decoding together: the median of `steps`
+    decode steps after every prompt is in and one uncounted decode (prefill left out)."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    vocab = engine.model.config.vocab_size
+    for i in range(slots):
+        engine.add_request([(100 + (i * 7 + j) % 1000) % vocab for j in range(prompt_len)], params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    engine.step()  # the first decode: uncounted
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    while engine.has_unfinished():
+        engine.step()
+    return slots / statistics.median(times)
