@@ -11,8 +11,17 @@ does instead of finding them in cache. For each row count M, each layout runs on
     xWt       x @ W^T with W^T stored contiguous [K, N] (MKL's other GEMV layout)
     packed    oneDNN's packed linear (torch.ops.mkldnn, weights reordered once): the engine's default
 
+With --quant, the layouts of the lower precisions instead, activations in bf16 (the probe's choice
+on a CPU with native bf16), each against `bf16` (what a quantized linear reads past
+EngineConfig.max_kernel_rows): the row count where int4 stops beating bf16 is that crossover.
+
+    bf16      dense bfloat16, oneDNN-packed where oneDNN has bf16
+    int8      torch's _weight_int8pack_mm, int8 per output channel
+    int4      torch's _weight_int4pack_mm_for_cpu, int4 in groups of 32 (nanoserve's int4, GGUF Q4_1)
+
     python benchmarks/matmulbench.py            # M = 1 2 4 8 16 32 64, about 3 minutes
     python benchmarks/matmulbench.py --quick    # M = 1 16, 3 rounds
+    python benchmarks/matmulbench.py --quant --rows 1 2 4 8 12 16 32
 
 Columns: ms per pass, GB/s of weights read (bytes / time), GFLOP/s (2 M N K / time), and each
 layout's time over `packed`'s. A read rate is what bounds a small-M pass; a FLOP rate a large one.
@@ -30,14 +39,27 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.instruments.csv_writer import write_csv
-from nanoserve.model.quant import pack_linear_weight
+from nanoserve.model.quant import (
+    QuantLinear,
+    can_pack,
+    pack_linear_weight,
+    quant_linear,
+    quantize_int4,
+    quantize_int8,
+)
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [N, K]: qkv, o, gate_up, down
 HEAD_SHAPE = (49152, 576)
 LAYOUTS = ("linear", "skinny", "xWt", "packed")
+QUANT_LAYOUTS = ("int8", "int4", "bf16")  # the last is the one the others are divided by
 
 
-def prepare(weights: list[torch.Tensor], layout: str) -> list[torch.Tensor]:
+def prepare(weights: list[torch.Tensor], layout: str) -> list[torch.Tensor | QuantLinear]:
+    if layout == "bf16":
+        return [pack_linear_weight(w.bfloat16()) if can_pack(w.bfloat16()) else w.bfloat16() for w in weights]
+    if layout in ("int8", "int4"):
+        quantize = quantize_int8 if layout == "int8" else quantize_int4
+        return [quant_linear(quantize(w), torch.bfloat16, None, pack=False) for w in weights]
     if layout == "xWt":
         return [w.t().contiguous() for w in weights]
     if layout == "packed":
@@ -45,7 +67,11 @@ def prepare(weights: list[torch.Tensor], layout: str) -> list[torch.Tensor]:
     return weights
 
 
-def apply(layout: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def apply(layout: str, x: torch.Tensor, w: torch.Tensor | QuantLinear) -> torch.Tensor:
+    if isinstance(w, QuantLinear):
+        return w(x)
+    if layout == "bf16":
+        return F.linear(x, w) if not w.is_mkldnn else torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     if layout == "linear":
         return F.linear(x, w)
     if layout == "skinny":
@@ -70,6 +96,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quant", action="store_true", help="int8 and int4 kernels against dense bf16")
     parser.add_argument("--out", default="runs/matmulbench.csv")
     args = parser.parse_args()
     if args.quick:
@@ -78,34 +105,39 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     plain = [torch.randn(n, k, generator=gen) for _ in range(30) for n, k in LAYER_SHAPES]
     head = [torch.randn(*HEAD_SHAPE, generator=gen)]
-    stacks = {(part, layout): prepare(ws, layout) for part, ws in (("layers", plain), ("head", head)) for layout in LAYOUTS}
+    layouts = QUANT_LAYOUTS if args.quant else LAYOUTS
+    reference = layouts[-1]
+    stacks = {(part, layout): prepare(ws, layout) for part, ws in (("layers", plain), ("head", head)) for layout in layouts}
     nbytes = {"layers": sum(w.numel() for w in plain) * 4, "head": head[0].numel() * 4}
     print(f"matmulbench: {args.threads} threads, median of {args.rounds} interleaved rounds; "
           f"layers = 30 x (qkv, o, gate_up, down), {nbytes['layers'] / 1e6:.0f} MB; head {nbytes['head'] / 1e6:.0f} MB")
-    print(f"{'part':<7}{'M':>4}" + "".join(f"{name + ' ms':>12}" for name in LAYOUTS)
-          + f"{'packed GB/s':>13}{'packed GF/s':>13}" + "".join(f"{name + '/pk':>11}" for name in LAYOUTS[:-1]))
+    print(f"{'part':<7}{'M':>4}" + "".join(f"{name + ' ms':>12}" for name in layouts)
+          + f"{reference + ' GF/s':>13}" + "".join(f"{name + '/' + reference[:2]:>11}" for name in layouts[:-1]))
     rows = []
     with torch.inference_mode():
         for part in ("layers", "head"):
             for m in args.rows:
                 xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
-                samples: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+                if args.quant:
+                    xs = {k: x.bfloat16() for k, x in xs.items()}
+                samples: dict[str, list[float]] = {name: [] for name in layouts}
                 for round_ in range(args.rounds + 1):
-                    for name in LAYOUTS:
+                    for name in layouts:
                         t = time_pass(name, stacks[(part, name)], xs)
                         if round_:  # round 0 warms up
                             samples[name].append(t)
                 med = {name: statistics.median(v) for name, v in samples.items()}
                 flops = 2 * m * nbytes[part] / 4
                 row = {"part": part, "rows": m, "threads": args.threads}
-                row |= {f"{name}_ms": med[name] * 1e3 for name in LAYOUTS}
-                row |= {"packed_gb_per_s": nbytes[part] / med["packed"] / 1e9,
-                        "packed_gflop_per_s": flops / med["packed"] / 1e9}
-                row |= {f"{name}_over_packed": med[name] / med["packed"] for name in LAYOUTS[:-1]}
+                row |= {f"{name}_ms": med[name] * 1e3 for name in layouts}
+                if not args.quant:
+                    row["packed_gb_per_s"] = nbytes[part] / med["packed"] / 1e9
+                row[f"{reference}_gflop_per_s"] = flops / med[reference] / 1e9
+                row |= {f"{name}_over_{reference}": med[name] / med[reference] for name in layouts[:-1]}
                 rows.append(row)
-                print(f"{part:<7}{m:>4}" + "".join(f"{med[name] * 1e3:>12.2f}" for name in LAYOUTS)
-                      + f"{row['packed_gb_per_s']:>13.1f}{row['packed_gflop_per_s']:>13.1f}"
-                      + "".join(f"{row[name + '_over_packed']:>10.2f}x" for name in LAYOUTS[:-1]))
+                print(f"{part:<7}{m:>4}" + "".join(f"{med[name] * 1e3:>12.2f}" for name in layouts)
+                      + f"{row[reference + '_gflop_per_s']:>13.1f}"
+                      + "".join(f"{row[f'{name}_over_{reference}']:>10.2f}x" for name in layouts[:-1]))
     out = Path(args.out)
     write_csv(out, rows)
     print(f"wrote {out}")

@@ -32,3 +32,16 @@ def test_quick_run_writes_one_row_per_part_and_row_count(tmp_path):
         assert float(r["packed_gflop_per_s"]) == pytest.approx(2 * int(r["rows"]) * mb / 4 / 1e3 / packed_s, rel=1e-3)
         for name in ("linear", "skinny", "xWt"):
             assert float(r[f"{name}_over_packed"]) == pytest.approx(float(r[f"{name}_ms"]) / float(r["packed_ms"]))
+
+
+def test_quant_run_times_the_kernels_against_dense_bf16(tmp_path):
+    out = tmp_path / "mmq.csv"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "matmulbench.py"), "--quant", "--rows", "1", "9",
+                           "--rounds", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    with out.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["part"], int(r["rows"])) for r in rows] == [("layers", 1), ("layers", 9), ("head", 1), ("head", 9)]
+    for r in rows:
+        for name in ("int8", "int4"):
+            assert float(r[f"{name}_over_bf16"]) == pytest.approx(float(r[f"{name}_ms"]) / float(r["bf16_ms"]))

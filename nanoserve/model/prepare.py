@@ -8,6 +8,7 @@ not copied.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -62,8 +63,9 @@ def _linear_weight(w: Weight, layout: Layout, head: bool) -> Weight:
 
 
 def laid_out(model: LlamaModel, layout: Layout) -> LlamaModel:
-    """A model in layout.dtype whose matmul weights are in the layout's form; the norms follow the
-    dtype, a dense embedding too (a quantized one stays as stored: a lookup dequantizes its rows).
+    """A model whose matmuls run in layout.dtype, their weights in the layout's form; a dense
+    embedding follows the dtype (a quantized one stays as stored: a lookup dequantizes its rows);
+    the norms stay float32, as the residual stream does.
 
     Raises:
         ValueError: an unknown quantization, or a model already compiled.
@@ -75,8 +77,8 @@ def laid_out(model: LlamaModel, layout: Layout) -> LlamaModel:
     dtype = layout.dtype
     prepared = copy.copy(model)
     prepared.layers = [
-        LayerWeights(input_norm=layer.input_norm.to(dtype), qkv=_linear_weight(layer.qkv, layout, False),
-                     o=_linear_weight(layer.o, layout, False), post_norm=layer.post_norm.to(dtype),
+        LayerWeights(input_norm=layer.input_norm, qkv=_linear_weight(layer.qkv, layout, False),
+                     o=_linear_weight(layer.o, layout, False), post_norm=layer.post_norm,
                      gate_up=_linear_weight(layer.gate_up, layout, False),
                      down=_linear_weight(layer.down, layout, False))
         for layer in model.layers
@@ -84,8 +86,8 @@ def laid_out(model: LlamaModel, layout: Layout) -> LlamaModel:
     prepared.embed = model.embed.to(dtype) if isinstance(model.embed, torch.Tensor) else model.embed
     prepared.lm_head = prepared.embed if model.lm_head is model.embed else model.lm_head
     prepared.lm_head_weight = _linear_weight(model.lm_head, layout, True)
-    prepared.norm = model.norm.to(dtype)
     prepared.dtype = dtype
+    prepared.shape = dataclasses.replace(model.shape, dtype=dtype)
     if dtype != model.dtype:
         prepared.cos, prepared.sin = rope_table(model.config, model.cos.shape[0], dtype, model.device)
     return prepared

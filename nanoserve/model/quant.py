@@ -225,5 +225,5 @@ def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pac
 def embedding(ids: torch.Tensor, table: torch.Tensor | Stored, dtype: torch.dtype) -> torch.Tensor:
     """ids [T] -> rows [T, E] in `dtype`; a quantized table dequantizes only the rows it looks up."""
     if isinstance(table, torch.Tensor):
-        return F.embedding(ids, table)
+        return F.embedding(ids, table).to(dtype)
     return table.rows(ids).dequantize().to(dtype)
