@@ -41,7 +41,7 @@ def server(default_model_dir, tmp_path_factory):
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "nanoserve", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--log-level", "warning", "--num-threads", "1"],
+         "--log-level", "warning", "--num-threads", "1", "--dtype", "float32", "--quantization", "none"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"

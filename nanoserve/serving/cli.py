@@ -23,7 +23,10 @@ def serve_main(argv: list[str]) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens forwarded per step")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: from a 512 MiB budget)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                        help="auto: bfloat16 where a start-up probe times it faster than float32")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "int8", "int4", "none"],
+                        help="weight-only quantization; auto keeps a GGUF's own where its kernel pays")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
@@ -37,7 +40,8 @@ def serve_main(argv: list[str]) -> None:
         config = EngineConfig(
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-            dtype=args.dtype, device=args.device, seed=args.seed,
+            dtype=args.dtype, quantization=None if args.quantization == "none" else args.quantization,
+            device=args.device, seed=args.seed,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{out.finish_reason:>6}")
     total = sum(len(out.token_ids) for out in outputs)
     print(f"{len(outputs)} requests, {total} output tokens in {wall:.2f} s: {total / wall:.1f} tokens/s "
-          f"(max_num_seqs={args.max_num_seqs}, {engine.config.dtype}, {engine.config.device})")
+          f"(max_num_seqs={args.max_num_seqs}, {engine.precision.dtype}, quantization "
+          f"{engine.precision.quantization}, {engine.config.device})")
 
 
 if __name__ == "__main__":
