@@ -12,10 +12,17 @@ The reference is float32 over the GGUF's weights dequantized exactly. For each p
 - decode rate at 1 and 16 slots (aggregate tokens/s over decode steps) and resident memory, each
   precision in a fresh child process, one at a time, so nothing else shares the cores.
 transformers' own model in bfloat16 is scored on the same text as the bar the default precision's
-agreement is held to. A precision whose perplexity is more than 2% worse than float32 says so.
+agreement is held to; where llama-cpp-python is importable (--llamacpp-path: a folder holding it,
+installed apart from the venv, e.g. under .peers/), llama.cpp's own logits on the same Q4_1 file
+are scored too. A precision whose perplexity is more than 2% worse than float32 says so.
 
     python quantbench.py                         # the full text, every precision; a few minutes
     python quantbench.py --tokens 1024 --quick   # a smaller run
+
+llama-cpp-python apart from the venv (after `python -m benchmarks.peerbench --setup-llamacpp`):
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \
+    -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" python -m pip install --no-deps \
+    --target .peers/pylib-llama .peers/llama_cpp_python-*.tar.gz diskcache
 """
 
 from __future__ import annotations
@@ -86,6 +93,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     parser.add_argument("--quick", action="store_true", help="4 prompts, 8 decode steps")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' bf16 bar")
+    parser.add_argument("--llamacpp-path", default=str(ROOT / ".peers" / "pylib-llama"),
+                        help="a folder holding llama-cpp-python (scored where it imports)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", default="runs/quantbench.csv")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -121,21 +130,17 @@ def main() -> None:
         precision = engine.precision
         del engine
         measured = run_child(name, args.slots, steps, args.threads)
-        rows.append({
-            "precision": name, "dtype": precision.dtype, "quantization": precision.quantization,
-            "positions": report.positions, "perplexity": report.perplexity, "perplexity_ref": report.perplexity_ref,
-            "perplexity_change": report.perplexity_change, "worse_than_2pct": worse_than(report),
-            "top1_agreement": report.top1_agreement, "mean_kl": report.mean_kl,
+        rows.append(accuracy_row(name, precision.dtype, precision.quantization, report) | {
             "greedy_mean_prefix": agreement["mean_common_prefix"], "greedy_full_match": agreement["full_match"],
             **{f"decode_tok_s_{s}": measured["rates"][str(s)] for s in args.slots},
             "rss_mb": measured["rss_bytes"] / 2**20,
             **{f"{k}_mb": v / 2**20 for k, v in measured["memory"].items()},
-            "threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "date": time.strftime("%Y-%m-%d"),
         })
         print(f"  {name}: done ({precision.dtype}, quantization {precision.quantization})", flush=True)
     if not args.no_transformers:
         rows.append(transformers_bf16(token_ids, reference, targets))
+    if Path(args.llamacpp_path, "llama_cpp").is_dir():
+        rows.append(llamacpp_q4_1(Path(args.llamacpp_path), token_ids, reference, targets, args.threads))
 
     print(f"\n{'precision':<14}{'dtype':<10}{'ppl':>8}{'Δppl':>8}{'top1':>8}{'KL':>9}{'prefix':>8}"
           + "".join(f"{'tok/s@' + str(s):>11}" for s in args.slots) + f"{'RSS MB':>9}{'weights MB':>12}")
@@ -159,13 +164,54 @@ def transformers_bf16(token_ids: list[int], reference: torch.Tensor, targets: to
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.bfloat16).eval()
     with torch.inference_mode():
         logits = hf(torch.tensor([token_ids])).logits[0, :-1].float()
-    report = compare(reference, logits, targets)
-    return {"precision": "transformers", "dtype": "bfloat16", "quantization": None, "positions": report.positions,
+    return accuracy_row("transformers", "bfloat16", None, compare(reference, logits, targets))
+
+
+def accuracy_row(name: str, dtype: str, quantization: str | None, report) -> dict:
+    """One CSV row's accuracy columns (and the run's context) from an AccuracyReport."""
+    return {"precision": name, "dtype": dtype, "quantization": quantization, "positions": report.positions,
             "perplexity": report.perplexity, "perplexity_ref": report.perplexity_ref,
             "perplexity_change": report.perplexity_change, "worse_than_2pct": worse_than(report),
             "top1_agreement": report.top1_agreement, "mean_kl": report.mean_kl,
             "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "date": time.strftime("%Y-%m-%d")}
+
+
+LLAMA_CHILD = r"""
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+
+gguf, tokens_path, out_path, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+tokens = json.loads(open(tokens_path).read())
+llm = Llama(model_path=gguf, n_ctx=len(tokens) + 8, n_batch=512, n_ubatch=512, logits_all=True,
+            n_threads=threads, n_threads_batch=threads, verbose=False)
+llm.eval(tokens)
+np.save(out_path, np.asarray(llm.scores[: len(tokens)], dtype=np.float32))
+"""
+
+
+def llamacpp_q4_1(path: Path, token_ids: list[int], reference: torch.Tensor, targets: torch.Tensor,
+                  threads: int) -> dict:
+    """llama.cpp's own logits on the shipped Q4_1 file over the same text (a child process with
+    llama-cpp-python on its path), scored against nanoserve's float32 like every other row."""
+    import tempfile
+
+    import numpy as np
+
+    from nanoserve.model.default import gguf_path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokens, out = Path(tmp, "tokens.json"), Path(tmp, "logits.npy")
+        tokens.write_text(json.dumps(token_ids))
+        env = dict(os.environ, PYTHONPATH=str(path))
+        proc = subprocess.run([sys.executable, "-c", LLAMA_CHILD, str(gguf_path()), str(tokens), str(out),
+                               str(threads)], capture_output=True, text=True, env=env, timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama-cpp-python child failed:\n{proc.stderr[-3000:]}")
+        logits = torch.from_numpy(np.load(out))[:-1]
+    report = compare(reference, logits, targets)
+    return accuracy_row("llama.cpp q4_1", "llama.cpp", "Q4_1", report)
 
 
 if __name__ == "__main__":

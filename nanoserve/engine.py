@@ -104,23 +104,11 @@ class Engine:
         """Loads a Hugging Face Llama-family checkpoint directory, or a GGUF file (or a directory
         holding one and no config.json), served as it is stored; None serves the embedded default
         model from its own GGUF file."""
-        from nanoserve.model.default import gguf_path
-        from nanoserve.model.gguf import find_gguf, load_gguf, load_gguf_tokenizer
-        from nanoserve.model.weights import load_model
+        from nanoserve.model.weights import load_checkpoint
 
         config = config or EngineConfig()
-        path = Path(path) if path is not None else gguf_path()
-        # Loaded in float32 (a quantized matrix as stored); the constructor lays it out.
-        if path.suffix == ".gguf" or (path.is_dir() and not (path / "config.json").is_file()):
-            file = find_gguf(path)
-            model_config, tensors = load_gguf(file)
-            model = LlamaModel.from_state_dict(model_config, tensors, torch.float32, config.device,
-                                               max_positions=config.max_model_len)
-            return cls(model, load_gguf_tokenizer(file), config)
-        from transformers import AutoTokenizer
-
-        model = load_model(path, torch.float32, config.device, max_positions=config.max_model_len)
-        return cls(model, AutoTokenizer.from_pretrained(path), config)
+        model, tokenizer = load_checkpoint(path, config.device, max_positions=config.max_model_len)
+        return cls(model, tokenizer, config)
 
     # ---- requests in -------------------------------------------------------------------------
 

@@ -1,12 +1,14 @@
-"""Checkpoint directories: config.json, safetensors (single or sharded), generation_config.json.
+"""Checkpoints: directories of config.json, safetensors (single or sharded) and
+generation_config.json, or GGUF files (nanoserve.model.gguf).
 
-Weights are read with safetensors only: nothing here unpickles.
+Weights are read with safetensors or the GGUF reader only: nothing here unpickles.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -55,3 +57,22 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,
                max_positions: int | None = None) -> LlamaModel:
     config = load_config(path)
     return LlamaModel.from_state_dict(config, load_tensors(path), dtype, device, max_positions)
+
+
+def load_checkpoint(path: str | Path | None, device: torch.device | str,
+                    max_positions: int | None = None) -> tuple[LlamaModel, Any]:
+    """The model as stored (dense weights in float32, a GGUF's quantized matrices as stored) and its
+    tokenizer, from a checkpoint directory, a .gguf file or a directory holding one and no
+    config.json; None: the embedded default model's own GGUF file."""
+    from nanoserve.model.default import gguf_path
+    from nanoserve.model.gguf import find_gguf, load_gguf, load_gguf_tokenizer
+
+    path = Path(path) if path is not None else gguf_path()
+    if path.suffix == ".gguf" or (path.is_dir() and not (path / "config.json").is_file()):
+        file = find_gguf(path)
+        config, tensors = load_gguf(file)
+        model = LlamaModel.from_state_dict(config, tensors, torch.float32, device, max_positions)
+        return model, load_gguf_tokenizer(file)
+    from transformers import AutoTokenizer
+
+    return load_model(path, torch.float32, device, max_positions), AutoTokenizer.from_pretrained(path)
