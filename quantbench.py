@@ -142,12 +142,12 @@ def main() -> None:
     if Path(args.llamacpp_path, "llama_cpp").is_dir():
         rows.append(llamacpp_q4_1(Path(args.llamacpp_path), token_ids, reference, targets, args.threads))
 
-    print(f"\n{'precision':<14}{'dtype':<10}{'ppl':>8}{'Δppl':>8}{'top1':>8}{'KL':>9}{'prefix':>8}"
+    print(f"\n{'precision':<16}{'dtype':<10}{'ppl':>8}{'Δppl':>8}{'top1':>8}{'KL':>9}{'prefix':>8}"
           + "".join(f"{'tok/s@' + str(s):>11}" for s in args.slots) + f"{'RSS MB':>9}{'weights MB':>12}")
     for r in rows:
         weights = sum(r.get(f"{k}_mb", 0) for k in ("dense", "quantized", "dense_copies", "stored"))
         flag = "  (>2% worse)" if r["worse_than_2pct"] else ""
-        print(f"{r['precision']:<14}{r['dtype']:<10}{r['perplexity']:>8.3f}{r['perplexity_change']:>+8.2%}"
+        print(f"{r['precision']:<16}{r['dtype']:<10}{r['perplexity']:>8.3f}{r['perplexity_change']:>+8.2%}"
               f"{r['top1_agreement']:>8.2%}{r['mean_kl']:>9.5f}{r.get('greedy_mean_prefix', float('nan')):>8.1f}"
               + "".join(f"{r.get(f'decode_tok_s_{s}', float('nan')):>11.1f}" for s in args.slots)
               + f"{r.get('rss_mb', float('nan')):>9.0f}{weights:>12.0f}{flag}")
