@@ -23,9 +23,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 @dataclass(frozen=True)
 class Probe:
-    """Milliseconds per call, best of a few, on this device (2 threads' worth of the run's threads)."""
+    """Milliseconds per call, the best of seven interleaved timings, on one CPU thread."""
 
-    float32_ms: float  # [rows, K] @ [K, N]^T in float32, on one thread
+    float32_ms: float  # [rows, K] @ [K, N]^T in float32
     bfloat16_ms: float  # the same in bfloat16
     int4_ms: float  # the int4 kernel at one row, activations in kernel_dtype
     dense_ms: float  # the dense matmul at one row, in kernel_dtype

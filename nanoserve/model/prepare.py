@@ -131,11 +131,13 @@ def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype
     """The model an engine runs: laid out in `dtype` (default: the model's own) with the weights'
     quantization, then compiled, or `model` itself when nothing changes."""
     dtype = dtype or model.dtype
+    # A checkpoint's matrices as stored always need a form (kernels, or dense when quantization is None).
+    needs_layout = dtype != model.dtype or quantization is not None or is_quantized(model)
     if compile:
-        if dtype != model.dtype or quantization is not None:
+        if needs_layout:
             model = laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights=False))
         return compiled(model)
-    if dtype == model.dtype and quantization is None and not is_quantized(model):
+    if not needs_layout:
         return packed(model) if pack_weights else model
     return laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights))
 
