@@ -104,11 +104,14 @@ class Engine:
         """Loads a Hugging Face Llama-family checkpoint directory, or a GGUF file (or a directory
         holding one and no config.json), served as it is stored; None serves the embedded default
         model from its own GGUF file."""
-        from nanoserve.model.weights import load_checkpoint
+        from nanoserve.model.weights import load_checkpoint, return_freed_memory
 
         config = config or EngineConfig()
         model, tokenizer = load_checkpoint(path, config.device, max_positions=config.max_model_len)
-        return cls(model, tokenizer, config)
+        engine = cls(model, tokenizer, config)
+        del model  # the stored form: what the engine's layout did not keep is garbage now
+        return_freed_memory()
+        return engine
 
     # ---- requests in -------------------------------------------------------------------------
 
