@@ -1,10 +1,18 @@
-"""Shared test helpers: tiny random Llamas mirrored by transformers, the default model, a greedy
-SamplingParams factory and the readback guard (every route by which a tensor value reaches Python)."""
+"""Shared test helpers: tiny random Llamas (and the other families) mirrored by transformers, the default model, a greedy
+SamplingParams factory, the readback guard (every route by which a tensor value reaches Python), and
+the real server as a subprocess on a free loopback port with its /metrics readers."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,20 +34,35 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 32}
 
 
-def make_hf_llama(seed: int = 0, **overrides):
-    """A random-initialised transformers LlamaForCausalLM in fp32 eval mode."""
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM
+# family -> transformers' (config class, model class) names.
+HF_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+}
 
+
+def make_hf_model(family: str = "llama", seed: int = 0, **overrides):
+    """A random-initialised transformers causal LM of `family` (a key of HF_FAMILIES) in fp32 eval
+    mode, configured as TINY | overrides."""
+    import transformers
+
+    config_name, model_name = HF_FAMILIES[family]
     torch.manual_seed(seed)
     # A copy: transformers writes rope_theta into the rope_scaling dict it is given (LLAMA3_ROPE is shared).
-    hf = LlamaForCausalLM(HFLlamaConfig(**copy.deepcopy(TINY | overrides))).eval()
-    # Random init leaves norms at 1; perturb them so a wrong norm would show.
+    config = getattr(transformers, config_name)(**copy.deepcopy(TINY | overrides))
+    hf = getattr(transformers, model_name)(config).eval()
+    # Random init leaves norms at 1 (Gemma's at 0) and biases at 0; perturb them so a wrong one would show.
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     return hf
+
+
+def make_hf_llama(seed: int = 0, **overrides):
+    """A random-initialised transformers LlamaForCausalLM in fp32 eval mode."""
+    return make_hf_model("llama", seed, **overrides)
 
 
 def nanoserve_model_from_hf(hf, max_positions: int | None = None, dtype: torch.dtype = torch.float32) -> LlamaModel:
@@ -63,9 +86,9 @@ class CharTokenizer:
         return "".join(chr(32 + (i - 3) % 90) for i in ids if not (skip_special_tokens and i < 3))
 
 
-def make_tiny_engine(seed: int = 0, hf_overrides: dict | None = None, **config_overrides) -> Engine:
-    """An Engine over a tiny random Llama (see TINY) with a character tokenizer."""
-    hf = make_hf_llama(seed, **(hf_overrides or {}))
+def make_tiny_engine(seed: int = 0, hf_overrides: dict | None = None, family: str = "llama", **config_overrides) -> Engine:
+    """An Engine over a tiny random model of `family` (a Llama unless told; see TINY) with a character tokenizer."""
+    hf = make_hf_model(family, seed, **(hf_overrides or {}))
     config = EngineConfig(**({"block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 4, "dtype": "float32", "quantization": None} | config_overrides))
     return Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), config)
 
@@ -138,3 +161,104 @@ def process_batch(processor, batch) -> list[tuple[str, int]]:
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     owners = [Request(r, [1], params, frozenset({2}), arrival_time=0.0) for r in batch.request_ids]
     return [(o.request_id, o.token_ids[-1]) for o in processor.process(batch, owners).outputs]
+
+
+# ---- the real server, as a process ---------------------------------------------------------------------
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the id the server serves the default model under
+ROOT = Path(__file__).resolve().parents[1]
+# The exact path (float32, no quantization) and one torch thread: on a small shared machine two
+# processes with two spinning OpenMP threads each run several times slower.
+EXACT_SERVER_FLAGS = ("--log-level", "warning", "--num-threads", "1", "--dtype", "float32", "--quantization", "none")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    base: str  # "http://127.0.0.1:<port>"
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        return self.log_path.read_text()[-num_chars:]
+
+
+@contextlib.contextmanager
+def running_server(log_dir: Path, *args: str, env: dict[str, str] | None = None,
+                   timeout_s: float = 120.0) -> Iterator[ServerProcess]:
+    """`python -m nanoserve serve` on 127.0.0.1 with EXACT_SERVER_FLAGS and `args`, once /health
+    answers 200; terminated (then killed) at exit unless the test already ended it."""
+    import httpx
+
+    port = free_port()
+    log_path = log_dir / f"server-{port}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--host", "127.0.0.1", "--port", str(port),
+                                 *EXACT_SERVER_FLAGS, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{server.log_tail()}")
+            try:
+                if httpx.get(f"{server.base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server did not become healthy within {timeout_s} s")
+            time.sleep(0.2)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
+def server_metrics(base: str) -> dict[str, float]:
+    """The server's /metrics samples as {'name{labels}': value}."""
+    import httpx
+
+    from nanoserve.serving.server.metrics import parse_text
+
+    return parse_text(httpx.get(f"{base}/metrics", timeout=10).text)
+
+
+def wait_idle(base: str, timeout_s: float = 20.0) -> dict[str, float]:
+    """Polls /metrics until no request runs or waits and no KV block is in use."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server_metrics(base)
+        if m["nanoserve_num_requests_running"] == m["nanoserve_num_requests_waiting"] == 0 \
+                and m["nanoserve_kv_blocks_used"] == 0:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle after {timeout_s} s: {m}")
+        time.sleep(0.05)
+
+
+def error_of(exc) -> dict:
+    """The OpenAI error object of an `openai.APIStatusError`."""
+    body = exc.body if isinstance(exc.body, dict) else {}
+    return body.get("error", body)
+
+
+@pytest.fixture(scope="module")
+def default_engine(default_model_dir):
+    """The reference for server tests: nanoserve's Engine in this process on the same checkpoint, on
+    the exact path with one torch thread as the server runs (equal thread counts keep the two sides'
+    float reductions alike)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Engine.from_pretrained(default_model_dir, EngineConfig(dtype="float32", quantization=None, num_kv_blocks=64))
+    torch.set_num_threads(before)

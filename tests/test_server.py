@@ -8,66 +8,25 @@ counts from `usage` checked against those ids, and the block pool read from /met
 from __future__ import annotations
 
 import asyncio
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-import torch
-from conftest import greedy
+from conftest import DEFAULT_MODEL_NAME as MODEL
+from conftest import error_of, greedy, running_server, wait_idle
+from conftest import server_metrics as metrics
 
-from nanoserve import EngineConfig, SamplingParams
+from nanoserve import SamplingParams
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-
-MODEL = "SmolLM2-135M-Instruct"
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory):
     """`python -m nanoserve serve` on 127.0.0.1; terminated at the end of the module."""
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "nanoserve", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--log-level", "warning", "--num-threads", "1", "--dtype", "float32", "--quantization", "none"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("server did not become healthy within 120 s")
-            time.sleep(0.2)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-        log.close()
+    with running_server(tmp_path_factory.mktemp("server")) as s:
+        yield s.base
 
 
 @pytest.fixture(scope="module")
@@ -76,42 +35,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def engine(default_model_dir):
-    """The reference: nanoserve's Engine in this process on the same checkpoint.
-
-    One torch thread here and in the server: on a small shared machine two processes with two
-    spinning OpenMP threads each run several times slower, and equal thread counts keep the two
-    sides' float reductions alike."""
-    from nanoserve import Engine
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Engine.from_pretrained(default_model_dir, EngineConfig(dtype="float32", quantization=None, num_kv_blocks=64))
-    torch.set_num_threads(before)
-
-
-def metrics(base: str) -> dict[str, float]:
-    from nanoserve.serving.server.metrics import parse_text
-
-    return parse_text(httpx.get(f"{base}/metrics", timeout=10).text)
-
-
-def wait_idle(base: str, timeout_s: float = 20.0) -> dict[str, float]:
-    """Polls /metrics until no request runs or waits and no KV block is in use."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = metrics(base)
-        if m["nanoserve_num_requests_running"] == m["nanoserve_num_requests_waiting"] == 0 \
-                and m["nanoserve_kv_blocks_used"] == 0:
-            return m
-        if time.monotonic() > deadline:
-            raise AssertionError(f"server not idle after {timeout_s} s: {m}")
-        time.sleep(0.05)
-
-
-def error_of(exc) -> dict:
-    body = exc.body if isinstance(exc.body, dict) else {}
-    return body.get("error", body)
+def engine(default_engine):
+    return default_engine
 
 
 ABORTED = 'nanoserve_requests_finished_total{finish_reason="abort"}'
