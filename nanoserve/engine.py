@@ -97,6 +97,7 @@ class Engine:
         self._ids = itertools.count()
         # Deferred mode: the batch sampled last step, not yet brought home, and its rows' requests.
         self._in_flight: tuple[TokenBatch, list[Request]] | None = None
+        self._step_requests: list[Request] | None = None  # the running step's, once scheduled: fail_step's to abort
         self.num_steps = 0
 
     @classmethod
@@ -193,8 +194,11 @@ class Engine:
         rec = self.recorder
         deferred = self.config.deferred_output
         rec.begin_step()
+        self._step_requests = None
         with rec.phase("schedule"):
             sched = self.scheduler.schedule()
+        homing = [r for r in self._in_flight[1] if not r.is_finished] if self._in_flight else []  # not overshoot
+        self._step_requests = [item.request for item in sched.scheduled] + homing
         if sched.is_empty:  # idle: what is left in flight comes home after the step, ending the loop
             rec.end_step(num_rows=0, num_tokens=0, num_decode_rows=0)
             in_flight, self._in_flight = self._in_flight, None
@@ -227,6 +231,29 @@ class Engine:
         self.num_steps += 1
         rec.end_step(num_rows=len(rows), num_tokens=sched.num_batched_tokens,
                      num_decode_rows=sum(1 for item in sched.scheduled if item.num_new_tokens == 1))
+        return outputs
+
+    def fail_step(self, error: Exception) -> list[RequestOutput]:
+        """After step() raised `error`: aborts the step's requests (those it scheduled and those whose
+        deferred token it was bringing home, whole n > 1 groups) and returns their final outputs, so
+        the engine goes on serving the others. A request the step finished before the fault keeps its
+        own finish reason.
+
+        Raises:
+            RuntimeError: the engine must not step again: the fault was in schedule (the queues may be
+                half-updated) or on the device (it poisons later steps), or the pool's invariants fail.
+        """
+        requests, self._step_requests = self._step_requests, None
+        if requests is None or isinstance(error, torch.AcceleratorError):
+            raise RuntimeError(f"a step fault the engine cannot recover from: {error!r}") from error
+        self._in_flight = None  # its tokens belong to the requests aborted here
+        outputs = [make_output(r) for r in dict.fromkeys(requests) if r.is_finished and r.request_id not in self.requests]
+        for group_id in dict.fromkeys(r.parent_id or r.request_id for r in requests):
+            outputs += self.abort(group_id) if self.is_unfinished(group_id) else []
+        try:
+            self.check_invariants()
+        except AssertionError as e:
+            raise RuntimeError(f"the block pool is inconsistent after a step fault ({e}): {error!r}") from error
         return outputs
 
     def _collect(self, sched: SchedulerOutput, sampled: tuple[TokenBatch, list[Request]] | None) -> list[RequestOutput]:

@@ -3,6 +3,11 @@ background loop steps the engine. The step is blocking (a forward pass), so it r
 thread; a lock makes sure an add or an abort never lands in the middle of one. Each request's
 outputs reach its consumer through its own asyncio queue, and a consumer that stops (cancelled,
 or its iterator closed) aborts its request so the blocks go back to the pool.
+
+A step that raises fails the requests of that step (`Engine.fail_step`): their consumers get a
+StepFailedError and the loop goes on with the others. Where the engine's state cannot be
+restored (a fault in schedule, a device error, a pool that fails its invariant check) the front
+is dead: every consumer gets an EngineDeadError and so does every later submission.
 """
 
 from __future__ import annotations
@@ -27,7 +32,19 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The background loop's step raised; the engine's state can no longer be trusted."""
+    """A step raised and the engine's state could not be restored; the front serves no more."""
+
+
+class StepFailedError(RuntimeError):
+    """The step serving this request raised; the request was aborted and the engine goes on."""
+
+
+class QueueFullError(RuntimeError):
+    """`max_waiting` requests are already waiting for a slot."""
+
+
+class DrainingError(RuntimeError):
+    """The front is draining (shutting down): it takes no new request."""
 
 
 class RequestStream:
@@ -61,6 +78,8 @@ class RequestStream:
         try:
             while not self.finished:
                 item = await self._queue.get()
+                if isinstance(item, StepFailedError):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine loop failed: {item!r}") from item
                 delta = self._makers[item.index].make(item, self.request_id)
@@ -81,12 +100,20 @@ class AsyncEngine:
 
     Bound to the event loop of its first `add_request`. `on_finished`, if given, is called in the
     event loop with the final RequestOutput of every request that finishes, aborts included (the
-    server counts its metrics there).
+    server counts its metrics there); `on_step_fault` with the exception of every step that raised.
+    With `max_waiting`, an add finding that many requests already waiting for a slot is refused
+    (QueueFullError) instead of queued.
     """
 
-    def __init__(self, engine: Engine, on_finished: Callable[[RequestOutput], None] | None = None) -> None:
+    def __init__(self, engine: Engine, on_finished: Callable[[RequestOutput], None] | None = None,
+                 max_waiting: int | None = None,
+                 on_step_fault: Callable[[Exception], None] | None = None) -> None:
+        if max_waiting is not None and max_waiting < 1:
+            raise ValueError(f"max_waiting={max_waiting} must be None (no bound) or >= 1")
         self.engine = engine
         self.on_finished = on_finished
+        self.on_step_fault = on_step_fault
+        self.max_waiting = max_waiting
         self._lock = threading.Lock()  # held by every engine mutation: add, abort, step
         self._queues: dict[str, asyncio.Queue] = {}  # unfinished requests' output queues
         self._num_unfinished: dict[str, int] = {}  # completions still running per request (n > 1)
@@ -96,6 +123,7 @@ class AsyncEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoserve-step")
         self.error: BaseException | None = None  # set when a step raised; the engine is dead
         self._closed = False  # shutdown() ran
+        self.is_draining = False  # drain() ran: no new request is taken
 
     @property
     def is_running(self) -> bool:
@@ -108,11 +136,13 @@ class AsyncEngine:
         Raises:
             ValueError: whatever `Engine.add_request` rejects.
             EngineDeadError: the loop has failed.
+            DrainingError: drain() or shutdown() ran.
+            QueueFullError: `max_waiting` requests are already waiting.
         """
         if self.error is not None:
             raise EngineDeadError(f"the engine loop failed: {self.error!r}")
-        if self._closed:
-            raise EngineDeadError("the AsyncEngine was shut down")
+        if self._closed or self.is_draining:
+            raise DrainingError("the server is shutting down and takes no new request")
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if rid in self._queues:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -125,7 +155,7 @@ class AsyncEngine:
         except BaseException as e:
             self._queues.pop(rid, None)
             self._num_unfinished.pop(rid, None)
-            if not isinstance(e, ValueError):  # cancelled while the add ran: it may have landed
+            if not isinstance(e, ValueError | QueueFullError):  # cancelled while the add ran: it may have landed
                 self._schedule_abort(rid)
             raise
         self._ensure_loop()
@@ -143,6 +173,11 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         """Aborts a request if it is still unfinished (no error otherwise)."""
         self._schedule_abort(request_id)
+
+    def drain(self) -> None:
+        """Takes no new request from now on; those already taken run to their end. Never blocks
+        (a signal handler calls it)."""
+        self.is_draining = True
 
     async def stats(self) -> EngineStats:
         """The engine's stats, read between steps."""
@@ -171,7 +206,10 @@ class AsyncEngine:
             return fn(*args)
 
     def _add_locked(self, prompt, params, rid: str) -> list[int]:
-        with self._lock:
+        with self._lock:  # between two steps: the waiting count is exact
+            if self.max_waiting is not None and (num := self.engine.stats().num_waiting) >= self.max_waiting:
+                raise QueueFullError(f"{num} requests are waiting for a slot, the most this server queues "
+                                     f"(max_waiting={self.max_waiting})")
             self.engine.add_request(prompt, params, request_id=rid)
             first = rid if params.n == 1 else f"{rid}.0"  # an n > 1 group's copies are rid.0 .. rid.{n-1}
             return list(self.engine.requests[first].prompt_token_ids)
@@ -193,12 +231,17 @@ class AsyncEngine:
                 self._wakeup = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="nanoserve-engine-loop")
 
-    def _step_locked(self, aborts: list[str]) -> list[RequestOutput]:
+    def _step_locked(self, aborts: list[str]) -> tuple[list[RequestOutput], list[RequestOutput], Exception | None]:
+        """Applies the pending aborts and runs one step: (outputs, the failed step's outputs, its
+        error). Raises what `Engine.fail_step` raises when the state cannot be restored."""
         with self._lock:
             outputs = [out for rid in aborts if self.engine.is_unfinished(rid) for out in self.engine.abort(rid)]
-            if self.engine.has_unfinished():
-                outputs += self.engine.step()
-            return outputs
+            if not self.engine.has_unfinished():
+                return outputs, [], None
+            try:
+                return outputs + self.engine.step(), [], None
+            except Exception as e:
+                return outputs, self.engine.fail_step(e), e
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -209,20 +252,46 @@ class AsyncEngine:
                 continue
             aborts, self._pending_aborts = self._pending_aborts, []
             try:
-                outputs = await loop.run_in_executor(self._executor, self._step_locked, aborts)
-            except Exception as e:  # a failed step leaves the engine half-updated: stop serving
+                outputs, failed, fault = await loop.run_in_executor(self._executor, self._step_locked, aborts)
+            except Exception as e:  # a step fault the engine could not recover from: stop serving
+                logger.exception("the engine loop failed; every request fails and /health turns 503")
                 self.error = e
                 for queue in self._queues.values():
                     queue.put_nowait(e)
                 self._queues.clear()
                 self._num_unfinished.clear()
                 return
-            for out in outputs:
-                queue = self._queues.get(group_of(out))
-                if queue is not None:
-                    queue.put_nowait(out)
-                if out.finished:
-                    self._finish(out)
+            self._deliver(outputs)
+            if fault is not None:
+                self._fail(fault, failed)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(group_of(out))
+            if queue is not None:
+                queue.put_nowait(out)
+            if out.finished:
+                self._finish(out)
+
+    def _fail(self, fault: Exception, outputs: list[RequestOutput]) -> None:
+        """A failed step's requests: those it had finished before the fault are delivered as usual,
+        every group it aborted gets a StepFailedError instead of its final output."""
+        aborted = [out for out in outputs if out.finish_reason == "abort"]
+        logger.error("a step failed; its %d request(s) get an error, the engine goes on: %r",
+                     len({group_of(out) for out in aborted}), fault, exc_info=fault)
+        self._deliver([out for out in outputs if out.finish_reason != "abort"])
+        for rid in dict.fromkeys(group_of(out) for out in aborted):
+            self._num_unfinished.pop(rid, None)
+            queue = self._queues.pop(rid, None)
+            if queue is not None:
+                queue.put_nowait(StepFailedError(f"the engine step serving this request failed: {fault!r}"))
+        for out in aborted:
+            self._finish(out)  # the queue is gone: this only reports it to on_finished
+        if self.on_step_fault is not None:
+            try:
+                self.on_step_fault(fault)
+            except Exception:
+                logger.exception("on_step_fault failed")
 
     def _finish(self, out: RequestOutput) -> None:
         rid = group_of(out)
