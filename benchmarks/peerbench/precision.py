@@ -4,7 +4,8 @@ Each pair serves one file: the f32 GGUF of the default model's weights (written 
 the dequantized Q4_1), BF16 and Q8_0 GGUFs made from it by llama.cpp's own llama-quantize, and the
 shipped Q4_1 file itself. nanoserve serves each file as stored (f32 in float32; BF16 in bfloat16;
 Q8_0 and Q4_1 as int4 kernel passes with bf16 activations where the probe picks bf16), llama.cpp
-runs llama-batched-bench on it. The figure compared is the aggregate decode rate at the same
+runs llama-batched-bench on it, and transformers' generate runs the same weights (the converted
+float32 directory) in float32 and bfloat16. The figure compared is the aggregate decode rate at the same
 number of sequences: llama-batched-bench's S_TG against nanoserve's tokens per second over decode
 steps (prompts of --pp tokens, the prefill and the first decode left out, tg - 2 steps timed). Each side is a fresh process, one at a time,
 the pairs interleaved round by round; the report is medians and their ratio.
@@ -56,6 +57,41 @@ print(json.dumps({"rates": rates, "rss_mib": psutil.Process().memory_info().rss 
                   "memory": engine.memory()}))
 """
 
+# transformers' generate on the same weights (the converted float32 directory), in float32 and bf16:
+# a logits processor stamps each decode step, so the rate is median-step based like the others.
+HF_CHILD = r"""
+import json, statistics, sys, time
+import psutil, torch
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from nanoserve.model.default import default_model_dir
+
+dtype, pp, tg, threads = sys.argv[1], *map(int, sys.argv[2:5])
+slots_list = [int(s) for s in sys.argv[5:]]
+torch.set_num_threads(threads)
+model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=getattr(torch, dtype)).eval()
+vocab = model.config.vocab_size
+
+class Stamps(LogitsProcessor):
+    def __init__(self):
+        self.times = []
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+rates = {}
+for slots in slots_list:
+    ids = torch.tensor([[(100 + (i * 7 + j) % 1000) % vocab for j in range(pp)] for i in range(slots)])
+    stamps = Stamps()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tg, min_new_tokens=tg,
+                       do_sample=False, logits_processor=LogitsProcessorList([stamps]),
+                       pad_token_id=model.config.eos_token_id)
+    gaps = [b - a for a, b in zip(stamps.times[1:], stamps.times[2:])]  # decode steps, the first left out
+    rates[slots] = slots / statistics.median(gaps)
+print(json.dumps({"rates": rates, "rss_mib": psutil.Process().memory_info().rss / 2**20}))
+"""
+HF_DTYPES = {"f32": "float32", "bf16": "bfloat16"}  # transformers' rows, matched with these pairs
+
 
 def gguf_files() -> dict[str, Path]:
     """Each pair's file, making the BF16 and Q8_0 GGUFs from the f32 one with llama-quantize once.
@@ -88,6 +124,15 @@ def nanoserve_rates(gguf: Path, dtype: str, quantization: str | None, pp: int, t
             "precision": f"{result['dtype']}/{result['quantization']}"}
 
 
+def hf_rates(dtype: str, pp: int, tg: int, threads: int, slots: list[int]) -> dict:
+    proc = subprocess.run([sys.executable, "-c", HF_CHILD, dtype, str(pp), str(tg), str(threads), *map(str, slots)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"transformers child in {dtype} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"rates": {int(k): v for k, v in result["rates"].items()}, "rss_mib": result["rss_mib"]}
+
+
 def llama_rates(gguf: Path, pp: int, tg: int, threads: int, slots: list[int]) -> dict:
     """llama-batched-bench's S_TG (aggregate decode tokens/s) at each number of sequences; f16 KV (its default)."""
     cmd = [str(BATCHED_BENCH), "-m", str(gguf), "-c", str(max(slots) * (pp + tg)), "-b", "2048", "-ub", "512",
@@ -109,6 +154,8 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=64, help="prompt tokens per sequence")
     parser.add_argument("--tg", type=int, default=64, help="generated tokens per sequence")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--no-transformers", action="store_true",
+                        help="leave out transformers generate in float32 and bfloat16 (same weights)")
     parser.add_argument("--out", default="runs/peerbench_precision.csv")
     args = parser.parse_args()
     if args.rounds < 1 or min(args.slots) < 1:
@@ -128,6 +175,11 @@ def main() -> None:
                 got.setdefault((name, system), []).append(result)
                 print(f"  round {r + 1} {name} {system}: "
                       + ", ".join(f"{s}: {v:.1f}" for s, v in result["rates"].items()), flush=True)
+        for name, dtype in HF_DTYPES.items() if not args.no_transformers else ():
+            result = hf_rates(dtype, args.pp, args.tg, args.threads, args.slots)
+            got.setdefault((name, "transformers"), []).append(result)
+            print(f"  round {r + 1} transformers {dtype}: "
+                  + ", ".join(f"{s}: {v:.1f}" for s, v in result["rates"].items()), flush=True)
     rows = []
     print(f"\npeerbench precision: decode tok/s (aggregate, median of {args.rounds}), pp={args.pp} tg={args.tg}, "
           f"{args.threads} threads")
@@ -147,6 +199,26 @@ def main() -> None:
                          "nanoserve_over_llamacpp": n / ll, "nanoserve_rss_mib": rss_n, "llamacpp_peak_rss_mib": rss_l,
                          "pp": args.pp, "tg": args.tg, "rounds": args.rounds, "threads": args.threads,
                          "date": time.strftime("%Y-%m-%d")})
+    if not args.no_transformers:
+        default = got[("q4_1", "nanoserve")] if "q4_1" in args.pairs else None
+        print("\ntransformers generate on the same weights (static batch), nanoserve over it:")
+        print(f"{'transformers':<14}{'slots':>6}{'tok/s':>9}{'matched nanoserve':>19}{'ratio':>7}"
+              f"{'default nanoserve':>19}{'ratio':>7}")
+        for name, dtype in HF_DTYPES.items():
+            theirs = got[(name, "transformers")]
+            ours = got.get((name, "nanoserve"))
+            for s in args.slots:
+                hf = statistics.median(x["rates"][s] for x in theirs)
+                matched = statistics.median(x["rates"][s] for x in ours) if ours else math.nan
+                best = statistics.median(x["rates"][s] for x in default) if default else math.nan
+                print(f"{dtype:<14}{s:>6}{hf:>9.1f}{matched:>19.1f}{matched / hf:>7.2f}{best:>19.1f}{best / hf:>7.2f}")
+                rows.append({"file": name, "gguf": "converted float32 directory", "nanoserve_precision": "",
+                             "slots": s, "transformers_dtype": dtype, "transformers_decode_tok_s": hf,
+                             "nanoserve_matched_decode_tok_s": matched, "nanoserve_over_transformers": matched / hf,
+                             "nanoserve_default_decode_tok_s": best, "default_over_transformers": best / hf,
+                             "transformers_rss_mib": max(x["rss_mib"] for x in theirs),
+                             "pp": args.pp, "tg": args.tg, "rounds": args.rounds, "threads": args.threads,
+                             "date": time.strftime("%Y-%m-%d")})
     write_csv(args.out, rows)
     print(f"wrote {args.out}")
 
