@@ -13,8 +13,9 @@ The reference is float32 over the GGUF's weights dequantized exactly. For each p
   precision in a fresh child process, one at a time, so nothing else shares the cores.
 transformers' own model in bfloat16 is scored on the same text as the bar the default precision's
 agreement is held to; where llama-cpp-python is importable (--llamacpp-path: a folder holding it,
-installed apart from the venv, e.g. under .peers/), llama.cpp's own logits on the same Q4_1 file
-are scored too. A precision whose perplexity is more than 2% worse than float32 says so.
+installed apart from the venv, e.g. under .peers/), llama.cpp's own logits are scored too: on the
+same Q4_1 file, and on the f32, BF16 and Q8_0 GGUFs of the same weights where peerbench's precision
+axis has made them. A precision whose perplexity is more than 2% worse than float32 says so.
 
     python quantbench.py                         # the full text, every precision; a few minutes
     python quantbench.py --tokens 1024 --quick   # a smaller run
@@ -140,7 +141,8 @@ def main() -> None:
     if not args.no_transformers:
         rows.append(transformers_bf16(token_ids, reference, targets))
     if Path(args.llamacpp_path, "llama_cpp").is_dir():
-        rows.append(llamacpp_q4_1(Path(args.llamacpp_path), token_ids, reference, targets, args.threads))
+        for name, file in llamacpp_files().items():
+            rows.append(llamacpp_row(Path(args.llamacpp_path), name, file, token_ids, reference, targets, args.threads))
 
     print(f"\n{'precision':<16}{'dtype':<10}{'ppl':>8}{'Δppl':>8}{'top1':>8}{'KL':>9}{'prefix':>8}"
           + "".join(f"{'tok/s@' + str(s):>11}" for s in args.slots) + f"{'RSS MB':>9}{'weights MB':>12}")
@@ -191,27 +193,39 @@ np.save(out_path, np.asarray(llm.scores[: len(tokens)], dtype=np.float32))
 """
 
 
-def llamacpp_q4_1(path: Path, token_ids: list[int], reference: torch.Tensor, targets: torch.Tensor,
-                  threads: int) -> dict:
-    """llama.cpp's own logits on the shipped Q4_1 file over the same text (a child process with
+def llamacpp_files() -> dict[str, Path]:
+    """The shipped Q4_1 file, and the f32, BF16 and Q8_0 GGUFs of the same weights where peerbench's
+    setup and precision axis have made them (under .peers/)."""
+    from benchmarks.peerbench.llamacpp import PEERS_DIR
+    from benchmarks.peerbench.precision import PAIRS
+    from nanoserve.model.default import gguf_path
+
+    files = {"Q4_1": gguf_path()}
+    for name, (file, _, _) in PAIRS.items():
+        if file != "shipped" and (PEERS_DIR / file).is_file():
+            files[name.upper()] = PEERS_DIR / file
+    return files
+
+
+def llamacpp_row(path: Path, name: str, gguf: Path, token_ids: list[int], reference: torch.Tensor,
+                 targets: torch.Tensor, threads: int) -> dict:
+    """llama.cpp's own logits on a GGUF file over the same text (a child process with
     llama-cpp-python on its path), scored against nanoserve's float32 like every other row."""
     import tempfile
 
     import numpy as np
 
-    from nanoserve.model.default import gguf_path
-
     with tempfile.TemporaryDirectory() as tmp:
         tokens, out = Path(tmp, "tokens.json"), Path(tmp, "logits.npy")
         tokens.write_text(json.dumps(token_ids))
         env = dict(os.environ, PYTHONPATH=str(path))
-        proc = subprocess.run([sys.executable, "-c", LLAMA_CHILD, str(gguf_path()), str(tokens), str(out),
+        proc = subprocess.run([sys.executable, "-c", LLAMA_CHILD, str(gguf), str(tokens), str(out),
                                str(threads)], capture_output=True, text=True, env=env, timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(f"llama-cpp-python child failed:\n{proc.stderr[-3000:]}")
         logits = torch.from_numpy(np.load(out))[:-1]
     report = compare(reference, logits, targets)
-    return accuracy_row("llama.cpp q4_1", "llama.cpp", "Q4_1", report)
+    return accuracy_row(f"llama.cpp {name.lower()}", "llama.cpp", name, report)
 
 
 if __name__ == "__main__":
