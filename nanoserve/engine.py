@@ -218,7 +218,7 @@ class Engine:
             return outputs
         with rec.phase("build_inputs"):
             inputs = build_inputs(sched, self.config.block_size, self.device, pending and pending[0],
-                                  self.config.decode_group_min_rows)
+                                  self.config.decode_group_min_rows, self.model.config.sliding_window)
         with rec.phase("forward"):
             logits = self.model.forward(inputs, self.kv)  # [rows, V]
         with rec.phase("sample"):

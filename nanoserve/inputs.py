@@ -11,14 +11,16 @@ from nanoserve.scheduler import SchedulerOutput
 
 
 def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
-                 pending: TokenBatch | None = None, decode_group_min_rows: int | None = 8) -> ModelInputs:
+                 pending: TokenBatch | None = None, decode_group_min_rows: int | None = 8,
+                 sliding_window: int | None = None) -> ModelInputs:
     """Flattens the scheduled token runs into one batch of T tokens with its attention metadata.
 
     Each scheduled request contributes the tokens from num_computed_tokens up to
     num_computed_tokens + num_new_tokens; its context for attention is everything up to there.
     A token sampled last step and not yet brought home (deferred output) is copied into
     input_ids from the pending batch's device tensor (found by request id): its value never visits
-    the host.
+    the host. With a sliding_window W (the model's config.sliding_window), the metadata also holds
+    the step as windowed layers attend it, where a query at position p sees keys p - W + 1 .. p.
     """
     input_ids: list[int] = []
     positions: list[int] = []
@@ -69,11 +71,17 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
     # group (no row index) relies on: its block table's row i must be T's row i.
     groups = [sorted(g) for g in groups]
     whole_step = len(groups) == 1 and len(decoding) == num_seqs  # one group, in row order: no gather or scatter
-    decode_groups = [_decode_group([decoding[j] for j in g], None if whole_step else first_rows, block_tables,
-                                   context_lens, block_size, device) for g in groups if g]
-    runs = [_prefill_run(first_rows[i], query_lens[i], context_lens[i], block_tables[i], block_size, device)
-            for i in range(num_seqs) if query_lens[i] > 1]
-    attn = AttentionMetadata(slot_mapping_t, decode_groups, runs, block_size)
+
+    def metadata(window: int | None) -> AttentionMetadata:
+        decode_groups = [_decode_group([decoding[j] for j in g], None if whole_step else first_rows, block_tables,
+                                       context_lens, block_size, device, window) for g in groups if g]
+        runs = [_prefill_run(first_rows[i], query_lens[i], context_lens[i], block_tables[i], block_size, device, window)
+                for i in range(num_seqs) if query_lens[i] > 1]
+        return AttentionMetadata(slot_mapping_t, decode_groups, runs, block_size, sliding_window)
+
+    attn = metadata(None)
+    if sliding_window is not None and max(context_lens) > sliding_window:  # else every key is inside the window
+        attn.windowed = metadata(sliding_window)
     return ModelInputs(input_ids_t, positions_t, tensor(logits_indices), attn)
 
 
@@ -109,28 +117,46 @@ def split_by_length(num_blocks: list[int], max_groups: int = 4, min_saving: floa
 
 
 def _decode_group(rows: list[int], first_rows: list[int] | None, block_tables: list[list[int]],
-                  context_lens: list[int], block_size: int, device: torch.device) -> DecodeGroup:
+                  context_lens: list[int], block_size: int, device: torch.device,
+                  window: int | None = None) -> DecodeGroup:
     """Sequences `rows`, one query each (at row first_rows[r] of T), attended as one batch;
-    first_rows None: the group is the whole step in row order."""
+    first_rows None: the group is the whole step in row order. With a window W, a row's table starts
+    at the block holding its first visible key (its query is at L - 1: keys L - W .. L - 1)."""
     lens = [context_lens[r] for r in rows]
-    nb = -(-max(lens) // block_size)
-    table = torch.tensor([block_tables[r][:nb] + [0] * (nb - len(block_tables[r][:nb])) for r in rows])  # [Bg, nb]
+    first_keys = [0 if window is None else max(0, n - window) for n in lens]
+    first_blocks = [key // block_size for key in first_keys]
+    nb = max(-(-n // block_size) - b for n, b in zip(lens, first_blocks, strict=True))
+    tables = [block_tables[r][b:b + nb] for r, b in zip(rows, first_blocks, strict=True)]
+    table = torch.tensor([t + [0] * (nb - len(t)) for t in tables])  # [Bg, nb]
+    # Each row sees the indices lo .. hi - 1 of its gathered keys [nb * bs].
+    lo = [key - b * block_size for key, b in zip(first_keys, first_blocks, strict=True)]
+    hi = [n - b * block_size for n, b in zip(lens, first_blocks, strict=True)]
     mask = None
-    if any(n != nb * block_size for n in lens):
-        key_pos = torch.arange(nb * block_size)  # [Lg]
-        mask = (key_pos[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(device)  # [Bg, 1, 1, Lg]
+    if any(lo) or any(h != nb * block_size for h in hi):
+        key_index = torch.arange(nb * block_size)[None, :]  # [1, Lg]
+        visible = (key_index >= torch.tensor(lo)[:, None]) & (key_index < torch.tensor(hi)[:, None])  # [Bg, Lg]
+        mask = visible[:, None, None, :].to(device)  # [Bg, 1, 1, Lg]
     row_index = None if first_rows is None else torch.tensor([first_rows[r] for r in rows], device=device)
     return DecodeGroup(row_index, table.to(device), mask)
 
 
 def _prefill_run(first_row: int, query_len: int, context_len: int, blocks: list[int], block_size: int,
-                 device: torch.device) -> PrefillRun:
-    """One sequence's Tq new tokens at positions context_len - Tq .. context_len - 1."""
+                 device: torch.device, window: int | None = None) -> PrefillRun:
+    """One sequence's Tq new tokens at positions context_len - Tq .. context_len - 1. With a window W,
+    query p sees keys p - W + 1 .. p, and the table starts at the block the first query's window reaches."""
     start = context_len - query_len
-    if start == 0:  # nothing cached: causal attention over the new tokens alone, no gather
-        return PrefillRun(first_row, query_len, None, None)
+    query_pos = torch.arange(start, context_len)[:, None]  # [Tq, 1]
+    if start == 0:  # nothing cached: attention over the new tokens alone, no gather
+        if window is None or query_len <= window:
+            return PrefillRun(first_row, query_len, None, None)  # causal
+        key_pos = torch.arange(query_len)[None, :]  # [1, Tq]
+        visible = (key_pos <= query_pos) & (key_pos > query_pos - window)  # [Tq, Tq]
+        return PrefillRun(first_row, query_len, None, visible[None, None].to(device))
+    first_block = 0 if window is None else max(0, start - window + 1) // block_size
     nb = -(-context_len // block_size)
-    key_pos = torch.arange(nb * block_size)  # [L]
-    query_pos = torch.arange(start, context_len)  # [Tq]
-    mask = (key_pos[None, :] <= query_pos[:, None])[None, None].to(device)  # [1, 1, Tq, L]
-    return PrefillRun(first_row, query_len, torch.tensor([blocks[:nb]], device=device), mask)
+    key_pos = torch.arange(first_block * block_size, nb * block_size)[None, :]  # [1, L]
+    visible = key_pos <= query_pos  # [Tq, L]
+    if window is not None:
+        visible &= key_pos > query_pos - window
+    return PrefillRun(first_row, query_len, torch.tensor([blocks[first_block:nb]], device=device),
+                      visible[None, None].to(device))

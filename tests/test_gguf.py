@@ -1,5 +1,7 @@
 """The GGUF reader: header and blocks against the gguf package, config and weights against transformers,
-a tiny written file with every served type, the q/k row order against a hand-written permutation."""
+a tiny written file with every served type, the q/k row order against a hand-written permutation, and
+each family's file (llama, Mistral as llama, qwen2, qwen3) written from a tiny transformers model and
+served with that model's logits."""
 
 from __future__ import annotations
 
@@ -9,8 +11,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import make_hf_model
 from gguf import GGMLQuantizationType as QT
+from test_llama import PROMPTS, assert_logits_match, run_and_capture
 
+from nanoserve import Engine, EngineConfig
 from nanoserve.model import default
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.gguf import (
@@ -22,6 +27,7 @@ from nanoserve.model.gguf import (
     read_gguf_config,
     read_gguf_file,
 )
+from nanoserve.model.llama import LlamaModel
 
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 # GGUF stem -> HF module name, written out here rather than taken from the code under test.
@@ -248,8 +254,8 @@ def test_unserved_type_is_refused_by_name(tmp_path):
 
 
 def test_other_architecture_is_refused_by_name(tmp_path):
-    write_tiny_gguf(tmp_path / "tiny.gguf", arch="qwen2")
-    with pytest.raises(ValueError, match="'qwen2'"):
+    write_tiny_gguf(tmp_path / "tiny.gguf", arch="gemma2")
+    with pytest.raises(ValueError, match=r"GGUF architecture 'gemma2' is not supported: nanoserve reads \('llama', 'qwen2', 'qwen3'\)"):
         read_gguf_config(tmp_path / "tiny.gguf")
 
 
@@ -277,3 +283,73 @@ def test_find_gguf(tmp_path):
         find_gguf(tmp_path)
     with pytest.raises(FileNotFoundError):
         find_gguf(tmp_path / "missing.gguf")
+
+
+# --- each family's file, written from a tiny transformers model -------------------------------------
+
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+FAMILY_NAMES = HF_NAMES | {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+
+def write_gguf_from_hf(path, hf, arch: str) -> None:
+    """A float32 GGUF of a transformers model as llama.cpp's converter writes `arch`: its config as
+    metadata, its tensors under GGUF names (no output.weight when tied), q/k rows and biases
+    interleaved for "llama" only, a byte-pair tokenizer of one merge and CHAT_TEMPLATE."""
+    c = hf.config
+    writer = gguf.GGUFWriter(path, arch)
+    for add, value in [(writer.add_block_count, c.num_hidden_layers), (writer.add_context_length, c.max_position_embeddings),
+                       (writer.add_embedding_length, c.hidden_size), (writer.add_feed_forward_length, c.intermediate_size),
+                       (writer.add_head_count, c.num_attention_heads), (writer.add_head_count_kv, c.num_key_value_heads),
+                       (writer.add_key_length, c.head_dim), (writer.add_value_length, c.head_dim),
+                       (writer.add_rope_freq_base, c.rope_parameters["rope_theta"]),
+                       (writer.add_layer_norm_rms_eps, c.rms_norm_eps), (writer.add_eos_token_id, 2),
+                       (writer.add_bos_token_id, 1), (writer.add_tokenizer_model, "gpt2"),
+                       (writer.add_token_list, [chr(33 + i) for i in range(c.vocab_size - 1)] + ['!"']),
+                       (writer.add_token_merges, ['! "']), (writer.add_chat_template, CHAT_TEMPLATE)]:
+        add(value)
+    gguf_stem = {hf_module: stem for stem, hf_module in FAMILY_NAMES.items()}
+    for name, tensor in hf.state_dict().items():
+        module, _, suffix = name.rpartition(".")
+        if module == "lm_head" and c.tie_word_embeddings:
+            continue
+        value = tensor.numpy()
+        if arch == "llama" and module.endswith(("q_proj", "k_proj")):
+            value = llama_cpp_permute(value, c.num_attention_heads if module.endswith("q_proj") else c.num_key_value_heads)
+        if module.startswith("model.layers."):
+            layer, _, sub = module.removeprefix("model.layers.").partition(".")
+            writer.add_tensor(f"blk.{layer}.{gguf_stem[sub]}.{suffix}", value)
+        else:
+            writer.add_tensor(f"{gguf_stem[module]}.{suffix}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch, family, overrides", [
+    ("llama", "llama", {}),
+    ("llama", "mistral", {"sliding_window": None}),  # llama.cpp writes Mistral as llama, without a window
+    ("qwen2", "qwen2", {"tie_word_embeddings": True}),
+    ("qwen3", "qwen3", {"head_dim": 12}),
+])
+def test_family_file_serves_the_logits_of_its_transformers_model(tmp_path, arch, family, overrides):
+    # A qwen file un-permuted as llama's is, or a llama file left interleaved, fails here: rope would
+    # rotate the wrong pairs.
+    hf = make_hf_model(family, seed=5, **overrides)
+    write_gguf_from_hf(tmp_path / "m.gguf", hf, arch)
+    config, tensors = load_gguf(tmp_path)
+    assert config.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                   "qwen3": "Qwen3ForCausalLM"}[arch]
+    assert (config.qkv_bias, config.qk_norm, config.head_dim) == (arch == "qwen2", arch == "qwen3", hf.config.head_dim)
+    model = LlamaModel.from_state_dict(config, tensors, torch.float32, "cpu")
+    engine = Engine(model, None, EngineConfig(dtype="float32", quantization=None, block_size=4, num_kv_blocks=80))
+    captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=4)
+    assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 4
+
+
+def test_the_tokenizer_carries_the_files_chat_template(tmp_path):
+    write_gguf_from_hf(tmp_path / "m.gguf", make_hf_model("qwen3", seed=5), "qwen3")
+    tokenizer = load_gguf_tokenizer(tmp_path / "m.gguf")
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == "<system>be brief<user>hi"

@@ -24,10 +24,10 @@ def spy_on_groups(monkeypatch) -> list[tuple[int, list[tuple[int, bool]]]]:
     calls = []
     original = llama.paged_attention
 
-    def spy(q, k, v, k_cache, v_cache, meta):
+    def spy(q, k, v, k_cache, v_cache, meta, *args):
         runs = [(run.num_rows, run.block_table is not None) for run in meta.prefill_runs]
         calls.append((len(meta.decode_groups), runs))
-        return original(q, k, v, k_cache, v_cache, meta)
+        return original(q, k, v, k_cache, v_cache, meta, *args)
 
     monkeypatch.setattr(llama, "paged_attention", spy)
     return calls

@@ -32,24 +32,26 @@ def run_and_capture(engine: Engine, prompts, max_tokens: int):
     captured: dict[str, list[tuple[int, torch.Tensor]]] = {}
     original = engine._sample
 
-    def spy(logits, rows):
+    def spy(logits, rows, *args):
         for row, request in enumerate(rows):
             captured.setdefault(request.request_id, []).append((request.num_tokens, logits[row].clone()))
-        return original(logits, rows)
+        return original(logits, rows, *args)
 
     engine._sample = spy
     outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     return captured, outputs
 
 
-def assert_logits_match(hf, captured, outputs) -> int:
+def assert_logits_match(hf, captured, outputs, atol: float = 1e-4) -> int:
+    """Each captured logits row against transformers' forward over the request's final tokens; returns
+    how many rows were checked."""
     checked = 0
     for out in outputs:
         full = out.prompt_token_ids + out.token_ids
         with torch.no_grad():
             ref = hf(torch.tensor([full])).logits[0]  # [N, V]
         for num_tokens, row in captured[out.request_id]:
-            torch.testing.assert_close(row, ref[num_tokens - 1], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(row, ref[num_tokens - 1], atol=atol, rtol=atol)
             checked += 1
         assert len(captured[out.request_id]) == len(out.token_ids)  # one prefill + each decode
     return checked

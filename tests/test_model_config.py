@@ -1,10 +1,11 @@
 """model/config.py: LlamaConfig read from transformers' own config dicts (4.x and 5.x spellings),
-its parameter count against transformers' model, and the refusals, each naming the value."""
+each family's switches as transformers' configs set them, its parameter count against transformers'
+model, and the refusals, each naming the value (and a near architecture's missing feature)."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import LLAMA3_ROPE, make_hf_llama
+from conftest import LLAMA3_ROPE, make_hf_llama, make_hf_model
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import MistralConfig as HFMistralConfig
 
@@ -77,8 +78,9 @@ def test_mistral_without_sliding_window_is_read_as_llama():
                          architectures=["MistralForCausalLM"])
     config = LlamaConfig.from_hf_dict(hf.to_dict())
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (2, 1, 4)
-    # A window as long as the context is no window.
-    assert LlamaConfig.from_hf_dict(BASE | {"sliding_window": 64}).max_position_embeddings == 64
+    assert (config.sliding_window, config.sliding_layers) == (None, ())
+    # Llama's modelling code reads no window, so neither does nanoserve for a Llama.
+    assert LlamaConfig.from_hf_dict(BASE | {"sliding_window": 16}).sliding_window is None
 
 
 def test_model_type_alone_stands_for_the_architecture():
@@ -90,9 +92,7 @@ def test_model_type_alone_stands_for_the_architecture():
 @pytest.mark.parametrize("change, message", [
     ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
     ({"hidden_act": "gelu"}, "gelu"),
-    ({"attention_bias": True}, "attention_bias"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-    ({"sliding_window": 16}, "sliding_window=16"),
 ])
 def test_unsupported_configs_are_refused_by_name(change, message):
     base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
@@ -103,6 +103,16 @@ def test_unsupported_configs_are_refused_by_name(change, message):
 
 @pytest.mark.parametrize("change, message", [
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
+    ({"architectures": ["Gemma3ForCausalLM"]}, r"architecture 'Gemma3ForCausalLM' is not supported: it needs a second "
+                                                r"rope table \(local layers' own base frequency\)"),
+    ({"architectures": ["MixtralForCausalLM"]}, "'MixtralForCausalLM' is not supported: it needs a mixture-of-experts MLP"),
+    ({"architectures": ["GemmaForCausalLM"], "use_bidirectional_attention": True},
+     "use_bidirectional_attention=True is not supported"),
+    ({"hidden_act": "relu"}, r"hidden_act='relu' is not supported \(supported: \('silu', 'gelu_pytorch_tanh'\)\)"),
+    ({"architectures": ["Gemma2ForCausalLM"], "sliding_window": 4, "layer_types": ["full_attention"] * 2},
+     "layer_types has 2 entries for 1 layers"),
+    ({"architectures": ["Gemma2ForCausalLM"], "sliding_window": 4, "layer_types": ["chunked_attention"]},
+     r"layer_types \['chunked_attention'\] are not supported"),
     ({"architectures": ["LlamaForCausalLM", "BertModel"]}, r"\['LlamaForCausalLM', 'BertModel'\] is not supported"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
      r"rope_scaling type 'dynamic' is not supported \(supported: \('default', 'linear', 'llama3'\)\)"),
@@ -112,3 +122,67 @@ def test_unsupported_configs_are_refused_by_name(change, message):
 def test_more_unsupported_configs_are_refused_with_the_value_and_the_limit(change, message):
     with pytest.raises(ValueError, match=message):
         LlamaConfig.from_hf_dict(BASE | change)
+
+
+# ---- the families' switches, read from transformers' own configs ----------------------------------------
+
+def hf_config(family: str, **overrides) -> dict:
+    import transformers
+
+    name = {"mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma": "GemmaConfig",
+            "gemma2": "Gemma2Config"}[family]
+    small = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=4, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=4)
+    return getattr(transformers, name)(**(small | overrides)).to_dict()
+
+
+def switches(config: LlamaConfig) -> dict:
+    return {f: getattr(config, f) for f in ("qkv_bias", "o_bias", "qk_norm", "hidden_act", "embed_scale", "norm_offset",
+                                            "sandwich_norms", "query_pre_attn_scalar", "attn_logit_softcap",
+                                            "final_logit_softcap", "sliding_window", "sliding_layers")}
+
+
+OFF = {"qkv_bias": False, "o_bias": False, "qk_norm": False, "hidden_act": "silu", "embed_scale": False,
+       "norm_offset": False, "sandwich_norms": False, "query_pre_attn_scalar": None, "attn_logit_softcap": None,
+       "final_logit_softcap": None, "sliding_window": None, "sliding_layers": ()}
+
+
+@pytest.mark.parametrize("family, overrides, on", [
+    ("mistral", {"sliding_window": 3}, {"sliding_window": 3, "sliding_layers": (0, 1, 2, 3)}),
+    ("mistral", {"sliding_window": None}, {}),
+    # Qwen2's window is off unless use_sliding_window; its q/k/v bias is in the modelling code.
+    ("qwen2", {"sliding_window": 3}, {"qkv_bias": True}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 2},
+     {"qkv_bias": True, "sliding_window": 3, "sliding_layers": (2, 3)}),
+    ("qwen3", {}, {"qk_norm": True}),
+    ("qwen3", {"attention_bias": True}, {"qk_norm": True, "qkv_bias": True, "o_bias": True}),
+    ("gemma", {}, {"hidden_act": "gelu_pytorch_tanh", "embed_scale": True, "norm_offset": True}),
+    ("gemma2", {"sliding_window": 3, "query_pre_attn_scalar": 5},
+     {"hidden_act": "gelu_pytorch_tanh", "embed_scale": True, "norm_offset": True, "sandwich_norms": True,
+      "query_pre_attn_scalar": 5, "attn_logit_softcap": 50.0, "final_logit_softcap": 30.0, "sliding_window": 3,
+      "sliding_layers": (0, 2)}),
+    ("gemma2", {"sliding_window": 3, "layer_types": ["full_attention"] * 3 + ["sliding_attention"]},
+     {"hidden_act": "gelu_pytorch_tanh", "embed_scale": True, "norm_offset": True, "sandwich_norms": True,
+      "query_pre_attn_scalar": 256, "attn_logit_softcap": 50.0, "final_logit_softcap": 30.0, "sliding_window": 3,
+      "sliding_layers": (3,)}),
+])
+def test_family_switches_are_read_as_transformers_reads_the_config(family, overrides, on):
+    config = LlamaConfig.from_hf_dict(hf_config(family, **overrides))
+    assert switches(config) == OFF | on
+
+
+def test_a_config_json_without_architectures_or_keys_gets_the_familys_defaults():
+    qwen3 = LlamaConfig.from_hf_dict(BASE | {"architectures": None, "model_type": "qwen3"})
+    assert (qwen3.architecture, qwen3.head_dim, qwen3.tie_word_embeddings) == ("Qwen3ForCausalLM", 128, False)
+    gemma = LlamaConfig.from_hf_dict(BASE | {"architectures": ["GemmaForCausalLM"], "hidden_act": "gelu"})
+    # Gemma's first releases wrote "gelu" and meant the tanh form (as transformers reads it).
+    assert (gemma.hidden_act, gemma.head_dim, gemma.tie_word_embeddings) == ("gelu_pytorch_tanh", 256, True)
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("mistral", {}), ("qwen2", {}), ("qwen2", {"tie_word_embeddings": True}), ("qwen3", {"head_dim": 12}),
+    ("qwen3", {"attention_bias": True}), ("gemma", {}), ("gemma2", {}), ("llama", {"attention_bias": True}),
+])
+def test_num_params_equals_transformers_parameter_count_for_every_family(family, overrides):
+    hf = make_hf_model(family, **overrides)
+    assert LlamaConfig.from_hf_dict(hf.config.to_dict()).num_params == sum(p.numel() for p in hf.parameters())

@@ -1,19 +1,47 @@
-"""LlamaConfig: the architecture numbers nanoserve reads from a checkpoint's config.json."""
+"""LlamaConfig: the architecture numbers nanoserve reads from a checkpoint's config.json.
+
+One forward (nanoserve.model.llama) runs every family here; a family is a set of switches on it,
+read from the config and, where config.json does not say (Qwen2's q/k/v bias), from the
+architecture's name:
+
+- Llama: the plain pre-norm block (RMSNorm, rope, GQA, SwiGLU);
+- Mistral: Llama, with every layer's attention limited to a sliding window when sliding_window is set;
+- Qwen2 / Qwen2.5: a bias on the q, k and v projections; a window only when use_sliding_window is
+  true, on the layers from max_window_layers on;
+- Qwen3: RMSNorm over each head of q and k before rope; head_dim given apart from hidden / heads;
+- Gemma: the embedding scaled by sqrt(E), norms scaling by (1 + w), tanh-approximated GELU gating;
+- Gemma 2: Gemma, with norms on attention's and the MLP's outputs too, the attention scale from
+  query_pre_attn_scalar, attention and final logits soft-capped, and alternating windowed layers.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2 = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
+    "Gemma2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2)
+# Architectures close to a supported one, refused with the feature the forward lacks.
+REFUSED_ARCHITECTURES = {
+    "Gemma3ForCausalLM": "a second rope table (local layers' own base frequency) and q/k norms scaling by (1 + w)",
+    "Gemma3ForConditionalGeneration": "an image encoder",
+    "MixtralForCausalLM": "a mixture-of-experts MLP",
+    "Qwen2MoeForCausalLM": "a mixture-of-experts MLP",
+    "Qwen3MoeForCausalLM": "a mixture-of-experts MLP",
+    "Phi3ForCausalLM": "fused qkv_proj / gate_up_proj checkpoints and partial rotary embeddings",
+}
+MODEL_TYPES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "gemma": GEMMA, "gemma2": GEMMA2}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
     hidden_size: int  # E
-    intermediate_size: int  # I, the SwiGLU width
+    intermediate_size: int  # I, the gated MLP's width
     num_layers: int
     num_heads: int  # H, query heads
     num_kv_heads: int  # Hkv, key/value heads (GQA when < H)
@@ -25,6 +53,20 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Family switches, each off for Llama (see the module docstring for who sets them).
+    architecture: str = LLAMA  # the config.json "architectures" entry the switches were read for
+    qkv_bias: bool = False  # q, k and v projections add a bias
+    o_bias: bool = False  # the output projection adds a bias
+    qk_norm: bool = False  # q and k pass an RMSNorm over each head's D before rope
+    hidden_act: str = "silu"  # the MLP gate's activation, one of ACTIVATIONS
+    embed_scale: bool = False  # the embedding is multiplied by sqrt(E), rounded to the model's dtype
+    norm_offset: bool = False  # checkpoint norm weights w scale by (1 + w); the loader adds the 1
+    sandwich_norms: bool = False  # attention's and the MLP's outputs are normed before the residual add
+    query_pre_attn_scalar: float | None = None  # attention scores scale by this ** -0.5; None: D ** -0.5
+    attn_logit_softcap: float | None = None  # c: scores become c tanh(scores / c) before the softmax
+    final_logit_softcap: float | None = None  # c: logits become c tanh(logits / c)
+    sliding_window: int | None = None  # W: a windowed layer's query at p sees keys p - W + 1 .. p; None: no window
+    sliding_layers: tuple[int, ...] = ()  # the layers whose attention is windowed; () when W is None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -33,12 +75,29 @@ class LlamaConfig:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r} is not one of {SUPPORTED_ARCHITECTURES}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported (supported: {ACTIVATIONS})")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1")
+        if (self.sliding_window is None) != (not self.sliding_layers):
+            raise ValueError(f"sliding_window={self.sliding_window} and sliding_layers={self.sliding_layers}: "
+                             "a window needs windowed layers and windowed layers need a window")
+        if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
+            raise ValueError(f"sliding_layers={self.sliding_layers} name layers outside 0 .. {self.num_layers - 1}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value} must be None or > 0")
 
     @property
     def num_params(self) -> int:
         E, I, D = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = E * D * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * E * I + 2 * E
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * D
+        attn = E * qkv_rows + self.num_heads * D * E
+        attn += qkv_rows * self.qkv_bias + E * self.o_bias + 2 * D * self.qk_norm
+        per_layer = attn + 3 * E * I + (4 if self.sandwich_norms else 2) * E
         embed = self.vocab_size * E * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + E
 
@@ -47,50 +106,117 @@ class LlamaConfig:
         """Reads a Hugging Face config.json dict (transformers 4.x and 5.x spellings).
 
         Raises:
-            ValueError: for an architecture, activation, bias or sliding window nanoserve does not run.
+            ValueError: for an architecture, activation, bias, rope scaling or attention nanoserve does
+                not run, naming the value (and, for an architecture close to a supported one, the feature
+                the forward lacks).
         """
         archs = d.get("architectures") or []
         model_type = d.get("model_type")
-        if not archs and model_type in ("llama", "mistral"):
-            archs = ["LlamaForCausalLM"]
+        if not archs and model_type in MODEL_TYPES:
+            archs = [MODEL_TYPES[model_type]]
+        refused = [a for a in archs if a in REFUSED_ARCHITECTURES]
+        if refused:
+            raise ValueError(f"architecture {refused[0]!r} is not supported: it needs {REFUSED_ARCHITECTURES[refused[0]]}, "
+                             f"which nanoserve's forward does not have (nanoserve runs {SUPPORTED_ARCHITECTURES})")
         unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
-        if not archs or unsupported:
+        if not archs or unsupported or len(set(archs)) > 1:
             raise ValueError(
                 f"architecture {archs or model_type!r} is not supported: nanoserve runs {SUPPORTED_ARCHITECTURES}"
             )
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
-        for key in ("attention_bias", "mlp_bias"):
-            if d.get(key):
-                raise ValueError(f"{key}=True is not supported")
-        sliding = d.get("sliding_window")
-        if sliding is not None and sliding < d.get("max_position_embeddings", 2048):
-            raise ValueError(f"sliding_window={sliding} is not supported (Mistral without sliding window only)")
-        # transformers 5 moved rope_theta and rope_scaling into rope_parameters.
-        rope = dict(d.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
-        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None:
-            scaling = dict(scaling)
-            scaling.setdefault("rope_type", scaling.get("type", "default"))
-            if scaling["rope_type"] == "default":
-                scaling = None
+        arch = archs[0]
+        is_gemma = arch in (GEMMA, GEMMA2)
+        if d.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported")
+        if d.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention=True is not supported: nanoserve's attention is causal")
+        num_heads = d["num_attention_heads"]
+        num_layers = d["num_hidden_layers"]
+        window, sliding_layers = _sliding_window(d, arch, num_layers)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        num_heads = d["num_attention_heads"]
+        theta, scaling = _rope(d)
+        attention_bias = bool(d.get("attention_bias", False))
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+            head_dim=d.get("head_dim") or _DEFAULT_HEAD_DIM.get(arch) or d["hidden_size"] // num_heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", is_gemma)),
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
+            architecture=arch,
+            # Qwen2's q/k/v bias is in its modelling code, not its config (Mistral's modelling code has none).
+            qkv_bias=arch == QWEN2 or (attention_bias and arch != MISTRAL),
+            o_bias=attention_bias and arch not in (MISTRAL, QWEN2),
+            qk_norm=arch == QWEN3,
+            hidden_act=_activation(d, arch),
+            embed_scale=is_gemma,
+            norm_offset=is_gemma,
+            sandwich_norms=arch == GEMMA2,
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256) if arch == GEMMA2 else None,
+            attn_logit_softcap=d.get("attn_logit_softcapping", 50.0) if arch == GEMMA2 else None,
+            final_logit_softcap=d.get("final_logit_softcapping", 30.0) if arch == GEMMA2 else None,
+            sliding_window=window,
+            sliding_layers=sliding_layers,
         )
+
+
+# head_dim when config.json leaves it out: transformers' defaults for the families that set their own.
+_DEFAULT_HEAD_DIM = {QWEN3: 128, GEMMA: 256, GEMMA2: 256}
+
+
+def _activation(d: dict[str, Any], arch: str) -> str:
+    if arch == GEMMA2:
+        return d.get("hidden_activation") or "gelu_pytorch_tanh"
+    act = d.get("hidden_act") or d.get("hidden_activation") or ("gelu_pytorch_tanh" if arch == GEMMA else "silu")
+    if arch == GEMMA and act == "gelu":  # Gemma's first releases wrote "gelu" and meant the tanh form
+        return "gelu_pytorch_tanh"
+    if act not in ACTIVATIONS:
+        raise ValueError(f"hidden_act={act!r} is not supported (supported: {ACTIVATIONS})")
+    return act
+
+
+def _sliding_window(d: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(W, the windowed layers) as transformers' modelling code for `arch` reads the config."""
+    window = d.get("sliding_window")
+    if arch in (LLAMA, GEMMA) or window is None:
+        return None, ()  # Llama's and Gemma's modelling code never reads a window
+    if arch in (QWEN2, QWEN3) and not d.get("use_sliding_window", False):
+        return None, ()
+    layer_types = d.get("layer_types")
+    if arch == MISTRAL:
+        layers = range(num_layers)
+    elif layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"layer_types {sorted(unknown)} are not supported (full_attention, sliding_attention)")
+        layers = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    elif arch == GEMMA2:
+        layers = range(0, num_layers, 2)  # local, global, local, ...
+    else:  # Qwen2 / Qwen3: the layers from max_window_layers on
+        layers = range(d.get("max_window_layers", 28), num_layers)
+    layers = tuple(layers)
+    return (window, layers) if layers else (None, ())
+
+
+def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    # transformers 5 moved rope_theta and rope_scaling into rope_parameters.
+    rope = dict(d.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+    scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling.setdefault("rope_type", scaling.get("type", "default"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return float(theta), scaling
+

@@ -224,7 +224,18 @@ LLAMA_NAMES = {
     "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
     "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
 }
-ARCHITECTURES = {"llama": GGUFArchitecture("LlamaForCausalLM", permutes_qk=True, names=LLAMA_NAMES)}
+QWEN3_NAMES = LLAMA_NAMES | {
+    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
+    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
+}
+# Mistral's files are written as "llama" (with no sliding window: llama.cpp's converter drops it).
+# Qwen's rope is HF's rotate-half layout already, so llama.cpp stores its q/k rows as they are; a
+# bias (blk.N.attn_q.bias) takes its weight's name.
+ARCHITECTURES = {
+    "llama": GGUFArchitecture("LlamaForCausalLM", permutes_qk=True, names=LLAMA_NAMES),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", permutes_qk=False, names=LLAMA_NAMES),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", permutes_qk=False, names=QWEN3_NAMES),
+}
 
 
 def find_gguf(path: str | Path) -> Path:

@@ -1,7 +1,12 @@
 """The Llama forward as plain math: RMSNorm, rotary embeddings, GQA attention over paged K/V, SwiGLU.
 
+Every family nanoserve runs (nanoserve.model.config) is this one forward with switches: a bias after
+a projection, a per-head norm of q and k, norms on the sublayers' outputs, a scaled embedding, the
+gate's activation, soft-capped scores and logits, and a sliding window on some layers. A switch that
+is off costs nothing: its weight is None or its number is the plain one.
+
 Dimension names: T tokens this step, R rows that sample, E hidden, H / Hkv heads, D head dim,
-I the SwiGLU width, V vocabulary.
+I the gated MLP's width, V vocabulary.
 
 Precision: the matmuls, rope, attention and the KV cache run in the model's dtype (shape.dtype);
 the residual stream h, the norms' statistics and weights, and the logits stay float32 whatever it
@@ -13,6 +18,7 @@ within noise at 1 and 16 slots).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -43,12 +49,19 @@ Weight = torch.Tensor | QuantLinear | Stored
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor  # [E]
+    input_norm: torch.Tensor  # [E] float32, as every norm weight (Gemma's (1 + w) already added)
     qkv: Weight  # [(H + 2 Hkv) D, E]: q, k, v projections fused into one matmul
     o: Weight  # [E, H D]
-    post_norm: torch.Tensor  # [E]
+    post_norm: torch.Tensor  # [E]: the norm before the MLP (Gemma 2's pre_feedforward_layernorm)
     gate_up: Weight  # [2 I, E]: gate and up fused into one matmul
     down: Weight  # [E, I]
+    # Family switches: None where the family has no such weight.
+    qkv_bias: torch.Tensor | None = None  # [(H + 2 Hkv) D] in the model's dtype (Qwen2)
+    o_bias: torch.Tensor | None = None  # [E] in the model's dtype
+    q_norm: torch.Tensor | None = None  # [D]: RMSNorm over each query head's D, before rope (Qwen3)
+    k_norm: torch.Tensor | None = None  # [D]: the same over each key head
+    attn_out_norm: torch.Tensor | None = None  # [E]: on attention's output, before the residual add (Gemma 2)
+    mlp_out_norm: torch.Tensor | None = None  # [E]: on the MLP's output, before the residual add (Gemma 2)
 
 
 def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
@@ -67,6 +80,9 @@ class LayerShape:
     head_dim: int  # D
     eps: float
     dtype: torch.dtype = torch.float32  # the matmuls' and attention's; the residual stream is float32
+    activation: str = "silu"  # the MLP gate's: "silu" or "gelu_pytorch_tanh"
+    attn_scale: float | None = None  # what scores q . k are multiplied by; None: D ** -0.5
+    attn_softcap: float | None = None  # c: scores become c tanh(scores / c) before the softmax
 
 
 def decoder_layer(h: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -75,14 +91,31 @@ def decoder_layer(h: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: 
     H, Hkv, D, eps = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps
     T = h.shape[0]
     x = F.rms_norm(h, layer.input_norm.shape, layer.input_norm, eps).to(shape.dtype)  # [T, E]
-    q, k, v = linear(x, layer.qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)  # [T, H D], [T, Hkv D] x 2
-    q = apply_rope(q.view(T, H, D), cos, sin)  # [T, H, D]
-    k = apply_rope(k.view(T, Hkv, D), cos, sin)  # [T, Hkv, D]
-    attn = paged_attention(q, k, v.view(T, Hkv, D), k_cache, v_cache, attn_meta)  # [T, H, D]
-    h = h + linear(attn.reshape(T, H * D), layer.o)  # [T, E]
+    qkv = linear(x, layer.qkv)  # [T, (H + 2 Hkv) D]
+    if layer.qkv_bias is not None:  # after the matmul, so it holds for every form of the weight
+        qkv = qkv + layer.qkv_bias
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)  # [T, H D], [T, Hkv D] x 2
+    q, k = q.view(T, H, D), k.view(T, Hkv, D)
+    if layer.q_norm is not None:  # each head's D normed, in float32 as every norm
+        q = F.rms_norm(q.float(), layer.q_norm.shape, layer.q_norm, eps).to(shape.dtype)  # [T, H, D]
+        k = F.rms_norm(k.float(), layer.k_norm.shape, layer.k_norm, eps).to(shape.dtype)  # [T, Hkv, D]
+    q = apply_rope(q, cos, sin)  # [T, H, D]
+    k = apply_rope(k, cos, sin)  # [T, Hkv, D]
+    attn = paged_attention(q, k, v.view(T, Hkv, D), k_cache, v_cache, attn_meta,
+                           shape.attn_scale, shape.attn_softcap)  # [T, H, D]
+    out = linear(attn.reshape(T, H * D), layer.o)  # [T, E]
+    if layer.o_bias is not None:
+        out = out + layer.o_bias
+    if layer.attn_out_norm is not None:
+        out = F.rms_norm(out.float(), layer.attn_out_norm.shape, layer.attn_out_norm, eps)
+    h = h + out  # [T, E] float32
     x = F.rms_norm(h, layer.post_norm.shape, layer.post_norm, eps).to(shape.dtype)
     gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, I] each
-    return h + linear(F.silu(gate) * up, layer.down)  # [T, E] float32: h + the dtype's output
+    gate = F.silu(gate) if shape.activation == "silu" else F.gelu(gate, approximate="tanh")
+    out = linear(gate * up, layer.down)  # [T, E]
+    if layer.mlp_out_norm is not None:
+        out = F.rms_norm(out.float(), layer.mlp_out_norm.shape, layer.mlp_out_norm, eps)
+    return h + out  # [T, E] float32: h + the dtype's output
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -103,9 +136,30 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (I, E),
             p + "mlp.down_proj.weight": (E, I),
         }
+        if config.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (H * D,), p + "self_attn.k_proj.bias": (Hkv * D,),
+                       p + "self_attn.v_proj.bias": (Hkv * D,)}
+        if config.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (E,)
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
+        if config.sandwich_norms:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (E,), p + "post_feedforward_layernorm.weight": (E,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, E)
     return shapes
+
+
+def layer_shape(config: LlamaConfig, dtype: torch.dtype) -> LayerShape:
+    scalar = config.query_pre_attn_scalar  # None: attention's own D ** -0.5
+    return LayerShape(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps, dtype,
+                      config.hidden_act, None if scalar is None else scalar ** -0.5, config.attn_logit_softcap)
+
+
+def embedding_scale(config: LlamaConfig, dtype: torch.dtype) -> float | None:
+    """What the embedding is multiplied by (None: nothing): sqrt(E) rounded to the model's dtype, as
+    Gemma's checkpoints were trained with it (sqrt(3072) = 55.43 is 55.5 in bfloat16)."""
+    return torch.tensor(math.sqrt(config.hidden_size), dtype=dtype).item() if config.embed_scale else None
 
 
 class LlamaModel:
@@ -124,7 +178,9 @@ class LlamaModel:
         # The table covers the positions the engine will use, not the model's 128k maximum.
         num_positions = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
         self.cos, self.sin = rope_table(config, num_positions, self.dtype, self.device)  # [P, D]
-        self.shape = LayerShape(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps, self.dtype)
+        self.shape = layer_shape(config, self.dtype)
+        self.embed_scale = embedding_scale(config, self.dtype)
+        self.sliding_layers = frozenset(config.sliding_layers)  # layers that attend within config.sliding_window
         self.layer_fn = decoder_layer
         self.lm_head_weight = lm_head  # what the head's linear reads: lm_head, or its packed copy
 
@@ -148,34 +204,59 @@ class LlamaModel:
             return value.to(device=device, dtype=dtype) if isinstance(value, torch.Tensor) else value
 
         def norm(name: str) -> torch.Tensor:
-            return tensors[name].to(device=device, dtype=torch.float32)
+            weight = tensors[name].to(device=device, dtype=torch.float32)
+            return 1.0 + weight if config.norm_offset else weight  # Gemma's norms scale by (1 + w)
 
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            # Gemma 2's post_attention_layernorm norms attention's output; its pre_feedforward_layernorm
+            # is what Llama calls post_attention_layernorm, the norm before the MLP.
+            sandwich = config.sandwich_norms
             layers.append(LayerWeights(
                 input_norm=norm(p + "input_layernorm.weight"),
-                qkv=cat_rows([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                o=get(p + "self_attn.o_proj.weight"),
-                post_norm=norm(p + "post_attention_layernorm.weight"),
+                qkv=cat_rows([get(attn + f"{n}_proj.weight") for n in "qkv"]),
+                o=get(attn + "o_proj.weight"),
+                post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
                 gate_up=cat_rows([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
                 down=get(p + "mlp.down_proj.weight"),
+                qkv_bias=torch.cat([get(attn + f"{n}_proj.bias") for n in "qkv"]) if config.qkv_bias else None,
+                o_bias=get(attn + "o_proj.bias") if config.o_bias else None,
+                q_norm=norm(attn + "q_norm.weight") if config.qk_norm else None,
+                k_norm=norm(attn + "k_norm.weight") if config.qk_norm else None,
+                attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
+                mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
             ))
         embed = get("model.embed_tokens.weight")
         lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
         return cls(config, embed, layers, norm("model.norm.weight"), lm_head, max_positions, dtype)
 
     def forward(self, inputs: ModelInputs, kv: KVCache) -> torch.Tensor:
-        """Runs one step and returns logits [R, V] for the rows that sample, in float32."""
-        eps = self.config.rms_norm_eps
+        """Runs one step and returns logits [R, V] for the rows that sample, in float32.
+
+        Raises:
+            ValueError: when the model has windowed layers and inputs.attn was built for another window.
+        """
+        config = self.config
+        window = config.sliding_window
+        if window is not None and inputs.attn.sliding_window != window:
+            raise ValueError(f"layers {sorted(self.sliding_layers)} attend within a sliding window of {window} tokens, "
+                             f"but the inputs were built with sliding_window={inputs.attn.sliding_window}")
+        windowed = inputs.attn.windowed or inputs.attn  # None: no context in this step is longer than the window
         h = embedding(inputs.input_ids, self.embed, torch.float32)  # [T, E]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         cos = self.cos[inputs.positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[inputs.positions].unsqueeze(1)  # [T, 1, D]
         for i, layer in enumerate(self.layers):
-            h = self.layer_fn(h, layer, cos, sin, kv.k[i], kv.v[i], inputs.attn, self.shape)
+            attn = windowed if i in self.sliding_layers else inputs.attn
+            h = self.layer_fn(h, layer, cos, sin, kv.k[i], kv.v[i], attn, self.shape)
         # Only the rows that sample need the norm and the [E, V] head: the rest of T is prefill.
-        h = F.rms_norm(h[inputs.logits_indices], self.norm.shape, self.norm, eps).to(self.dtype)  # [R, E]
-        return linear(h, self.lm_head_weight).float()  # [R, V]
+        h = F.rms_norm(h[inputs.logits_indices], self.norm.shape, self.norm, config.rms_norm_eps).to(self.dtype)  # [R, E]
+        logits = linear(h, self.lm_head_weight).float()  # [R, V]
+        cap = config.final_logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     @property
     def packed(self) -> bool:

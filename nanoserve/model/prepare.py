@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.model.llama import LayerWeights, LlamaModel, Weight, decoder_layer
+from nanoserve.model.llama import LayerWeights, LlamaModel, Weight, decoder_layer, embedding_scale
 from nanoserve.model.quant import (
     ChannelInt8,
     QuantLinear,
@@ -76,21 +76,27 @@ def laid_out(model: LlamaModel, layout: Layout) -> LlamaModel:
         raise ValueError("lay a model out before compiling it: the compiled graph reads plain tensors")
     dtype = layout.dtype
     prepared = copy.copy(model)
-    prepared.layers = [
-        LayerWeights(input_norm=layer.input_norm, qkv=_linear_weight(layer.qkv, layout, False),
-                     o=_linear_weight(layer.o, layout, False), post_norm=layer.post_norm,
-                     gate_up=_linear_weight(layer.gate_up, layout, False),
-                     down=_linear_weight(layer.down, layout, False))
-        for layer in model.layers
-    ]
+    prepared.layers = [_laid_out_layer(layer, layout) for layer in model.layers]
     prepared.embed = model.embed.to(dtype) if isinstance(model.embed, torch.Tensor) else model.embed
     prepared.lm_head = prepared.embed if model.lm_head is model.embed else model.lm_head
     prepared.lm_head_weight = _linear_weight(model.lm_head, layout, True)
     prepared.dtype = dtype
     prepared.shape = dataclasses.replace(model.shape, dtype=dtype)
+    prepared.embed_scale = embedding_scale(model.config, dtype)
     if dtype != model.dtype:
         prepared.cos, prepared.sin = rope_table(model.config, model.cos.shape[0], dtype, model.device)
     return prepared
+
+
+def _laid_out_layer(layer: LayerWeights, layout: Layout) -> LayerWeights:
+    """The layer's matmul weights in the layout's form and its biases in its dtype; norms as they were."""
+    def bias(b: torch.Tensor | None) -> torch.Tensor | None:
+        return None if b is None else b.to(layout.dtype)
+
+    return dataclasses.replace(layer, qkv=_linear_weight(layer.qkv, layout, False), o=_linear_weight(layer.o, layout, False),
+                               gate_up=_linear_weight(layer.gate_up, layout, False),
+                               down=_linear_weight(layer.down, layout, False),
+                               qkv_bias=bias(layer.qkv_bias), o_bias=bias(layer.o_bias))
 
 
 def compiled(model: LlamaModel) -> LlamaModel:
@@ -161,6 +167,8 @@ def weight_bytes(model: LlamaModel) -> dict[str, int]:
         weights.append(model.lm_head_weight)
     for layer in model.layers:
         weights += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+        weights += [w for w in (layer.qkv_bias, layer.o_bias, layer.q_norm, layer.k_norm, layer.attn_out_norm,
+                                layer.mlp_out_norm) if w is not None]
     for w in weights:
         for key, value in _nbytes(w).items():
             total[key] += value
