@@ -28,6 +28,7 @@ from nanoserve.recorder import NULL_RECORDER
 from nanoserve.request import FinishReason, Request, RequestOutput, check_request, prompt_token_ids
 from nanoserve.sampling import BatchedSampler, RowHistory, packed_logprobs
 from nanoserve.scheduler import Scheduler, SchedulerOutput
+from nanoserve.structured import GrammarCompiler, apply_bitmask
 
 logger = logging.getLogger("nanoserve")
 
@@ -89,6 +90,7 @@ class Engine:
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    config.enable_prefix_caching)
         self.sampler = BatchedSampler()
+        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_token_ids)
         self.output = OutputProcessor()
         self.recorder = NULL_RECORDER
         self.requests: dict[str, Request] = {}  # unfinished requests by id
@@ -122,7 +124,8 @@ class Engine:
 
         Raises:
             ValueError: empty prompt, token id outside the vocabulary, prompt plus max_tokens over
-                max_model_len, a request the whole KV pool could not hold, or a duplicate id.
+                max_model_len, a request the whole KV pool could not hold, a duplicate id, or
+                structured outputs that do not compile (compiled here, in the caller's thread).
         """
         params = params or SamplingParams()
         token_ids = prompt_token_ids(prompt, self.tokenizer)
@@ -135,8 +138,12 @@ class Engine:
                 request_id = str(next(self._ids))
         elif self._in_use(request_id, params.n):
             raise ValueError(f"request_id {request_id!r} is already in use")
+        structured = params.structured_outputs
+        compiled = self.grammars.compile(structured) if structured is not None else None
         copies = self.scheduler.add(Request(request_id, token_ids, params, self.eos_token_ids, arrival_time))
         for request in copies:
+            if compiled is not None:
+                request.grammar = self.grammars.matcher(compiled)  # each copy walks the grammar alone
             if self.tokenizer is not None:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer)
             if request.params.seed is not None:
@@ -178,6 +185,7 @@ class Engine:
         self.scheduler.finish(request)
         del self.requests[request.request_id]
         self._generators.pop(request.request_id, None)
+        request.grammar = None
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -204,8 +212,9 @@ class Engine:
             in_flight, self._in_flight = self._in_flight, None
             return self._resolve(*in_flight) if in_flight is not None else []
         # Deferred mode brings last step's tokens home before this step's rows are fixed when a row's
-        # penalties or min_tokens must see its whole history; a request that finishes then drops out.
-        flush = self._in_flight is not None and any(r.params.needs_history for r in self._in_flight[1])
+        # penalties or min_tokens must see its whole history, or its grammar must take the token
+        # before it can say what may follow; a request that finishes then drops out.
+        flush = self._in_flight is not None and any(r.params.needs_resolved_output for r in self._in_flight[1])
         with rec.phase("sync_rows", syncs=flush):
             outputs = self._resolve(*self._in_flight) if flush else []
             if flush:
@@ -221,8 +230,12 @@ class Engine:
                                   self.config.decode_group_min_rows, self.model.config.sliding_window)
         with rec.phase("forward"):
             logits = self.model.forward(inputs, self.kv)  # [rows, V]
+        bitmask = None
+        if any(r.grammar is not None for r in rows):  # host work, after the launch: on a GPU it overlaps the forward
+            with rec.phase("grammar_mask"):
+                bitmask = self.grammars.fill_bitmask([r.grammar for r in rows])  # [rows, ceil(V / 32)]
         with rec.phase("sample"):
-            batch = self._sample(logits, rows)
+            batch = self._sample(logits, rows, bitmask)
         with rec.phase("collect", syncs=not deferred):
             sampled = (batch, rows)
             if deferred:
@@ -269,8 +282,9 @@ class Engine:
             self._retire(request)
         return result.outputs
 
-    def _sample(self, logits: torch.Tensor, rows: list[Request]) -> TokenBatch:
-        """Samples every row's next token; the tokens stay on the device."""
+    def _sample(self, logits: torch.Tensor, rows: list[Request], bitmask: torch.Tensor | None = None) -> TokenBatch:
+        """Samples every row's next token, within its grammar where the bitmask says; the tokens
+        stay on the device. Logprobs are the model's own, read before the mask."""
         params = [r.params for r in rows]
         generators = [self._generators.get(r.request_id) for r in rows] if self._generators else None
         histories = None
@@ -280,7 +294,8 @@ class Engine:
                 if r.params.needs_history else None
                 for r in rows
             ]
-        tokens = self.sampler.sample_batch_device(logits, params, generators, self._default_generator, histories)
+        masked = apply_bitmask(logits, bitmask) if bitmask is not None else logits
+        tokens = self.sampler.sample_batch_device(masked, params, generators, self._default_generator, histories)
         if self.config.deferred_output:
             for r in rows:
                 r.num_pending_tokens += 1  # sampled, not yet home: the scheduler may already decode it

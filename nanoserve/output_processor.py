@@ -51,7 +51,8 @@ class OutputProcessor:
 
         A request already finished (stopped or aborted after its token was launched, in the
         deferred loop) gets nothing: its token is overshoot and is dropped. Each live request
-        appends its token, which applies stop token ids, ``min_tokens`` and ``max_tokens``; then
+        appends its token, which applies stop token ids, ``min_tokens`` and ``max_tokens``; a
+        request with a grammar feeds it the token and stops when the grammar is complete; then
         its text grows, stop strings are searched in the new text, logprobs are attached.
 
         Args:
@@ -83,6 +84,9 @@ class OutputProcessor:
             if request.num_pending_tokens:
                 request.num_pending_tokens -= 1
             done = request.append_token(token_id, now)
+            if not done and request.grammar is not None and request.grammar.accept(token_id):
+                request.finish(FinishReason.STOP, now)  # the grammar is complete: nothing may follow
+                done = True
             if request.detokenizer is not None:
                 request.detokenizer.add((token_id,))
             if row in logprobs:

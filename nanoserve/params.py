@@ -2,7 +2,53 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What a request's output must match, with vLLM's StructuredOutputsParams names; exactly one
+    is set. A JSON schema is kept as its compact JSON text (key order kept: it is the order the
+    output's properties are generated in), so SamplingParams stays hashable.
+
+    json: a JSON schema, as a dict or its JSON text. json_object: any JSON object. regex: a
+    regular expression the whole output matches. grammar: an EBNF grammar (xgrammar's GBNF
+    dialect, rule `root`). choice: the output is exactly one of these strings.
+    """
+
+    json: Any = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "grammar", "choice") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs sets {given or 'nothing'}: exactly one of json, json_object, "
+                             "regex, grammar, choice must be set")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"json={self.json[:80]!r} is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"json={self.json!r} must be a JSON schema object")
+            object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name}={value!r} must be a non-empty string")
+        if self.choice is not None:
+            choice = (self.choice,) if isinstance(self.choice, str) else tuple(self.choice)
+            if not choice or any(not isinstance(c, str) or not c for c in choice):
+                raise ValueError(f"choice={self.choice!r} must be one or more non-empty strings")
+            object.__setattr__(self, "choice", choice)
 
 
 @dataclass(frozen=True)
@@ -28,6 +74,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k (k <= 20)
     n: int = 1  # completions of one prompt; the copies share the prompt's full blocks
+    structured_outputs: StructuredOutputs | None = None  # a grammar the output must match
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -53,6 +100,8 @@ class SamplingParams:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be in [-2, 2]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs={self.logprobs!r} must be None or an integer in [0, 20]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError(f"structured_outputs={self.structured_outputs!r} must be a StructuredOutputs")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop={self.stop!r} must be non-empty strings")
@@ -70,6 +119,12 @@ class SamplingParams:
         """True when the sampler must see the request's tokens (penalties, min_tokens)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.min_tokens > 0)
+
+    @property
+    def needs_resolved_output(self) -> bool:
+        """True when the next token cannot be sampled before the last one is home: the sampler
+        reads the history (penalties, min_tokens) or a grammar must accept it first."""
+        return self.needs_history or self.structured_outputs is not None
 
     @property
     def has_filters(self) -> bool:

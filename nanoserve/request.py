@@ -54,6 +54,7 @@ class Request:
         self.stop_text: str | None = None  # output text cut before a matched stop string
         self.num_stop_scanned_chars = 0  # output text already searched for stop strings
         self.detokenizer: Any = None  # the engine's IncrementalDetokenizer: output text, O(1) per token
+        self.grammar: Any = None  # structured outputs: the engine's RequestGrammar, fed each output token
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.parent_id: str | None = None  # n > 1: the id add_request returned for the group
         self.index = 0  # n > 1: which completion of the prompt this is
@@ -182,14 +183,16 @@ def check_request(token_ids: list[int], params: SamplingParams, *, has_tokenizer
     """Refuses, at the door, a request the engine could never finish.
 
     Raises:
-        ValueError: params that are not SamplingParams, stop strings with no tokenizer, a token id
-            outside the vocabulary, prompt plus max_tokens over max_model_len, or a request the
-            whole KV pool could not hold at its full length.
+        ValueError: params that are not SamplingParams, stop strings or structured outputs with no
+            tokenizer, a token id outside the vocabulary, prompt plus max_tokens over
+            max_model_len, or a request the whole KV pool could not hold at its full length.
     """
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
     if params.stop and not has_tokenizer:
         raise ValueError(f"stop={params.stop!r} needs a tokenizer; this engine has none")
+    if params.structured_outputs is not None and not has_tokenizer:
+        raise ValueError("structured_outputs needs a tokenizer (the grammar is matched on its tokens); this engine has none")
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")

@@ -1,0 +1,180 @@
+"""Structured outputs: a grammar per request, enforced by a per-step token bitmask.
+
+xgrammar compiles a request's StructuredOutputs (JSON schema, any JSON object, regex, EBNF,
+choice) against the tokenizer once; each request (each copy of an n > 1 group) walks it with
+its own GrammarMatcher. A step that samples constrained rows fills one [rows, ceil(V / 32)] int32
+bitmask on the host (bit t of row r set: token t allowed; unconstrained rows all ones), and the
+sampler masks the logits with it on the device before temperature, top-k and top-p. V is the
+model's logit width, not len(tokenizer): ids past the tokenizer's vocabulary are never allowed.
+
+A sampled token reaches the matcher after the readback (OutputProcessor), so the engine brings a
+constrained row's deferred token home before the next step samples it (as for penalties); the
+request finishes with "stop" when its matcher terminates (the grammar is complete and a stop
+token was taken).
+
+Compiling runs in Engine.add_request, in the caller's thread, before the request is queued: a
+grammar that does not compile is a ValueError there, never an unconstrained run. Compiled
+grammars are cached by their text (an LRU of `max_cached` entries), so a repeated schema costs a
+dictionary lookup. xgrammar's own CPU and CUDA kernels are not used: the mask is applied with
+torch ops on whatever device the logits are on (xgrammar's CUDA path needs triton).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from nanoserve.params import StructuredOutputs
+
+logger = logging.getLogger("nanoserve")
+
+INSTALL_HINT = "pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi  (triton is needed only for xgrammar's CUDA kernel)"
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ValueError(f"structured outputs need xgrammar: {INSTALL_HINT} ({e})") from None
+    return xgrammar
+
+
+class RequestGrammar:
+    """One request's place in its grammar: what it may emit next, and the tokens it took."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher  # an xgrammar.GrammarMatcher
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Writes the allowed next tokens into row `row` of a host int32 bitmask [rows, W]."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advances past one sampled token. Returns True when nothing more may follow: the
+        grammar terminated, or (never, while the mask is applied) the token broke it."""
+        if not self.matcher.accept_token(token_id):
+            logger.error("structured outputs: token %d is not allowed by the grammar; ending the request", token_id)
+            return True
+        return self.matcher.is_terminated()
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputs for one engine's tokenizer and logit width.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer, or any object with decode(ids) (its vocabulary is then
+            read token by token, as raw text).
+        vocab_size: the model's logit width (model.config.vocab_size).
+        stop_token_ids: the tokens that end a request (the engine's EOS ids).
+        max_cached: compiled grammars kept, least recently used dropped first.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int], max_cached: int = 128) -> None:
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self.max_cached = max_cached
+        self.cache: OrderedDict[StructuredOutputs, Any] = OrderedDict()
+        self.num_compiled = 0  # cache misses that compiled
+        self._compiler: Any = None  # built on first use: engines that never constrain pay nothing
+        self._lock = threading.Lock()  # the cache is read from the caller's thread and the step's
+
+    @property
+    def bitmask_width(self) -> int:
+        return -(-self.vocab_size // 32)
+
+    def _build(self) -> Any:
+        xgr = _xgrammar()
+        tok = self.tokenizer
+        if hasattr(tok, "get_vocab") and hasattr(tok, "convert_ids_to_tokens"):
+            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+        else:
+            # A plain tokenizer: each id's own text is its token. Stop and special tokens are left
+            # empty (xgrammar then never matches their text), and ids from the tokenizer's size up
+            # to the logit width are padding, never allowed.
+            size = min(len(tok) if hasattr(tok, "__len__") else getattr(tok, "vocab_size", self.vocab_size),
+                       self.vocab_size)
+            vocab = ["" if i in self.stop_token_ids else tok.decode([i], skip_special_tokens=True)
+                     for i in range(size)]
+            info = xgr.TokenizerInfo(vocab, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+        # This cache is the only one: xgrammar's own would keep a second copy of every grammar.
+        return xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+
+    def compile(self, spec: StructuredOutputs) -> Any:
+        """The CompiledGrammar for `spec`, from the cache or compiled now.
+
+        Raises:
+            ValueError: the schema, regex, grammar or choice does not compile (the message names the
+                field and xgrammar's reason), or xgrammar is not installed.
+        """
+        with self._lock:
+            if spec in self.cache:
+                self.cache.move_to_end(spec)
+                return self.cache[spec]
+            if self._compiler is None:
+                self._compiler = self._build()
+            compiler = self._compiler
+        compiled = _compile(compiler, spec)
+        with self._lock:
+            self.num_compiled += 1
+            self.cache[spec] = compiled
+            while len(self.cache) > self.max_cached:
+                self.cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, compiled: Any) -> RequestGrammar:
+        return RequestGrammar(_xgrammar().GrammarMatcher(compiled))
+
+    def fill_bitmask(self, grammars: list[RequestGrammar | None]) -> torch.Tensor:
+        """The host bitmask [rows, W] for one step: row r from grammars[r], all ones where None."""
+        bitmask = torch.full((len(grammars), self.bitmask_width), -1, dtype=torch.int32)  # [rows, W]
+        for row, grammar in enumerate(grammars):
+            if grammar is not None:
+                grammar.fill(bitmask, row)
+        return bitmask
+
+
+def _compile(compiler: Any, spec: StructuredOutputs) -> Any:
+    """Compiles one spec; xgrammar's RuntimeError becomes a ValueError naming the field."""
+    if spec.json is not None:
+        field, build = "json", lambda: compiler.compile_json_schema(spec.json, any_whitespace=False)
+    elif spec.json_object:
+        # Any JSON object: outside strict mode the schema {"type": "object"} admits any property.
+        field, build = "json_object", lambda: compiler.compile_json_schema('{"type":"object"}', any_whitespace=False,
+                                                                           strict_mode=False)
+    elif spec.regex is not None:
+        field, build = "regex", lambda: compiler.compile_regex(spec.regex)
+    elif spec.grammar is not None:
+        field, build = "grammar", lambda: compiler.compile_grammar(spec.grammar)
+    else:
+        text = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+        field, build = "choice", lambda: compiler.compile_grammar(text)
+    try:
+        return build()
+    except RuntimeError as e:
+        # xgrammar's messages start with a time stamp and its C++ source line: keep the reason only
+        reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip()) or type(e).__name__
+        value = getattr(spec, field)
+        raise ValueError(f"{field}={str(value)[:120]!r} does not compile: {reason}") from None
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of logits [rows, V] with every token the bitmask [rows, W] rules out at -inf.
+    The bitmask may be on the host: it is copied to the logits' device here."""
+    rows, V = logits.shape
+    shifts = _SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = _SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
+    words = bitmask.to(logits.device, non_blocking=True)  # [rows, W]
+    bits = (words[:, :, None] >> shifts) & 1  # [rows, W, 32], bit j of word w is token 32 w + j
+    allowed = bits.view(rows, -1)[:, :V].bool()  # [rows, V]
+    return logits.masked_fill(~allowed, float("-inf"))
