@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LLAMA3_ROPE, make_hf_llama, nanoserve_model_from_hf, requires_default_model
+from conftest import (
+    LLAMA3_ROPE,
+    make_hf_llama,
+    make_hf_model,
+    nanoserve_model_from_hf,
+    requires_default_model,
+)
 
 from nanoserve.instruments.accuracy import (
     AccuracyReport,
@@ -50,6 +56,9 @@ def test_teacher_forced_logits_refuses_bad_input():
         teacher_forced_logits(model, [5, 6], chunk=0)
     with pytest.raises(ValueError, match="empty"):
         teacher_forced_logits(model, [])
+    windowed = nanoserve_model_from_hf(make_hf_model("mistral", sliding_window=5))
+    with pytest.raises(ValueError, match="sliding_window=5 is not supported here"):
+        teacher_forced_logits(windowed, [5, 6])
 
 
 def test_compare_against_hand_arithmetic():

@@ -34,8 +34,12 @@ def teacher_forced_logits(model: LlamaModel, token_ids: Sequence[int], chunk: in
 
     Raises:
         ValueError: token_ids empty or longer than the model's rope table, an id outside the
-            vocabulary, or chunk < 1.
+            vocabulary, chunk < 1, or a model with a sliding window (its chunks would need the
+            windowed metadata build_inputs makes; this instrument has only been needed on full attention).
     """
+    if model.config.sliding_window is not None:
+        raise ValueError(f"a model with sliding_window={model.config.sliding_window} is not supported here: "
+                         "teacher_forced_logits builds full-attention metadata only")
     num_tokens = len(token_ids)  # T
     max_positions = model.cos.shape[0]
     if num_tokens == 0:
