@@ -98,6 +98,30 @@ def greedy(max_tokens: int = 10, **overrides) -> SamplingParams:
     return SamplingParams(**({"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True} | overrides))
 
 
+class Injected(RuntimeError):
+    """A fault a test injects (see fail_on_call)."""
+
+
+def fail_on_call(monkeypatch, owner, name: str, call: int | None = None, when=None, before=None) -> dict[str, int]:
+    """Wraps owner.name (monkeypatched) to raise Injected once: on its `call`-th call (1-based), or
+    on the first call for which `when(*args)` holds. `before(*args)` runs first on that call (to
+    break something on the way out). Returns the call counter."""
+    real = getattr(owner, name)
+    calls = {"n": 0, "raised": 0}
+
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if not calls["raised"] and (calls["n"] == call or (when is not None and when(*args))):
+            calls["raised"] += 1
+            if before is not None:
+                before(*args)
+            raise Injected(f"{name} call {calls['n']}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+    return calls
+
+
 @pytest.fixture
 def no_readback() -> Iterator[dict[str, int]]:
     """No tensor value may reach Python while the test runs."""

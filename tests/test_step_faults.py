@@ -12,35 +12,13 @@ import asyncio
 
 import pytest
 import torch
-from conftest import greedy, make_tiny_engine
+from conftest import Injected, fail_on_call, greedy, make_tiny_engine
 
 from nanoserve import SamplingParams
 from nanoserve.output_processor import OutputProcessor
 from nanoserve.serving.async_engine import AsyncEngine, EngineDeadError, StepFailedError
 
 PROMPTS = ["the cat", "a dog ran", "one two three", "blue sky"]
-
-
-class Injected(RuntimeError):
-    pass
-
-
-def fail_on_call(monkeypatch, owner, name: str, call: int, before=None) -> dict[str, int]:
-    """Wraps owner.name to raise Injected on its `call`-th call (1-based), once; `before(*args)` runs
-    first on that call (to break something on the way out)."""
-    real = getattr(owner, name)
-    calls = {"n": 0}
-
-    def wrapper(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == call:
-            if before is not None:
-                before(*args)
-            raise Injected(f"{name} call {call}")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, wrapper)
-    return calls
 
 
 def run_to_end(engine) -> dict[str, list[int]]:

@@ -5,6 +5,11 @@ becomes an OpenAI-style error body with a 4xx, so one bad request never disturbs
 streaming request whose client disconnects is cancelled by Starlette, which closes the SSE
 generator and aborts the request; a non-streaming one races its generation against the
 disconnect message itself.
+
+The operator's guards (guard.ServerConfig): an API key on every /v1 route and /tokenize,
+/detokenize; a 503 with Retry-After past `max_waiting_requests` waiting requests; a 503 for new
+requests once the server drains. A request whose engine step raised gets a 500 body, or when
+streamed an error event and then [DONE], while the engine goes on with the others.
 """
 
 from __future__ import annotations
@@ -19,10 +24,19 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nanoserve.serving.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from nanoserve.serving.server import protocol
+from nanoserve.serving.async_engine import (
+    AsyncEngine,
+    DrainingError,
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+    StepFailedError,
+)
+from nanoserve.serving.server import protocol, tools
+from nanoserve.serving.server.guard import ApiKeyMiddleware, ServerConfig
 from nanoserve.serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from nanoserve.serving.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from nanoserve.serving.server.tokenize import tokenize_routes
 from nanoserve.serving.streaming import StreamDelta
 
 if TYPE_CHECKING:
@@ -30,10 +44,12 @@ if TYPE_CHECKING:
     from nanoserve.params import SamplingParams
 
 
-def create_app(engine: Engine, model_name: str) -> FastAPI:
-    """The app serving `engine` under the model id `model_name`."""
+def create_app(engine: Engine, model_name: str, config: ServerConfig | None = None) -> FastAPI:
+    """The app serving `engine` under the model id `model_name`, guarded as `config` says."""
+    config = config or ServerConfig()
     metrics = ServerMetrics()
-    async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
+    async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished, max_waiting=config.max_waiting_requests,
+                               on_step_fault=metrics.observe_step_fault)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -43,12 +59,18 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     app = FastAPI(title="nanoserve", lifespan=lifespan)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    if config.api_key is not None:
+
+        def count_rejected() -> None:
+            metrics.num_rejected += 1
+
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, on_refused=count_rejected)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         if 400 <= exc.status_code < 499:  # 499: the client left, nothing it sent was wrong
             metrics.num_rejected += 1
-        return JSONResponse(exc.body(), status_code=exc.status_code)
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -74,6 +96,14 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             raise ApiError(str(e), param=param) from None
         except EngineDeadError as e:
             raise ApiError(str(e), status_code=503, type="server_error") from None
+        except QueueFullError as e:
+            metrics.refused["queue_full"] += 1
+            raise ApiError(f"the server is busy: {e}; retry later", status_code=503, type="server_error",
+                           code="queue_full", headers={"Retry-After": str(config.retry_after_s)}) from None
+        except DrainingError as e:
+            metrics.refused["draining"] += 1
+            raise ApiError(str(e), status_code=503, type="server_error", code="draining",
+                           headers={"Connection": "close"}) from None
 
     def tokenize(text: str) -> list[int]:
         if engine.tokenizer is None:
@@ -86,6 +116,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     async def health() -> Response:
         if async_engine.error is not None:
             return JSONResponse({"status": "dead", "error": repr(async_engine.error)}, status_code=503)
+        if async_engine.is_draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -104,7 +136,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         check_model(body.model)
         prompt = protocol.completion_prompt(body)
         prompt_ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        params = protocol.sampling_params(body, max_tokens_for(body.max_tokens, len(prompt_ids)), body.logprobs)
+        params = protocol.sampling_params(body, max_tokens_for(body.max_tokens, len(prompt_ids)), body.logprobs,
+                                          protocol.structured_outputs(body))
         rid = protocol.new_id("cmpl")
         stream = await submit(prompt_ids, params, rid)
         head = {"id": rid, "object": "text_completion", "created": protocol.now(), "model": model_name}
@@ -135,15 +168,14 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         tokenizer = engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ApiError("this model's tokenizer has no chat template: use /v1/completions")
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # the template's own raise_exception, e.g. roles out of order
-            raise ApiError(f"the chat template rejected the messages: {e}", param="messages") from None
+        plan = tools.plan(body, tokenizer)
+        text = tools.render_prompt(tokenizer, messages, plan)
         # The template already wrote the special tokens; encoding must not add a BOS of its own.
         prompt_ids = list(tokenizer.encode(text, add_special_tokens=False))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = protocol.sampling_params(body, max_tokens_for(requested, len(prompt_ids)),
-                                          protocol.chat_logprobs_count(body))
+                                          protocol.chat_logprobs_count(body),
+                                          plan.structured_outputs or protocol.structured_outputs(body))
         rid = protocol.new_id("chatcmpl")
         stream = await submit(prompt_ids, params, rid)
         head = {"id": rid, "object": "chat.completion", "created": protocol.now(), "model": model_name}
@@ -154,22 +186,30 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
         if body.stream:
             named = set()  # OpenAI names the role once per choice, in its first chunk
+            parsers: dict[int, tools.ToolDeltas] = {}  # per choice, when its text holds tool calls
 
             def chunk_choice(d: StreamDelta) -> dict[str, Any]:
-                delta = {"content": d.text}
+                delta, reason = {"content": d.text}, d.finish_reason if d.finished else None
+                if plan.parses_calls:
+                    delta, reason = parsers.setdefault(d.index, tools.ToolDeltas(plan)).delta(
+                        d.text, d.finished, d.finish_reason)
                 if d.index not in named:
                     delta = {"role": "assistant"} | delta
                     named.add(d.index)
                 return {"index": d.index, "delta": delta, "logprobs": logprobs(d.token_ids, d.logprobs),
-                        "finish_reason": d.finish_reason if d.finished else None}
+                        "finish_reason": reason}
 
             return _sse(stream, head | {"object": "chat.completion.chunk"}, body, chunk_choice)
         done = await _collect(request, stream)
-        choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason}
-                   for i, c in sorted(done.items())]
+        choices = []
+        for i, c in sorted(done.items()):
+            message, reason = tools.message(plan, c.text, c.finish_reason) if plan.parses_calls \
+                else ({"role": "assistant", "content": c.text}, c.finish_reason)
+            choices.append({"index": i, "message": message, "logprobs": logprobs(c.token_ids, c.logprobs),
+                            "finish_reason": reason})
         return JSONResponse(head | {"choices": choices, "usage": _usage(stream, done)})
 
+    app.include_router(tokenize_routes(engine, check_model))
     return app
 
 
@@ -197,14 +237,17 @@ def _sse(stream: RequestStream, head: dict[str, Any], body: Any, make_choice) ->
     async def events() -> AsyncIterator[str]:
         completions: dict[int, _Completion] = {}
         try:
-            async for delta in stream:
-                completions.setdefault(delta.index, _Completion()).token_ids.extend(delta.token_ids)
-                chunk = head | {"choices": [make_choice(delta)]}
+            try:
+                async for delta in stream:
+                    completions.setdefault(delta.index, _Completion()).token_ids.extend(delta.token_ids)
+                    chunk = head | {"choices": [make_choice(delta)]}
+                    if include_usage:
+                        chunk["usage"] = None  # OpenAI: null on every chunk but the usage one
+                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
                 if include_usage:
-                    chunk["usage"] = None  # OpenAI: null on every chunk but the usage one
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-            if include_usage:
-                yield f"data: {json.dumps(head | {'choices': [], 'usage': _usage(stream, completions)})}\n\n"
+                    yield f"data: {json.dumps(head | {'choices': [], 'usage': _usage(stream, completions)})}\n\n"
+            except (StepFailedError, EngineDeadError) as e:  # the headers are out: the error is an event
+                yield f"data: {json.dumps(_engine_error(e).body())}\n\n"
             yield "data: [DONE]\n\n"
         finally:  # the client went away (Starlette cancelled or closed us): free the blocks
             stream.abort()
@@ -244,5 +287,12 @@ async def _collect(request: Request, stream: RequestStream) -> dict[int, _Comple
         raise ApiError("the client disconnected", status_code=499, code="client_disconnected")
     try:
         return generation.result()
-    except EngineDeadError as e:
-        raise ApiError(str(e), status_code=503, type="server_error") from None
+    except (StepFailedError, EngineDeadError) as e:
+        raise _engine_error(e) from None
+
+
+def _engine_error(e: StepFailedError | EngineDeadError) -> ApiError:
+    """A request the engine failed: its step raised (500), or the engine is dead (503)."""
+    if isinstance(e, StepFailedError):
+        return ApiError(str(e), status_code=500, type="server_error", code="step_failed")
+    return ApiError(str(e), status_code=503, type="server_error", code="engine_dead")

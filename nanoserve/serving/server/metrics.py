@@ -30,6 +30,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 FINISH_REASONS = ("stop", "length", "abort")
+REFUSAL_REASONS = ("queue_full", "draining")  # why a valid request got a 503 before reaching the engine
 
 
 class Histogram:
@@ -85,6 +86,8 @@ class ServerMetrics:
         self.num_prompt_tokens = 0  # over finished requests, aborted included (their prefill ran)
         self.num_generation_tokens = 0  # likewise
         self.num_rejected = 0  # requests answered with a 4xx before reaching the engine
+        self.refused = dict.fromkeys(REFUSAL_REASONS, 0)  # valid requests answered 503, by reason
+        self.num_step_faults = 0  # engine steps that raised (their requests failed, the server went on)
         self.ttft = Histogram(f"{prefix}_time_to_first_token_seconds",
                               "Arrival to first output token, per request that produced one.", TTFT_BUCKETS)
         self.tpot = Histogram(f"{prefix}_time_per_output_token_seconds",
@@ -106,6 +109,9 @@ class ServerMetrics:
             if m.e2e_s is not None:
                 self.e2e.observe(m.e2e_s)
 
+    def observe_step_fault(self, error: Exception) -> None:
+        self.num_step_faults += 1
+
     def families(self, stats: EngineStats) -> list[Metric]:
         """Every metric as a family; the gauges are read from `stats`, taken between two steps."""
         p = self.prefix
@@ -113,10 +119,17 @@ class ServerMetrics:
                                        labels=["finish_reason"])
         for reason, n in self.finished.items():
             finished.add_metric([reason], n)
+        refused = CounterMetricFamily(f"{p}_requests_refused", "Requests answered 503 before reaching the engine: "
+                                      "the waiting queue was full, or the server was draining.", labels=["reason"])
+        for reason, n in self.refused.items():
+            refused.add_metric([reason], n)
         return [
             finished,
             _counter(f"{p}_requests_rejected", "Requests answered with a 4xx before reaching the engine.",
                      self.num_rejected),
+            refused,
+            _counter(f"{p}_step_faults", "Engine steps that raised; their requests failed, the others went on.",
+                     self.num_step_faults),
             _counter(f"{p}_prompt_tokens", "Prompt tokens of finished requests.", self.num_prompt_tokens),
             _counter(f"{p}_generation_tokens", "Output tokens of finished requests.", self.num_generation_tokens),
             _gauge(f"{p}_num_requests_running", "Requests holding a running slot.", stats.num_running),
