@@ -49,38 +49,86 @@ def sse_events(text: str) -> list:
 
 
 def test_a_step_fault_is_a_500_or_an_sse_error_event_and_the_server_goes_on(monkeypatch):
-    engine = make_tiny_engine(max_num_seqs=2)
+    httpx2 = pytest.importorskip("httpx2")  # the transport the openai client is built on
+    engine = make_tiny_engine(max_num_seqs=3)
     app = create_app(engine, "tiny")
-    # The fault lands on the first forward that runs both requests, so both are the step's.
-    calls = fail_on_call(monkeypatch, engine.model, "forward", when=lambda *_: len(engine.scheduler.running) == 2)
-    body = {"prompt": "the cat", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    # The fault lands on the first forward that runs all three requests, so all are the step's.
+    calls = fail_on_call(monkeypatch, engine.model, "forward", when=lambda *_: len(engine.scheduler.running) == 3)
+    body = {"model": "tiny", "prompt": "the cat", "max_tokens": 30, "temperature": 0}
 
     async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://tiny") as client:
-            streamed, plain = await asyncio.gather(
-                client.post("/v1/completions", json=body | {"stream": True}),
-                client.post("/v1/completions", json=body | {"prompt": "a dog ran"}))
-            after = await client.post("/v1/completions", json=body | {"prompt": "blue sky", "max_tokens": 8})
-            health = await client.get("/health")
-            metrics_text = (await client.get("/metrics")).text
-        await app.state.async_engine.shutdown()
-        return streamed, plain, after, health, metrics_text
+        raw = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tiny")
+        client = openai.AsyncOpenAI(base_url="http://tiny/v1", api_key="unused", max_retries=0,
+                                    http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app)))
 
-    streamed, plain, after, health, metrics_text = asyncio.run(main())
+        async def streamed_through_openai():
+            chunks = []
+            with pytest.raises(openai.APIError) as e:
+                async for chunk in await client.completions.create(**body, stream=True, extra_body={"ignore_eos": True}):
+                    chunks.append(chunk)
+            return chunks, e.value
+
+        async def plain_through_openai():
+            with pytest.raises(openai.InternalServerError) as e:
+                await client.completions.create(**body | {"prompt": "a dog ran"}, extra_body={"ignore_eos": True})
+            return e.value
+
+        raw_sse, (chunks, stream_error), plain_error = await asyncio.gather(
+            raw.post("/v1/completions", json=body | {"prompt": "one two", "stream": True, "ignore_eos": True}),
+            streamed_through_openai(), plain_through_openai())
+        after = await client.completions.create(**body | {"prompt": "blue sky", "max_tokens": 8})
+        health = await raw.get("/health")
+        metrics_text = (await raw.get("/metrics")).text
+        await raw.aclose()
+        await client.close()
+        await app.state.async_engine.shutdown()
+        return raw_sse, chunks, stream_error, plain_error, after, health, metrics_text
+
+    raw_sse, chunks, stream_error, plain_error, after, health, metrics_text = asyncio.run(main())
     assert calls["raised"] == 1
-    events = sse_events(streamed.text)
-    assert streamed.status_code == 200 and events[-1] == "[DONE]"
+    events = sse_events(raw_sse.text)  # on the wire: the chunks before the fault, the error, [DONE]
+    assert raw_sse.status_code == 200 and events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "step_failed" and events[-2]["error"]["type"] == "server_error"
-    assert all("choices" in e for e in events[:-2])  # the tokens before the fault, then the error
-    assert plain.status_code == 500 and plain.json()["error"]["code"] == "step_failed"
-    assert "Injected" in plain.json()["error"]["message"]
-    (want,) = make_tiny_engine(max_num_seqs=2).generate(["blue sky"], greedy(8))
-    assert after.status_code == 200 and after.json()["choices"][0]["text"] == want.text
+    assert all("choices" in e for e in events[:-2])
+    assert stream_error.body["code"] == "step_failed" and "Injected" in stream_error.message
+    assert all(len(c.choices) == 1 for c in chunks)  # what came before the fault arrived as chunks
+    assert plain_error.status_code == 500 and error_of(plain_error)["code"] == "step_failed"
+    (want,) = make_tiny_engine().generate(["blue sky"], greedy(8, ignore_eos=False))
+    assert after.choices[0].text == want.text and after.choices[0].finish_reason == want.finish_reason
     assert health.status_code == 200
     assert "nanoserve_step_faults_total 1.0" in metrics_text.splitlines()
     engine.check_invariants()
     assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_a_draining_server_refuses_new_requests_and_says_so_on_health():
+    import uvicorn
+
+    from nanoserve.serving.server.guard import DrainingServer
+
+    engine = make_tiny_engine()
+    app = create_app(engine, "tiny")
+    front = app.state.async_engine
+    server = DrainingServer(uvicorn.Config(app), front)
+    body = {"prompt": "the cat", "max_tokens": 4, "temperature": 0}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tiny") as client:
+            before = await client.post("/v1/completions", json=body)
+            server.handle_exit(signal.SIGTERM, None)  # what uvicorn calls on the signal
+            after = await client.post("/v1/completions", json=body)
+            health = await client.get("/health")
+            metrics_text = (await client.get("/metrics")).text
+        await front.shutdown()
+        return before, after, health, metrics_text
+
+    before, after, health, metrics_text = asyncio.run(main())
+    assert server.should_exit and front.is_draining
+    assert before.status_code == 200
+    assert after.status_code == 503 and after.json()["error"]["code"] == "draining"
+    assert after.headers["connection"] == "close"
+    assert (health.status_code, health.json()) == (503, {"status": "draining"})
+    assert 'nanoserve_requests_refused_total{reason="draining"} 1.0' in metrics_text.splitlines()
 
 
 def test_server_config_refuses_bad_values():
