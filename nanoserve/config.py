@@ -43,6 +43,14 @@ class EngineConfig:
     max_kernel_rows: int | None = 8
     device: str = "cpu"
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
+    # Every layer split across this many processes (nanoserve.parallel): rank 0 is this one and
+    # keeps the scheduler, allocator, sampler and output stage; Engine.from_pretrained starts the
+    # others (or joins torchrun's). Gloo on a CPU, NCCL on CUDA.
+    tensor_parallel_size: int = 1
+    # A collective that waits longer (a worker dead or hung) fails the step with WorkerFailure.
+    tensor_parallel_timeout_s: float = 60.0
+    # Intra-op threads of each rank; None: the CPUs this process may use, divided among the ranks.
+    tensor_parallel_threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -69,6 +77,17 @@ class EngineConfig:
             not isinstance(self.decode_group_min_rows, int) or self.decode_group_min_rows < 2
         ):
             raise ValueError(f"decode_group_min_rows={self.decode_group_min_rows!r} must be None or an integer >= 2")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an integer >= 1")
+        if not self.tensor_parallel_timeout_s > 0:
+            raise ValueError(f"tensor_parallel_timeout_s={self.tensor_parallel_timeout_s!r} must be > 0")
+        if self.tensor_parallel_threads is not None and (
+            not isinstance(self.tensor_parallel_threads, int) or self.tensor_parallel_threads < 1
+        ):
+            raise ValueError(f"tensor_parallel_threads={self.tensor_parallel_threads!r} must be None or an integer >= 1")
+        if self.tensor_parallel_size > 1 and self.compile:
+            raise ValueError(f"compile=True with tensor_parallel_size={self.tensor_parallel_size}: the compiled layer "
+                             "would have to trace the all-reduces inside it; use compile=False")
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None

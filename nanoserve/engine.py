@@ -22,6 +22,7 @@ from nanoserve.model.llama import LlamaModel
 from nanoserve.model.precision import resolve
 from nanoserve.model.prepare import is_quantized, prepare_model, weight_bytes
 from nanoserve.output_processor import OutputProcessor, make_output
+from nanoserve.parallel import TensorParallelModel, WorkerFailure, load_tensor_parallel, start
 from nanoserve.params import SamplingParams
 from nanoserve.readback import TokenBatch
 from nanoserve.recorder import NULL_RECORDER
@@ -47,12 +48,16 @@ class Engine:
 
     Args:
         model: a LlamaModel on config.device, as loaded: the engine runs a copy laid out in the
-            precision `config` resolves to (Engine.precision), packed or compiled as it asks.
+            precision `config` resolves to (Engine.precision), packed or compiled as it asks. With
+            config.tensor_parallel_size > 1, rank 0's TensorParallelModel, as Engine.from_pretrained
+            loads it: the engine then starts the workers' step loops, and close() ends them.
         tokenizer: a Hugging Face tokenizer, or None (then prompts must be token ids and text is "").
         config: the EngineConfig.
     Raises:
         ValueError: when config.max_model_len exceeds what the model can position, the model's
-            device differs from the config's, or a quantization has no kernels on the device.
+            device differs from the config's, a quantization has no kernels on the device, or
+            config.tensor_parallel_size does not match the model's group.
+        WorkerFailure: a tensor-parallel worker failed to lay its shard out.
     """
 
     def __init__(self, model: LlamaModel, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
@@ -61,6 +66,10 @@ class Engine:
         self.device = torch.device(config.device)
         if model.device.type != self.device.type:
             raise ValueError(f"the model is on {model.device}, the config asks for device={config.device!r}")
+        world_size = model.group.world_size if isinstance(model, TensorParallelModel) else 1
+        if world_size != config.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} but the model is split over {world_size} "
+                             "process(es): a tensor-parallel engine is built by Engine.from_pretrained(path, config)")
         # The precision is chosen once (dtype and quantization "auto" by a probe) and the model laid
         # out for it: a new model, the one given is left as it was.
         self.precision = resolve(config.dtype, config.quantization, self.device, is_quantized(model))
@@ -85,6 +94,9 @@ class Engine:
             1, config.kv_cache_memory_bytes // bytes_per_block(model.config, config.block_size, model.dtype)
         )
         self.kv = KVCache(model.config, num_blocks, config.block_size, model.dtype, self.device)
+        if isinstance(model, TensorParallelModel):  # each worker lays its shard out alike, with as many blocks
+            start(model, self.precision.dtype, self.precision.quantization, config.max_kernel_rows,
+                  config.pack_weights, num_blocks, config.block_size)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
@@ -106,12 +118,21 @@ class Engine:
     def from_pretrained(cls, path: str | Path | None = None, config: EngineConfig | None = None) -> Engine:
         """Loads a Hugging Face Llama-family checkpoint directory, or a GGUF file (or a directory
         holding one and no config.json), served as it is stored; None serves the embedded default
-        model from its own GGUF file."""
+        model from its own GGUF file. With config.tensor_parallel_size > 1 it starts the workers
+        (or joins torchrun's ranks) and every rank reads only its own slices of the checkpoint."""
         from nanoserve.model.weights import load_checkpoint, return_freed_memory
 
         config = config or EngineConfig()
-        model, tokenizer = load_checkpoint(path, config.device, max_positions=config.max_model_len)
-        engine = cls(model, tokenizer, config)
+        if config.tensor_parallel_size > 1:
+            model, tokenizer = load_tensor_parallel(path, config)
+        else:
+            model, tokenizer = load_checkpoint(path, config.device, max_positions=config.max_model_len)
+        try:
+            engine = cls(model, tokenizer, config)
+        except BaseException:
+            if isinstance(model, TensorParallelModel):
+                model.group.close()
+            raise
         del model  # the stored form: what the engine's layout did not keep is garbage now
         return_freed_memory()
         return engine
@@ -254,10 +275,11 @@ class Engine:
 
         Raises:
             RuntimeError: the engine must not step again: the fault was in schedule (the queues may be
-                half-updated) or on the device (it poisons later steps), or the pool's invariants fail.
+                half-updated), on the device (it poisons later steps) or in a tensor-parallel worker
+                (WorkerFailure: the group is broken), or the pool's invariants fail.
         """
         requests, self._step_requests = self._step_requests, None
-        if requests is None or isinstance(error, torch.AcceleratorError):
+        if requests is None or isinstance(error, (torch.AcceleratorError, WorkerFailure)):
             raise RuntimeError(f"a step fault the engine cannot recover from: {error!r}") from error
         self._in_flight = None  # its tokens belong to the requests aborted here
         outputs = [make_output(r) for r in dict.fromkeys(requests) if r.is_finished and r.request_id not in self.requests]
@@ -314,6 +336,19 @@ class Engine:
         self.generate([prompt] * min(num_seqs, self.config.max_num_seqs),
                       SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Ends a tensor-parallel engine's workers and waits for their processes (a process that
+        does not end in time is killed); nothing to do in one process. Idempotent: `with
+        Engine.from_pretrained(...) as engine:` calls it on the way out, exception or not."""
+        if isinstance(self.model, TensorParallelModel):
+            self.model.group.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

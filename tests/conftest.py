@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -213,17 +215,21 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def running_server(log_dir: Path, *args: str, env: dict[str, str] | None = None,
-                   timeout_s: float = 120.0) -> Iterator[ServerProcess]:
-    """`python -m nanoserve serve` on 127.0.0.1 with EXACT_SERVER_FLAGS and `args`, once /health
-    answers 200; terminated (then killed) at exit unless the test already ended it."""
+def running_server(log_dir: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 120.0,
+                   launcher: tuple[str, ...] = (sys.executable, "-m")) -> Iterator[ServerProcess]:
+    """`python -m nanoserve serve` (or `launcher` ... nanoserve serve, such as torchrun's) on
+    127.0.0.1 with EXACT_SERVER_FLAGS, the flags in $NANOSERVE_TEST_SERVER_ARGS (so the server tests
+    can run against `--tensor-parallel-size 2`) and `args`, once /health answers 200; terminated
+    (then killed) at exit unless the test already ended it."""
     import httpx
 
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
+    extra = shlex.split(os.environ.get("NANOSERVE_TEST_SERVER_ARGS", ""))
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--host", "127.0.0.1", "--port", str(port),
-                                 *EXACT_SERVER_FLAGS, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen([*launcher, "nanoserve", "serve", "--host", "127.0.0.1", "--port", str(port),
+                                 *EXACT_SERVER_FLAGS, *extra, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env=env)
     server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path)
     try:
         deadline = time.monotonic() + timeout_s

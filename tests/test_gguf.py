@@ -291,10 +291,11 @@ CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %
 FAMILY_NAMES = HF_NAMES | {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
 
-def write_gguf_from_hf(path, hf, arch: str) -> None:
+def write_gguf_from_hf(path, hf, arch: str, types: dict[str, QT] | None = None) -> None:
     """A float32 GGUF of a transformers model as llama.cpp's converter writes `arch`: its config as
     metadata, its tensors under GGUF names (no output.weight when tied), q/k rows and biases
-    interleaved for "llama" only, a byte-pair tokenizer of one merge and CHAT_TEMPLATE."""
+    interleaved for "llama" only, a byte-pair tokenizer of one merge and CHAT_TEMPLATE. `types`
+    stores the weights of some GGUF stems ("attn_q", "ffn_down", ...) quantized instead."""
     c = hf.config
     writer = gguf.GGUFWriter(path, arch)
     for add, value in [(writer.add_block_count, c.num_hidden_layers), (writer.add_context_length, c.max_position_embeddings),
@@ -315,11 +316,11 @@ def write_gguf_from_hf(path, hf, arch: str) -> None:
         value = tensor.numpy()
         if arch == "llama" and module.endswith(("q_proj", "k_proj")):
             value = llama_cpp_permute(value, c.num_attention_heads if module.endswith("q_proj") else c.num_key_value_heads)
-        if module.startswith("model.layers."):
-            layer, _, sub = module.removeprefix("model.layers.").partition(".")
-            writer.add_tensor(f"blk.{layer}.{gguf_stem[sub]}.{suffix}", value)
-        else:
-            writer.add_tensor(f"{gguf_stem[module]}.{suffix}", value)
+        layer, sub = module.split(".", 3)[2:] if module.startswith("model.layers.") else (None, module)
+        stem = gguf_stem[sub]
+        qtype = (types or {}).get(stem) if suffix == "weight" else None
+        raw = value if qtype is None else gguf.quants.quantize(value, qtype)
+        writer.add_tensor(f"{stem}.{suffix}" if layer is None else f"blk.{layer}.{stem}.{suffix}", raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -43,7 +43,8 @@ class ModelInputs:
 
 
 # A matmul weight [N, K]: dense (plain or oneDNN-packed), quantized as stored (runs dequantized: the
-# float32 reference), or quantized in its kernel form (nanoserve.model.quant).
+# float32 reference), or quantized in its kernel form (nanoserve.model.quant). A tensor-parallel
+# rank's o and down are also callables that run their own collective (nanoserve.model.shard.AllReduced).
 Weight = torch.Tensor | QuantLinear | Stored
 
 
@@ -68,7 +69,7 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype, by whichever form the weight is in."""
     if isinstance(weight, torch.Tensor):
         return dense_linear(x, weight)
-    if isinstance(weight, QuantLinear):
+    if callable(weight):  # QuantLinear, or a form with a collective (nanoserve.model.shard)
         return weight(x)
     return F.linear(x, weight.dequantize().to(x.dtype))  # as stored: the exact, slow reference
 

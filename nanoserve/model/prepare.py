@@ -26,6 +26,7 @@ from nanoserve.model.quant import (
     quantize_int8,
 )
 from nanoserve.model.rope import rope_table
+from nanoserve.model.shard import AllReduced
 
 QUANTIZATIONS = ("int8", "int4", "keep")  # and None: dense
 
@@ -47,6 +48,8 @@ class Layout:
 
 
 def _linear_weight(w: Weight, layout: Layout, head: bool) -> Weight:
+    if isinstance(w, AllReduced):  # a tensor-parallel slice: its matrix laid out, its all-reduce kept
+        return w.with_inner(_linear_weight(w.inner, layout, head))
     if isinstance(w, QuantLinear) or (isinstance(w, torch.Tensor) and w.is_mkldnn):
         return w  # already prepared
     stored: Stored | None = None
@@ -129,6 +132,7 @@ def packed(model: LlamaModel) -> LlamaModel:
 def is_quantized(model: LlamaModel) -> bool:
     """Whether any matmul weight of a loaded model is a quantized matrix as stored."""
     weights = [model.lm_head_weight] + [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    weights = [w.inner if isinstance(w, AllReduced) else w for w in weights]
     return any(not isinstance(w, (torch.Tensor, QuantLinear)) for w in weights)
 
 
@@ -149,6 +153,8 @@ def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype
 
 
 def _nbytes(w: Weight) -> dict[str, int]:
+    if isinstance(w, AllReduced):
+        return _nbytes(w.inner)
     if isinstance(w, QuantLinear):
         return {"quantized": w.kernel_bytes, "dense_copies": w.dense_bytes}
     if isinstance(w, torch.Tensor):

@@ -62,23 +62,43 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,
     return LlamaModel.from_state_dict(config, load_tensors(path), dtype, device, max_positions)
 
 
+def checkpoint_source(path: str | Path | None) -> tuple[Path, bool]:
+    """(what to read, whether it is GGUF): a .gguf file, the one .gguf in a directory holding no
+    config.json, or a checkpoint directory; None: the embedded default model's own GGUF file."""
+    from nanoserve.model.default import gguf_path
+    from nanoserve.model.gguf import find_gguf
+
+    path = Path(path) if path is not None else gguf_path()
+    if path.suffix == ".gguf" or (path.is_dir() and not (path / "config.json").is_file()):
+        return find_gguf(path), True
+    return path, False
+
+
+def load_tokenizer(source: Path, is_gguf: bool) -> Any:
+    """The Hugging Face tokenizer of a checkpoint_source."""
+    if is_gguf:
+        from nanoserve.model.gguf import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(source)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
+
+
 def load_checkpoint(path: str | Path | None, device: torch.device | str,
                     max_positions: int | None = None) -> tuple[LlamaModel, Any]:
     """The model as stored (dense weights in float32, a GGUF's quantized matrices as stored) and its
     tokenizer, from a checkpoint directory, a .gguf file or a directory holding one and no
     config.json; None: the embedded default model's own GGUF file."""
-    from nanoserve.model.default import gguf_path
-    from nanoserve.model.gguf import find_gguf, load_gguf, load_gguf_tokenizer
+    from nanoserve.model.gguf import load_gguf
 
-    path = Path(path) if path is not None else gguf_path()
-    if path.suffix == ".gguf" or (path.is_dir() and not (path / "config.json").is_file()):
-        file = find_gguf(path)
-        config, tensors = load_gguf(file)
+    source, is_gguf = checkpoint_source(path)
+    if is_gguf:
+        config, tensors = load_gguf(source)
         model = LlamaModel.from_state_dict(config, tensors, torch.float32, device, max_positions)
-        return model, load_gguf_tokenizer(file)
-    from transformers import AutoTokenizer
-
-    return load_model(path, torch.float32, device, max_positions), AutoTokenizer.from_pretrained(path)
+    else:
+        model = load_model(source, torch.float32, device, max_positions)
+    return model, load_tokenizer(source, is_gguf)
 
 
 def return_freed_memory() -> None:

@@ -32,6 +32,11 @@ def serve_main(argv: list[str]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--tensor-parallel-size", type=int, default=None,
+                        help="split every layer over N processes this one starts (default 1; under torchrun, "
+                             "its WORLD_SIZE: rank 0 serves HTTP, the others run the workers)")
+    parser.add_argument("--tensor-parallel-timeout", type=float, default=60.0,
+                        help="seconds a collective may wait on a worker before the step fails (a worker dead or hung)")
     parser.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY") or None,
                         help="require `Authorization: Bearer KEY` on /v1 and /tokenize, /detokenize "
                              "(default: $NANOSERVE_API_KEY; none when unset)")
@@ -41,6 +46,18 @@ def serve_main(argv: list[str]) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may take to finish after SIGTERM; then they are aborted")
     args = parser.parse_args(argv)
+    from nanoserve.parallel.group import is_torchrun
+
+    if is_torchrun():  # one rank of `torchrun --nproc-per-node N -m nanoserve serve ...`
+        world_size = int(os.environ["WORLD_SIZE"])
+        if args.tensor_parallel_size not in (None, world_size):
+            parser.error(f"--tensor-parallel-size={args.tensor_parallel_size}, but torchrun started {world_size} ranks")
+        args.tensor_parallel_size = world_size
+        if int(os.environ["RANK"]) > 0:  # a worker: what to load and how comes from rank 0
+            from nanoserve.parallel.worker import run_torchrun_worker
+
+            sys.exit(run_torchrun_worker(args.tensor_parallel_timeout))
+    tensor_parallel_size = args.tensor_parallel_size or 1
 
     from nanoserve.config import EngineConfig
     from nanoserve.serving.server import serve
@@ -51,7 +68,9 @@ def serve_main(argv: list[str]) -> None:
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             dtype=args.dtype, quantization=None if args.quantization == "none" else args.quantization,
-            device=args.device, seed=args.seed,
+            device=args.device, seed=args.seed, tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_timeout_s=args.tensor_parallel_timeout,
+            tensor_parallel_threads=args.num_threads if tensor_parallel_size > 1 else None,
         )
         server_config = ServerConfig(api_key=args.api_key, max_waiting_requests=args.max_waiting_requests or None,
                                      drain_timeout_s=args.drain_timeout)

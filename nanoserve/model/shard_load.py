@@ -1,0 +1,119 @@
+"""Reading one rank's slices of a checkpoint, and nothing else of its matrices.
+
+safetensors: `safe_open(...).get_slice(name)[rows]` reads only the slice's bytes. GGUF: a matrix's
+rows are contiguous in the file and its quantization blocks run along a row, so a row range is one
+read of the memory map, and a column range is a range of whole blocks in every row (a column split
+of a quantized matrix must fall on a 32-column block boundary; it is refused by name otherwise).
+A llama-arch GGUF stores q/k rows interleaved within each head (nanoserve.model.gguf.qk_row_order):
+the rank reads its heads' rows and puts them back in Hugging Face order, head by head.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from nanoserve.model.config import LlamaConfig
+from nanoserve.model.gguf import (
+    BLOCK,
+    HEADER_BYTES,
+    TYPE_IDS,
+    BlockQuantized,
+    GGUFFile,
+    architecture_of,
+    config_from_gguf,
+    decode_blocks,
+    hf_name,
+    qk_row_order,
+    read_gguf_config,
+    read_gguf_file,
+)
+from nanoserve.model.shard import Shard, shard_of, slice_of
+from nanoserve.model.weights import load_config, safetensors_files
+
+Tensors = dict[str, torch.Tensor | BlockQuantized]
+
+
+def check_split(source: Path, is_gguf: bool, world_size: int) -> LlamaConfig:
+    """The checkpoint's config, once every rank's Shard of it is known to exist (read from the
+    config alone, before any process starts).
+
+    Raises:
+        ValueError: shard_of's, naming the numbers that do not split.
+    """
+    config = read_gguf_config(source) if is_gguf else load_config(source)
+    for rank in range(world_size):
+        shard_of(config, rank, world_size)
+    return config
+
+
+def read_shard(source: Path, is_gguf: bool, rank: int, world_size: int) -> tuple[LlamaConfig, Shard, Tensors]:
+    """The whole model's config, rank `rank`'s Shard, and its slices by Hugging Face name (dense
+    tensors in their stored dtype, a GGUF's quantized matrices as BlockQuantized).
+
+    Raises:
+        ValueError: shard_of's, and for a quantized matrix whose column split falls inside a block.
+    """
+    if is_gguf:
+        parsed = read_gguf_file(source)
+        config = config_from_gguf(parsed)
+        shard = shard_of(config, rank, world_size)
+        return config, shard, _gguf_slices(parsed, config, shard)
+    config = load_config(source)
+    shard = shard_of(config, rank, world_size)
+    tensors: Tensors = {}
+    for file in safetensors_files(source):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                cut = slice_of(name, config, shard)
+                if cut is None:
+                    tensors[name] = f.get_tensor(name)
+                else:
+                    dim, start, end = cut
+                    tensors[name] = f.get_slice(name)[start:end] if dim == 0 else f.get_slice(name)[:, start:end]
+    return config, shard, tensors
+
+
+def _gguf_slices(parsed: GGUFFile, config: LlamaConfig, shard: Shard) -> Tensors:
+    _, spec = architecture_of(parsed)
+    tensors: Tensors = {}
+    for gguf_name in parsed.tensors:
+        name = hf_name(gguf_name, spec.names)
+        cut = slice_of(name, config, shard)
+        value = _gguf_read(parsed, gguf_name, cut)
+        proj = name.split(".")[-2]
+        if spec.permutes_qk and proj in ("q_proj", "k_proj"):
+            # The interleaving is within each head, and a rank holds whole heads.
+            order = qk_row_order(value.shape[0], value.shape[0] // config.head_dim)
+            value = value.rows(order) if isinstance(value, BlockQuantized) else value.index_select(0, order)
+        tensors[name] = value
+    return tensors
+
+
+def _gguf_read(parsed: GGUFFile, name: str, cut: tuple[int, int, int] | None) -> torch.Tensor | BlockQuantized:
+    """Tensor `name`, or its rows / columns start .. end, copied out of the map."""
+    tensor = parsed.tensors[name]
+    if tensor.type_id not in TYPE_IDS:
+        raise ValueError(f"tensor {name!r} has GGUF type {parsed.type_name(name)}: nanoserve reads "
+                         f"{', '.join(t[0] for t in TYPE_IDS.values())}")
+    kind, _, item_bytes = TYPE_IDS[tensor.type_id]
+    data = parsed.data(name)  # [N, B * block bytes] for a block type, else the tensor's shape
+    if cut is not None:
+        dim, start, end = cut
+        if dim == 0:
+            data = data[start:end]
+        elif kind in HEADER_BYTES:
+            if start % BLOCK or end % BLOCK:
+                raise ValueError(f"tensor {name!r} is {kind}, quantized in blocks of {BLOCK} columns; this rank's "
+                                 f"columns {start} .. {end} split a block (tensor_parallel_size too large for it)")
+            data = data[:, start // BLOCK * item_bytes:end // BLOCK * item_bytes]
+        else:
+            data = data[:, start:end]
+    if kind in HEADER_BYTES:
+        return decode_blocks(np.ascontiguousarray(data), kind)
+    dense = torch.from_numpy(np.array(data))  # a copy the tensor owns, not the file's pages
+    return dense.view(torch.bfloat16) if kind == "BF16" else dense
+
