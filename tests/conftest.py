@@ -124,6 +124,24 @@ def fail_on_call(monkeypatch, owner, name: str, call: int | None = None, when=No
     return calls
 
 
+# A JSON schema with nested objects, enums and arrays, for structured outputs on the default model.
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+                    "required": ["city", "zip"]},
+        "pets": {"type": "array", "maxItems": 3, "items": {
+            "type": "object",
+            "properties": {"kind": {"enum": ["cat", "dog", "fish"]}, "name": {"type": "string"}},
+            "required": ["kind", "name"]}},
+        "status": {"enum": ["active", "inactive"]},
+    },
+    "required": ["name", "age", "address", "pets", "status"],
+}
+
+
 @pytest.fixture
 def no_readback() -> Iterator[dict[str, int]]:
     """No tensor value may reach Python while the test runs."""

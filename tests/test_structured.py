@@ -12,7 +12,14 @@ import re
 
 import pytest
 import torch
-from conftest import CharTokenizer, greedy, make_hf_llama, make_tiny_engine, nanoserve_model_from_hf
+from conftest import (
+    PERSON_SCHEMA,
+    CharTokenizer,
+    greedy,
+    make_hf_llama,
+    make_tiny_engine,
+    nanoserve_model_from_hf,
+)
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.params import StructuredOutputs
@@ -188,22 +195,6 @@ def test_structured_outputs_validation():
 
 # ---- the real default model ------------------------------------------------------------------------
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "age": {"type": "integer"},
-        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
-                    "required": ["city", "zip"]},
-        "pets": {"type": "array", "items": {
-            "type": "object",
-            "properties": {"kind": {"enum": ["cat", "dog", "fish"]}, "name": {"type": "string"}},
-            "required": ["kind", "name"]}},
-        "status": {"enum": ["active", "inactive"]},
-    },
-    "required": ["name", "age", "address", "pets", "status"],
-}
-
 
 @pytest.mark.weights
 def test_json_schema_output_of_the_default_model_parses_and_validates(default_model_dir):
@@ -213,7 +204,7 @@ def test_json_schema_output_of_the_default_model_parses_and_validates(default_mo
     prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
     out = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=160,
-                                                structured_outputs=StructuredOutputs(json=PERSON)))[0]
+                                                structured_outputs=StructuredOutputs(json=PERSON_SCHEMA)))[0]
     assert out.finish_reason == "stop", out.text
-    jsonschema.validate(json.loads(out.text), PERSON)
+    jsonschema.validate(json.loads(out.text), PERSON_SCHEMA)
     assert engine.allocator.num_free == engine.allocator.num_blocks

@@ -32,7 +32,7 @@ from nanoserve.serving.async_engine import (
     RequestStream,
     StepFailedError,
 )
-from nanoserve.serving.server import protocol
+from nanoserve.serving.server import protocol, tools
 from nanoserve.serving.server.guard import ApiKeyMiddleware, ServerConfig
 from nanoserve.serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from nanoserve.serving.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
@@ -136,7 +136,8 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
         check_model(body.model)
         prompt = protocol.completion_prompt(body)
         prompt_ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        params = protocol.sampling_params(body, max_tokens_for(body.max_tokens, len(prompt_ids)), body.logprobs)
+        params = protocol.sampling_params(body, max_tokens_for(body.max_tokens, len(prompt_ids)), body.logprobs,
+                                          protocol.structured_outputs(body))
         rid = protocol.new_id("cmpl")
         stream = await submit(prompt_ids, params, rid)
         head = {"id": rid, "object": "text_completion", "created": protocol.now(), "model": model_name}
@@ -167,15 +168,14 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
         tokenizer = engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ApiError("this model's tokenizer has no chat template: use /v1/completions")
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # the template's own raise_exception, e.g. roles out of order
-            raise ApiError(f"the chat template rejected the messages: {e}", param="messages") from None
+        plan = tools.plan(body, tokenizer)
+        text = tools.render_prompt(tokenizer, messages, plan)
         # The template already wrote the special tokens; encoding must not add a BOS of its own.
         prompt_ids = list(tokenizer.encode(text, add_special_tokens=False))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = protocol.sampling_params(body, max_tokens_for(requested, len(prompt_ids)),
-                                          protocol.chat_logprobs_count(body))
+                                          protocol.chat_logprobs_count(body),
+                                          plan.structured_outputs or protocol.structured_outputs(body))
         rid = protocol.new_id("chatcmpl")
         stream = await submit(prompt_ids, params, rid)
         head = {"id": rid, "object": "chat.completion", "created": protocol.now(), "model": model_name}
@@ -186,20 +186,27 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
 
         if body.stream:
             named = set()  # OpenAI names the role once per choice, in its first chunk
+            parsers: dict[int, tools.ToolDeltas] = {}  # per choice, when its text holds tool calls
 
             def chunk_choice(d: StreamDelta) -> dict[str, Any]:
-                delta = {"content": d.text}
+                delta, reason = {"content": d.text}, d.finish_reason if d.finished else None
+                if plan.parses_calls:
+                    delta, reason = parsers.setdefault(d.index, tools.ToolDeltas(plan)).delta(
+                        d.text, d.finished, d.finish_reason)
                 if d.index not in named:
                     delta = {"role": "assistant"} | delta
                     named.add(d.index)
                 return {"index": d.index, "delta": delta, "logprobs": logprobs(d.token_ids, d.logprobs),
-                        "finish_reason": d.finish_reason if d.finished else None}
+                        "finish_reason": reason}
 
             return _sse(stream, head | {"object": "chat.completion.chunk"}, body, chunk_choice)
         done = await _collect(request, stream)
-        choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason}
-                   for i, c in sorted(done.items())]
+        choices = []
+        for i, c in sorted(done.items()):
+            message, reason = tools.message(plan, c.text, c.finish_reason) if plan.parses_calls \
+                else ({"role": "assistant", "content": c.text}, c.finish_reason)
+            choices.append({"index": i, "message": message, "logprobs": logprobs(c.token_ids, c.logprobs),
+                            "finish_reason": reason})
         return JSONResponse(head | {"choices": choices, "usage": _usage(stream, done)})
 
     app.include_router(tokenize_routes(engine, check_model))

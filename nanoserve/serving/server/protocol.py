@@ -18,9 +18,9 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nanoserve.params import SamplingParams
+from nanoserve.params import SamplingParams, StructuredOutputs
 from nanoserve.serving.server.unimplemented import first_unimplemented
 
 
@@ -46,6 +46,18 @@ class StreamOptions(_Body):
     include_usage: bool = False  # one extra chunk before [DONE] with usage and no choices
 
 
+class JsonSchemaFormat(_Body):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: str  # "text", "json_object" or "json_schema"
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Body):
     """Fields both endpoints share. None means "not sent": the engine's default applies."""
 
@@ -68,6 +80,8 @@ class _SamplingFields(_Body):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: {"json": ...} | {"regex": ...} | ...
 
 
 class CompletionRequest(_SamplingFields):
@@ -86,10 +100,44 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: str  # "function", the only kind
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: str  # "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -100,6 +148,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # "none" | "auto" | "required" | a named function
+    parallel_tool_calls: bool | None = None
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
@@ -123,7 +174,8 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
 
 
 # pydantic names the union branch it tried in `loc` ("prompt", "str"); the client wants "prompt"
-_UNION_BRANCHES = {"str", "list[int]", "list[str]", "list[list[int]]", "list[ContentPart]", "int", "float"}
+_UNION_BRANCHES = {"str", "list[int]", "list[str]", "list[list[int]]", "list[ContentPart]", "int", "float",
+                   "NamedToolChoice"}
 
 # OpenAI/vLLM field -> (SamplingParams field, value that asks for nothing)
 _PASS_THROUGH = {
@@ -145,13 +197,15 @@ _PASS_THROUGH = {
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
-    """Maps a request body to SamplingParams; `logprobs` is the top-n count the endpoint asked for.
+def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None = None,
+                    structured_outputs: StructuredOutputs | None = None) -> SamplingParams:
+    """Maps a request body to SamplingParams; `logprobs` is the top-n count the endpoint asked for,
+    `structured_outputs` the grammar the output must match (see `structured_outputs`).
 
     Raises:
         ApiError: a field the engine does not support was set, or SamplingParams rejected a value.
     """
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens}
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "structured_outputs": structured_outputs}
     fields = dict(vars(body)) | {"logprobs": logprobs}  # each endpoint spells logprobs its own way
     for name, (field, neutral) in _PASS_THROUGH.items():
         value = fields[name]
@@ -168,6 +222,31 @@ def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None
         return SamplingParams(**kwargs)
     except ValueError as e:
         raise ApiError(str(e), param=param_of(str(e))) from None
+
+
+def structured_outputs(body: _SamplingFields) -> StructuredOutputs | None:
+    """The grammar `response_format` (OpenAI) or `structured_outputs` (vLLM) asks for; None for
+    text. A schema that does not compile is the engine's ValueError, at submit."""
+    fmt, extra = body.response_format, body.structured_outputs
+    if fmt is not None and fmt.type != "text" and extra:
+        raise ApiError("response_format and structured_outputs both constrain the output: send one",
+                       param="structured_outputs")
+    if extra:
+        try:
+            return StructuredOutputs(**extra)
+        except (TypeError, ValueError) as e:
+            raise ApiError(f"structured_outputs: {e}", param="structured_outputs") from None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputs(json_object=True)
+    if fmt.type != "json_schema":
+        raise ApiError(f"response_format.type={fmt.type!r} must be 'text', 'json_object' or 'json_schema'",
+                       param="response_format.type")
+    if fmt.json_schema is None:
+        raise ApiError("response_format json_schema needs its json_schema object", param="response_format.json_schema")
+    schema = fmt.json_schema.schema_
+    return StructuredOutputs(json_object=True) if schema is None else StructuredOutputs(json=schema)
 
 
 def param_of(message: str) -> str | None:
@@ -188,8 +267,9 @@ def completion_prompt(body: CompletionRequest) -> str | list[int]:
     return prompt
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the chat template wants them: role and plain-text content."""
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template wants them: role and plain-text content, and an assistant's
+    tool calls (arguments as a dict, as chat templates read them) or a tool message's call id."""
     if not body.messages:
         raise ApiError("messages is empty: it needs at least 1 message", param="messages")
     out = []
@@ -200,8 +280,22 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
             content = "".join(part.text for part in m.content)
         else:
             content = m.content or ""
-        out.append({"role": m.role, "content": content})
+        message: dict[str, Any] = {"role": m.role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments, f"messages.{i}.tool_calls")}}
+                for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
+
+
+def _arguments(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise ApiError(f"{param}: arguments {text[:80]!r} is not JSON", param=param) from None
 
 
 def chat_logprobs_count(body: ChatCompletionRequest) -> int | None:
