@@ -23,13 +23,13 @@ def serve(model: str | Path | None = None, host: str = "127.0.0.1", port: int = 
     from nanoserve.serving.server.guard import DrainingServer, ServerConfig, run_until_drained
 
     path = Path(model) if model is not None else None  # None: the default model's GGUF, served as stored
-    engine = Engine.from_pretrained(path, config)
     name = MODEL_NAME if path is None else path.stem if path.suffix == ".gguf" else path.name
     server_config = server_config or ServerConfig()
-    app = create_app(engine, served_model_name or name, server_config)
-    uvicorn_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                    timeout_graceful_shutdown=server_config.drain_timeout_s)
-    run_until_drained(DrainingServer(uvicorn_config, app.state.async_engine))
+    with Engine.from_pretrained(path, config) as engine:  # a tensor-parallel engine's workers end with it
+        app = create_app(engine, served_model_name or name, server_config)
+        uvicorn_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                        timeout_graceful_shutdown=server_config.drain_timeout_s)
+        run_until_drained(DrainingServer(uvicorn_config, app.state.async_engine))
 
 
 __all__ = ["serve"]
