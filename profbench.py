@@ -14,6 +14,11 @@ optimisation needs a device clock, so check_device_timed refuses on a CPU and th
 
     python profbench.py            # slots 1 2 4 8 16, 32 output tokens
     python profbench.py --quick    # slots 1 2 4, 12 output tokens: well under a minute
+    python profbench.py --structured 1 16   # also 1 and 16 of 16 slots held to a JSON schema
+
+With --structured N, N of the slots are held to STRUCTURED_SCHEMA, so each decode step also fills
+the grammar bitmask on the host (the grammar_mask phase, one row per constrained slot) and masks
+the logits in sample: the table gives the fill's host time per step and per constrained row.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.instruments.csv_writer import write_csv
+from nanoserve.params import StructuredOutputs
 from nanoserve.profiler import (
     FORWARD,
     PHASES,
@@ -57,6 +63,13 @@ PROMPT_TEXT = (
     "per row and hands each token back to the request that owns it."
 )
 
+# Pets as a JSON array that cannot end within any run (minItems): a constrained request walks keys,
+# strings, integers and enums for every one of its tokens and never stops before the others.
+STRUCTURED_SCHEMA = {"type": "array", "minItems": 1000, "items": {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}, "kind": {"enum": ["cat", "dog", "fish"]}},
+    "required": ["name", "age", "kind"]}}
+GRAMMAR_MASK = "grammar_mask"  # the engine's phase that fills the bitmask
+
 
 @dataclass(frozen=True)
 class SlotProfile:
@@ -65,6 +78,7 @@ class SlotProfile:
     slots: int  # requests served at once (= rows per decode step)
     profile: StepProfile  # decode steps only, warm-up dropped
     wall_s: float  # seconds the whole generate call took, prefill included
+    constrained: int = 0  # of the slots, how many were held to STRUCTURED_SCHEMA
 
 
 def make_prompt(tokenizer: Any, num_tokens: int) -> list[int]:
@@ -86,8 +100,10 @@ def profile_slots(
     output_tokens: int,
     warmup: int,
     threads: int | None,
+    constrained: int = 0,
 ) -> SlotProfile:
-    """Serves `slots` requests at once on a fresh engine over `engine`'s model and profiles it.
+    """Serves `slots` requests at once on a fresh engine over `engine`'s model and profiles it;
+    the first `constrained` of them are held to STRUCTURED_SCHEMA.
 
     Raises:
         RuntimeError: a request came back short, or a kept step did not have `slots` rows (the
@@ -109,8 +125,10 @@ def profile_slots(
     timer = CudaEventTimer() if bench.device.type == "cuda" else None
     bench.recorder = StepRecorder(device_timer=timer)
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+    structured = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True,
+                                structured_outputs=StructuredOutputs(json=STRUCTURED_SCHEMA))
     start = time.perf_counter()
-    outputs = bench.generate([prompt_ids] * slots, params)
+    outputs = bench.generate([prompt_ids] * slots, [structured] * constrained + [params] * (slots - constrained))
     wall_s = time.perf_counter() - start
     short = [o.request_id for o in outputs if len(o.token_ids) != output_tokens]
     if short:
@@ -121,7 +139,7 @@ def profile_slots(
         raise RuntimeError(f"kept steps had {sorted(rows)} rows; every one must have {slots}")
     check_warmed_up(profile, warmup)  # raises NotWarmedUp
     check_accounted(profile)  # raises Unaccounted: phases must add up to the steps
-    return SlotProfile(slots, profile, wall_s)
+    return SlotProfile(slots, profile, wall_s, constrained)
 
 
 def _ms(seconds: float) -> float:
@@ -159,6 +177,7 @@ def csv_row(
     row: dict[str, Any] = {
         "slots": r.slots,
         "requests": r.slots,
+        "constrained_rows": r.constrained,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
         "warmup_steps": warmup,
@@ -169,7 +188,7 @@ def csv_row(
         "loop_per_token_ms": _ms(loop_overhead_s(p, per_token=True)),
         "loop_share_pct": 100.0 * loop / p.step_s,
     }
-    for name in PHASES:
+    for name in (*PHASES, GRAMMAR_MASK):
         if name != FORWARD:
             row[f"{name}_ms"] = _ms(means[name].host_s) if name in means else 0.0
     row |= {
@@ -190,6 +209,21 @@ def csv_row(
     return row
 
 
+def grammar_table(results: Sequence[SlotProfile], plain: dict[int, SlotProfile]) -> str:
+    """The bitmask fill's mean host time per step and per constrained row, beside the sample phase
+    (which applies the mask) and the same slot count's unconstrained sample, when it was run."""
+    lines = [f"{'slots':<6}{'constrained':>12}{'mask fill/step':>16}{'per row':>10}{'sample':>10}"
+             f"{'unconstrained sample':>22}{'step':>10}"]
+    for r in results:
+        means = r.profile.phase_means
+        fill = means[GRAMMAR_MASK].host_s if GRAMMAR_MASK in means else 0.0
+        base = plain.get(r.slots)
+        base_sample = f"{_ms(base.profile.phase_means['sample'].host_s):.3f}ms" if base else "not run"
+        lines.append(f"{r.slots:<6}{r.constrained:>12}{_ms(fill):>14.3f}ms{fill / r.constrained * 1e6:>8.1f}us"
+                     f"{_ms(means['sample'].host_s):>8.3f}ms{base_sample:>22}{_ms(r.profile.step_s):>8.3f}ms")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint directory (default: embedded SmolLM2-135M)")
@@ -204,6 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="EngineConfig.dtype (default auto: the probe chooses)")
     parser.add_argument("--quantization", default="auto", help="EngineConfig.quantization: auto, int8, int4 or none")
+    parser.add_argument("--structured", type=int, nargs="+", default=[], metavar="N",
+                        help="also profile, for each N, the largest slot count with N of its slots held to a JSON "
+                             "schema (the grammar bitmask's cost per step)")
     parser.add_argument("--out", default="runs/profbench.csv")
     args = parser.parse_args(argv)
     slots_list = args.slots or ([1, 2, 4] if args.quick else [1, 2, 4, 8, 16])
@@ -214,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"{name}={value} must be >= {low}")  # output: warm-up plus 2 kept decode steps
     if min(slots_list) < 1:
         parser.error(f"--slots {slots_list}: every slot count must be >= 1")
+    if args.structured and not all(1 <= n <= max(slots_list) for n in args.structured):
+        parser.error(f"--structured {args.structured}: each N must be in [1, {max(slots_list)}] (the largest slot count)")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
@@ -235,6 +274,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.append(profile_slots(engine, slots, prompt_ids, output_tokens, args.warmup, args.threads))
         print(f"  slots {slots}: {results[-1].profile.num_steps} decode steps kept, "
               f"{results[-1].wall_s:.2f} s wall", file=sys.stderr)
+    structured = []
+    for n in args.structured:
+        structured.append(profile_slots(engine, max(slots_list), prompt_ids, output_tokens, args.warmup, args.threads, n))
+        print(f"  slots {max(slots_list)}, {n} constrained: {structured[-1].profile.num_steps} decode steps kept, "
+              f"{structured[-1].wall_s:.2f} s wall", file=sys.stderr)
     print()
     print(render_sweep({r.slots: r.profile for r in results}))
     print()
@@ -277,9 +321,14 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"({recorder_cost / null_cost:.1f}x); against the slots-{results[0].slots} loop of "
           f"{_ms(loop_1):.3f}ms: {null_cost / loop_1:.2%} and {recorder_cost / loop_1:.2%}")
 
+    if structured:
+        print()
+        print("structured outputs: the grammar bitmask filled on the host each step, mean per step:")
+        print(grammar_table(structured, {r.slots: r for r in results}))
+
     rows = [csv_row(r, prompt_tokens=args.prompt_tokens, output_tokens=output_tokens, warmup=args.warmup,
                     project_forward_s=project_s, null_cost_s=null_cost, recorder_cost_s=recorder_cost,
-                    device=args.device) for r in results]
+                    device=args.device) for r in results + structured]
     write_csv(Path(args.out), rows)
     print(f"wrote {args.out}")
     return 0

@@ -15,8 +15,8 @@ token was taken).
 Compiling runs in Engine.add_request, in the caller's thread, before the request is queued: a
 grammar that does not compile is a ValueError there, never an unconstrained run. Compiled
 grammars are cached by their text (an LRU of `max_cached` entries), so a repeated schema costs a
-dictionary lookup. xgrammar's own CPU and CUDA kernels are not used: the mask is applied with
-torch ops on whatever device the logits are on (xgrammar's CUDA path needs triton).
+dictionary lookup. The mask is applied by xgrammar's CPU kernel on the CPU and by torch ops on
+any other device (xgrammar's CUDA path needs triton, which nanoserve does not install).
 """
 
 from __future__ import annotations
@@ -164,12 +164,31 @@ def _compile(compiler: Any, spec: StructuredOutputs) -> Any:
         raise ValueError(f"{field}={str(value)[:120]!r} does not compile: {reason}") from None
 
 
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of logits [rows, V] with every token the host bitmask [rows, W] rules out at -inf.
+
+    Only the rows whose mask rules something out are touched. On the CPU xgrammar's own kernel
+    masks them in place in the copy (about twice as fast as the torch ops here); elsewhere
+    `mask_logits` does it with torch ops on the logits' device.
+    """
+    rows = (bitmask != -1).any(dim=1).nonzero().flatten().tolist()  # a host tensor: no device sync
+    masked = logits.clone()
+    if not rows:
+        return masked
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        _xgrammar().apply_token_bitmask_inplace(masked, bitmask, vocab_size=logits.shape[1], indices=rows)
+    else:
+        index = torch.tensor(rows, device=logits.device)
+        masked[index] = mask_logits(logits[index], bitmask[rows])
+    return masked
+
+
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """A copy of logits [rows, V] with every token the bitmask [rows, W] rules out at -inf.
-    The bitmask may be on the host: it is copied to the logits' device here."""
+def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [rows, V] with the tokens bitmask [rows, W] rules out at -inf, by torch ops on the
+    logits' device (the bitmask is copied there)."""
     rows, V = logits.shape
     shifts = _SHIFTS.get(logits.device)
     if shifts is None:

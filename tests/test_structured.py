@@ -23,7 +23,7 @@ from conftest import (
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.params import StructuredOutputs
-from nanoserve.structured import apply_bitmask
+from nanoserve.structured import apply_bitmask, mask_logits
 
 pytest.importorskip("xgrammar")
 
@@ -111,15 +111,22 @@ def test_bitmask_is_as_wide_as_the_logits_when_the_tokenizer_is_smaller():
     assert all(t in printable for t in out.token_ids)
 
 
-def test_apply_bitmask_matches_bit_arithmetic():
+def apply_as_off_cpu(logits, bitmask):  # float64 logits take apply_bitmask's torch-ops path, as a GPU would
+    return apply_bitmask(logits.double(), bitmask).float()
+
+
+@pytest.mark.parametrize("apply", [apply_bitmask, mask_logits, apply_as_off_cpu])  # xgrammar's CPU kernel, torch ops
+def test_masking_matches_bit_arithmetic(apply):
     torch.manual_seed(0)
-    logits = torch.randn(3, 70)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 3), dtype=torch.int32)
-    masked = apply_bitmask(logits, bitmask)
-    for r in range(3):
+    logits = torch.randn(4, 70)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, 3), dtype=torch.int32)
+    bitmask[2] = -1  # an unconstrained row
+    masked = apply(logits, bitmask)
+    for r in range(4):
         for t in range(70):
             allowed = (int(bitmask[r, t // 32]) >> (t % 32)) & 1
             assert masked[r, t].item() == (logits[r, t].item() if allowed else float("-inf"))
+    assert masked.data_ptr() != logits.data_ptr()  # a copy: the logprobs read the model's own
 
 
 def test_each_completion_of_n_has_its_own_matcher():
