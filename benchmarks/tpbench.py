@@ -1,0 +1,187 @@
+"""tpbench: tensor parallelism measured on this machine, and priced for a GPU node.
+
+1. measured: TP=1 against TP=2 (gloo, two local processes) on the same checkpoint and precision:
+   the time of a decode step at 1, 4 and 16 slots and of one prefill step, the pair interleaved by
+   round. TP=1 runs with every core this process may use, each TP=2 rank with its share (cores //
+   2). Per step, from rank 0's counters: the all-reduces (count, bytes, host time), the logits'
+   gather and the plan's broadcast. The two engines' greedy tokens are checked equal first; a
+   comparison of engines that disagree is refused.
+2. computed: the all-reduce time a step would take at TP=2, 4 and 8 on an 8-GPU NVLink node
+   (H100/H200), from nccl-tests' cost of an all-reduce, t = alpha + (S / busbw) * 2 (n - 1) / n
+   (doc/PERFORMANCE.md in NVIDIA/nccl-tests), with published figures bracketing alpha and busbw
+   (GPU_FIGURES, each with its source), for this model's all-reduces: 2 a layer, T x E x 4 bytes each.
+
+    python benchmarks/tpbench.py               # the default model, float32, 20 timed steps a point
+    python benchmarks/tpbench.py --quick       # 3 timed steps a point, slots 1 and 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from nanoserve import Engine, EngineConfig, SamplingParams
+from nanoserve.instruments.csv_writer import write_csv
+from nanoserve.model.config import LlamaConfig
+from nanoserve.parallel import TensorParallelModel
+
+# Published figures for an 8-GPU NVLink 4 node. H200 and H100 SXM share NVLink 4: 900 GB/s a GPU
+# both ways, 450 GB/s each way (NVIDIA's H100 and H200 datasheets).
+GPU_FIGURES = {
+    # Small-message all-reduce latency, microseconds, by GPU count: a bracket.
+    # low: HGX 8x H100, NCCL 2.20.5, NVLSTree, CUDA graphs, 2 GPUs: "approximately 6us"
+    #      (github.com/NVIDIA/nccl/issues/1259), taken for every n (optimistic: it grows with n).
+    # high: ring, one channel, DGX A100: 10.0 us at 2 GPUs, 16.88 at 4, 33.7 at 8
+    #      (github.com/NVIDIA/nccl-tests/issues/123): NCCL's ring latency, pessimistic for H100.
+    "alpha_us_low": {2: 6.0, 4: 6.0, 8: 6.0},
+    "alpha_us_high": {2: 10.0, 4: 16.88, 8: 33.7},
+    # Large-message bus bandwidth, GB/s: ring 365-370 on 8x H100 SXM from 2 to 8 GPUs, NVLS up to
+    # 480 at 8 (github.com/NVIDIA/nccl/issues/1455; 480 is GTC S62129's figure, NVIDIA/nccl #1374).
+    "busbw_gbps_low": 365.0,
+    "busbw_gbps_high": 480.0,
+    # HBM bandwidth of one H200, TB/s (NVIDIA H200 datasheet): a step's weight reads, for scale.
+    "hbm_tbps": 4.8,
+}
+
+
+def prompt(engine: Engine, length: int, seed: int) -> list[int]:
+    """A fixed prompt of `length` token ids inside the model's vocabulary (above its special ids)."""
+    vocab = engine.model.config.vocab_size
+    return [(seed * 7919 + 31 * j) % (vocab - 10) + 10 for j in range(length)]
+
+
+def counters(engine: Engine) -> dict[str, float]:
+    """Rank 0's collective counters (CollectiveStats) of a TP engine; {} for one process."""
+    model = engine.model
+    return dataclasses.asdict(model.group.stats) if isinstance(model, TensorParallelModel) else {}
+
+
+def decode_steps(engine: Engine, slots: int, prompt_len: int, steps: int) -> tuple[list[float], dict[str, float]]:
+    """Seconds of each of `steps` decode steps with `slots` requests running (their prefill
+    untimed), and what the counters counted over those steps."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    ids = [engine.add_request(prompt(engine, prompt_len, i), params) for i in range(slots)]
+    while any(r.num_computed_tokens < prompt_len for r in engine.requests.values()):
+        engine.step()
+    before, times = counters(engine), []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    after = counters(engine)
+    for request_id in ids:
+        engine.abort(request_id)
+    return times, {k: after[k] - before[k] for k in after}
+
+
+def prefill_step(engine: Engine, prompt_len: int) -> tuple[list[float], dict[str, float]]:
+    """Seconds of the one step that prefills a `prompt_len`-token prompt, and its counts."""
+    request_id = engine.add_request(prompt(engine, prompt_len, 99),
+                                    SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    before = counters(engine)
+    start = time.perf_counter()
+    engine.step()
+    elapsed = time.perf_counter() - start
+    after = counters(engine)
+    engine.abort(request_id)
+    return [elapsed], {k: after[k] - before[k] for k in after}
+
+
+def measured_rows(one: Engine, two: Engine, points: list[tuple[str, int]], steps: int, rounds: int,
+                  prompt_len: int) -> list[dict]:
+    cores = len(os.sched_getaffinity(0))
+    share = max(1, cores // 2)
+    samples: dict[tuple[str, int, int], list[float]] = {}
+    counted: dict[tuple[str, int], dict[str, float]] = {}
+    for _ in range(rounds):
+        for tp, engine, threads in ((1, one, cores), (2, two, share)):
+            torch.set_num_threads(threads)  # process-wide: TP=1 gets every core, rank 0 its share
+            for kind, size in points:
+                times, delta = decode_steps(engine, size, prompt_len, steps) if kind == "decode" \
+                    else prefill_step(engine, size)
+                samples.setdefault((kind, size, tp), []).extend(times)
+                total = counted.setdefault((kind, size), {})
+                for k, v in delta.items():
+                    total[k] = total.get(k, 0.0) + v
+    rows = []
+    for (kind, size, tp), times in samples.items():
+        row = {"bench": "measured", "workload": kind, "slots_or_prompt_tokens": size, "tp": tp,
+               "threads_per_rank": cores if tp == 1 else share, "timed_steps": len(times),
+               "step_ms_median": 1e3 * statistics.median(times), "step_ms_min": 1e3 * min(times)}
+        if tp == 2:
+            c, n = counted[(kind, size)], len(times)
+            row |= {"all_reduces_per_step": c["num_all_reduces"] / n, "all_reduce_bytes_per_step": c["all_reduce_bytes"] / n,
+                    "all_reduce_ms_per_step": 1e3 * c["all_reduce_s"] / n,
+                    "gather_bytes_per_step": c["gather_bytes"] / n, "gather_ms_per_step": 1e3 * c["gather_s"] / n,
+                    "plan_bytes_per_step": c["plan_bytes"] / n, "plan_ms_per_step": 1e3 * c["plan_s"] / n}
+        rows.append(row)
+    return rows
+
+
+def gpu_rows(config: LlamaConfig, tokens: list[int], element_bytes: int = 4) -> list[dict]:
+    """The all-reduce time per step at TP=2/4/8 on the node GPU_FIGURES describes (arithmetic)."""
+    f = GPU_FIGURES
+    weight_bytes = 2 * config.num_params  # bf16 weights
+    rows = []
+    for n in (2, 4, 8):
+        for T in tokens:
+            size = T * config.hidden_size * element_bytes  # one all-reduce's tensor, S
+            per_step = 2 * config.num_layers
+            factor = 2 * (n - 1) / n
+            low = f["alpha_us_low"][n] + 1e6 * size / (f["busbw_gbps_high"] * 1e9) * factor
+            high = f["alpha_us_high"][n] + 1e6 * size / (f["busbw_gbps_low"] * 1e9) * factor
+            rows.append({"bench": "gpu_model", "tp": n, "tokens_per_step": T, "all_reduces_per_step": per_step,
+                         "all_reduce_bytes": size, "all_reduce_bytes_per_step": per_step * size,
+                         "all_reduce_us_low": low, "all_reduce_us_high": high,
+                         "all_reduce_us_per_step_low": per_step * low, "all_reduce_us_per_step_high": per_step * high,
+                         "weight_read_us_per_step": 1e6 * weight_bytes / n / (f["hbm_tbps"] * 1e12)})
+    return rows
+
+
+def check_same_tokens(one: Engine, two: Engine) -> None:
+    prompts = [prompt(one, 12 + 5 * i, 50 + i) for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    a, b = one.generate(prompts, params), two.generate(prompts, params)
+    if [o.token_ids for o in a] != [o.token_ids for o in b]:
+        raise SystemExit("tpbench: TP=1 and TP=2 greedy tokens differ; refusing to compare their step times")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="checkpoint (default: the embedded default model's GGUF)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    parser.add_argument("--steps", type=int, default=20, help="timed decode steps a point, a round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, TP=1 and TP=2 interleaved in each")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens of the decoding requests")
+    parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the timed prefill step")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default="runs/tpbench.csv")
+    args = parser.parse_args()
+    slots = [1, 4] if args.quick else [1, 4, 16]
+    steps, rounds = (3, 1) if args.quick else (args.steps, args.rounds)
+    torch.manual_seed(0)
+    config = {"dtype": args.dtype, "quantization": None, "num_kv_blocks": 512, "max_num_seqs": max(slots),
+              "max_num_batched_tokens": max(2048, args.prefill)}
+    path = Path(args.model) if args.model else None
+    with Engine.from_pretrained(path, EngineConfig(**config)) as one, \
+            Engine.from_pretrained(path, EngineConfig(**config, tensor_parallel_size=2)) as two:
+        assert isinstance(two.model, TensorParallelModel)
+        check_same_tokens(one, two)  # also the warm-up: both engines have run every shape once
+        points = [("decode", s) for s in slots] + [("prefill", args.prefill)]
+        rows = measured_rows(one, two, points, steps, rounds, args.prompt_len)
+        model_config = one.model.config
+    rows += gpu_rows(model_config, [1, 16, 256, 2048])
+    write_csv(args.out, rows)
+    for row in rows:
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
