@@ -9,6 +9,7 @@ the pool is read from /metrics.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import DEFAULT_MODEL_NAME as MODEL
@@ -71,6 +72,21 @@ def test_json_schema_response_format_parses_and_validates_on_both_endpoints(serv
     assert anything.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(anything.choices[0].text), dict)
     wait_idle(server)
+
+
+@pytest.mark.weights
+def test_vllms_structured_outputs_field_holds_the_output(server, client):
+    digits = client.completions.create(model=MODEL, prompt="The year was", temperature=0, max_tokens=10,
+                                       extra_body={"structured_outputs": {"regex": " [0-9]{4}"}})
+    assert re.fullmatch(r" [0-9]{4}", digits.choices[0].text) and digits.choices[0].finish_reason == "stop"
+    choice = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}],
+                                            temperature=0, max_tokens=10,
+                                            extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].message.content in ("yes", "no")
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4,
+                                  extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}})
+    assert error_of(raised.value)["param"] == "structured_outputs"
 
 
 @pytest.mark.weights
