@@ -137,8 +137,9 @@ class CollectiveStats:
 @dataclass
 class AllReduced:
     """A row-parallel matrix: this rank's columns [N, K_r] of a weight [N, K]. x [M, K_r] times it
-    is a partial sum over K; the all-reduce over the group completes it, summed in float32 whatever
-    the model's dtype (so a bf16 model rounds the sum once, as one process does)."""
+    is a partial sum over K; the all-reduce over the group completes it. Each partial comes out of
+    its matmul in the model's dtype; the partials are added in float32 and the sum is rounded to
+    the dtype once (gloo sums bf16 too, but a bf16 sum would round at every addition)."""
 
     inner: Weight  # [N, K_r], in any form linear() reads
     group: Any  # a torch.distributed ProcessGroup
