@@ -219,6 +219,8 @@ REFUSED = [  # (endpoint, field, a value that asks for something)
     ("chat", "reasoning_effort", "high"),
     ("chat", "skip_special_tokens", False),
     ("chat", "continue_final_message", True),
+    ("chat", "guided_json", {"type": "object"}),
+    ("completions", "guided_regex", "[0-9]+"),
 ]
 
 

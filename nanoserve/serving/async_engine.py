@@ -206,6 +206,8 @@ class AsyncEngine:
             return fn(*args)
 
     def _add_locked(self, prompt, params, rid: str) -> list[int]:
+        if params.structured_outputs is not None:  # compiled here, outside the step lock: the add then hits the cache
+            self.engine.grammars.compile(params.structured_outputs)
         with self._lock:  # between two steps: the waiting count is exact
             if self.max_waiting is not None and (num := self.engine.stats().num_waiting) >= self.max_waiting:
                 raise QueueFullError(f"{num} requests are waiting for a slot, the most this server queues "

@@ -65,6 +65,12 @@ UNIMPLEMENTED_FIELDS: dict[str, tuple[Neutral, str]] = {
     "chat_template": (_unset, "a chat template sent with the request"),
     "chat_template_kwargs": (_empty, "arguments to the chat template"),
     "documents": (_empty, "documents rendered into the chat template"),
+    # vLLM's older structured-output fields: structured_outputs and response_format are served instead
+    "guided_json": (_unset, "output held to a JSON schema (send response_format or structured_outputs)"),
+    "guided_regex": (_unset, "output held to a regex (send structured_outputs)"),
+    "guided_choice": (_unset, "output held to a list of choices (send structured_outputs)"),
+    "guided_grammar": (_unset, "output held to a grammar (send structured_outputs)"),
+    "guided_decoding_backend": (_unset, "the structured-output backend"),
 }
 
 # field -> why ignoring it is right: it asks for nothing the response shows.
