@@ -149,9 +149,9 @@ def _instrumented(engine):
     log: list[dict] = []
     sample, collect = engine._sample, engine._collect
 
-    def guarded_sample(logits, rows):
+    def guarded_sample(logits, rows, bitmask=None):
         with readbacks_counted(forbid=READBACK_ROUTES):
-            batch = sample(logits, rows)
+            batch = sample(logits, rows, bitmask)
         log.append({"batch": batch, "owners": tuple(r.request_id for r in rows)})
         return batch
 
@@ -197,8 +197,8 @@ def test_the_guard_around_sample_would_catch_a_readback(recorder):
     engine = _engine(recorder)
     original = engine._sample
 
-    def reads_back(logits, rows):
-        batch = original(logits, rows)
+    def reads_back(logits, rows, bitmask=None):
+        batch = original(logits, rows, bitmask)
         [int(t) for t in batch.tokens]  # one int(tensor) per row
         return batch
 
