@@ -9,7 +9,8 @@ picking a kind of request at random from the mix:
 - structured: a chat completion with `response_format` json_schema (nested objects, an enum, an
   array), whose content must parse as JSON and match the schema's shape;
 - tool: a chat completion with two tools and `tool_choice="required"`, whose tool call arguments
-  must parse as JSON;
+  must parse as JSON (these two at temperature 0.5; one that max_tokens cut is counted as cut,
+  not as wrong);
 - disconnect (10%): a streamed chat completion the client drops after its second chunk;
 - malformed (5%): a body the server must answer with a 4xx (bad JSON, a temperature of -1, an
   unknown model, max_tokens past the context).
@@ -86,6 +87,7 @@ class Result:
     seconds: float
     is_right: bool  # the answer has the shape its kind asks for (a 4xx for malformed)
     error: str = ""
+    is_cut: bool = False  # finish_reason "length": max_tokens ended it, not a wrong answer
 
 
 def structured_ok(content: str) -> bool:
@@ -130,7 +132,7 @@ async def one_request(http: httpx.AsyncClient, kind: str, rng: random.Random, mo
     question = rng.choice(QUESTIONS)
     messages = [{"role": "user", "content": question}]
     start = time.perf_counter()
-    status, is_right, error = 0, False, ""
+    status, is_right, is_cut, error = 0, False, False, ""
     try:
         if kind == "plain":
             r = await http.post("/v1/completions", json={"model": model, "prompt": question, "max_tokens": 32})
@@ -139,16 +141,20 @@ async def one_request(http: httpx.AsyncClient, kind: str, rng: random.Random, mo
         elif kind == "structured":
             r = await http.post("/v1/chat/completions", json={
                 "model": model, "messages": [{"role": "user", "content": "Describe a person as JSON."}],
-                "max_tokens": 200, "response_format": {"type": "json_schema", "json_schema": {
+                "max_tokens": 256, "temperature": 0.5, "response_format": {"type": "json_schema", "json_schema": {
                     "name": "person", "schema": PERSON_SCHEMA, "strict": True}}})
             status = r.status_code
-            is_right = status == 200 and structured_ok(r.json()["choices"][0]["message"]["content"])
+            choice = r.json()["choices"][0] if status == 200 else {}
+            is_cut = choice.get("finish_reason") == "length"
+            is_right = status == 200 and structured_ok(choice["message"]["content"])
         elif kind == "tool":
             r = await http.post("/v1/chat/completions", json={
                 "model": model, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-                "max_tokens": 100, "tools": TOOLS, "tool_choice": "required"})
+                "max_tokens": 256, "temperature": 0.5, "tools": TOOLS, "tool_choice": "required"})
             status = r.status_code
-            is_right = status == 200 and tool_ok(r.json()["choices"][0]["message"])
+            choice = r.json()["choices"][0] if status == 200 else {}
+            is_cut = choice.get("finish_reason") == "length"
+            is_right = status == 200 and tool_ok(choice["message"])
         elif kind in ("stream", "disconnect"):
             body = {"model": model, "messages": messages, "max_tokens": 48, "stream": True}
             async with http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -171,7 +177,7 @@ async def one_request(http: httpx.AsyncClient, kind: str, rng: random.Random, mo
             is_right = 400 <= status < 500
     except (httpx.HTTPError, KeyError, ValueError) as e:
         error = f"{type(e).__name__}: {e}"[:200]
-    return Result(kind, status, time.perf_counter() - start, is_right, error)
+    return Result(kind, status, time.perf_counter() - start, is_right, error, is_cut and not is_right)
 
 
 async def client_loop(base: str, model: str, seed: int, deadline: float, mix: dict[str, float],
@@ -235,7 +241,8 @@ def summarize(results: list[Result]) -> list[dict]:
             "status_4xx": sum(400 <= r.status < 500 for r in mine),
             "status_5xx": sum(r.status >= 500 for r in mine),
             "no_response": sum(r.status == 0 for r in mine),
-            "wrong_answers": sum(not r.is_right for r in mine),
+            "wrong_answers": sum(not r.is_right and not r.is_cut for r in mine),
+            "cut_by_max_tokens": sum(r.is_cut for r in mine),
             "median_s": round(sorted(r.seconds for r in mine)[len(mine) // 2], 3) if mine else None,
         })
     return rows
@@ -286,10 +293,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = summarize(results)
     print(f"soakbench: {args.clients} clients for {args.duration_s:.0f} s against {base} ({model}), pid {os.getpid()}")
-    print(f"{'kind':<11}{'requests':>9}{'2xx':>7}{'4xx':>6}{'5xx':>6}{'no resp':>8}{'wrong':>7}{'median s':>10}")
+    print(f"{'kind':<11}{'requests':>9}{'2xx':>7}{'4xx':>6}{'5xx':>6}{'no resp':>8}{'wrong':>7}{'cut':>5}{'median s':>10}")
     for row in rows:
         print(f"{row['kind']:<11}{row['requests']:>9}{row['status_2xx']:>7}{row['status_4xx']:>6}{row['status_5xx']:>6}"
-              f"{row['no_response']:>8}{row['wrong_answers']:>7}{row['median_s'] or 0:>10.3f}")
+              f"{row['no_response']:>8}{row['wrong_answers']:>7}{row['cut_by_max_tokens']:>5}{row['median_s'] or 0:>10.3f}")
     used = idle.get("nanoserve_kv_blocks_used")
     print(f"KV blocks in use after the run: {used:.0f} of {idle.get('nanoserve_kv_blocks_total', 0):.0f}"
           if used is not None else "KV blocks in use: /metrics has no nanoserve_kv_blocks_used")
@@ -300,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in [r for r in results if r.error][:5]:
         print(f"  e.g. {r.kind}: {r.error}")
     write_csv(args.out, [{"kind": r.kind, "status": r.status, "seconds": round(r.seconds, 6), "is_right": r.is_right,
-                          "error": r.error} for r in results])
+                          "is_cut": r.is_cut, "error": r.error} for r in results])
     write_csv(Path(args.out).with_suffix(".summary.csv"), rows)
     write_csv(Path(args.out).with_suffix(".rss.csv"), [{"t_s": round(t, 1), "rss_mib": round(m, 1)} for t, m in rss])
     print(f"wrote {args.out}")
