@@ -178,9 +178,30 @@ def main() -> None:
         model_config = one.model.config
     rows += gpu_rows(model_config, [1, 16, 256, 2048])
     write_csv(args.out, rows)
-    for row in rows:
-        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+    print_tables(rows)
     print(f"wrote {args.out}")
+
+
+def print_tables(rows: list[dict]) -> None:
+    measured = {(r["workload"], r["slots_or_prompt_tokens"], r["tp"]): r for r in rows if r["bench"] == "measured"}
+    print("measured on this machine: median step ms (TP=2's collectives: host ms per step)")
+    print(f"{'workload':<10}{'size':>6}{'TP=1 ms':>10}{'TP=2 ms':>10}{'TP2/TP1':>9}{'all-reduces':>13}"
+          f"{'AR KB':>9}{'AR ms':>8}{'gather ms':>11}{'plan ms':>9}")
+    for (workload, size, tp), two in measured.items():
+        if tp != 2:
+            continue
+        one = measured[(workload, size, 1)]
+        print(f"{workload:<10}{size:>6}{one['step_ms_median']:>10.2f}{two['step_ms_median']:>10.2f}"
+              f"{two['step_ms_median'] / one['step_ms_median']:>9.2f}{two['all_reduces_per_step']:>13.0f}"
+              f"{two['all_reduce_bytes_per_step'] / 1024:>9.0f}{two['all_reduce_ms_per_step']:>8.2f}"
+              f"{two['gather_ms_per_step']:>11.2f}{two['plan_ms_per_step']:>9.2f}")
+    print("\ncomputed for an 8-GPU NVLink node (published NCCL figures, see GPU_FIGURES): all-reduce us per step")
+    print(f"{'TP':>3}{'tokens/step':>13}{'AR bytes/step':>15}{'AR us/step':>16}{'weights read us':>17}")
+    for r in rows:
+        if r["bench"] == "gpu_model":
+            span = f"{r['all_reduce_us_per_step_low']:.0f}-{r['all_reduce_us_per_step_high']:.0f}"
+            print(f"{r['tp']:>3}{r['tokens_per_step']:>13}{r['all_reduce_bytes_per_step']:>15,}{span:>16}"
+                  f"{r['weight_read_us_per_step']:>17.1f}")
 
 
 if __name__ == "__main__":
