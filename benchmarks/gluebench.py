@@ -16,30 +16,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 import nanoserve.model.llama as llama
-from nanoserve import Engine, EngineConfig, SamplingParams
+from nanoserve import Engine, EngineConfig
 from nanoserve.instruments.csv_writer import write_csv
-
-
-def decode_steps(engine: Engine, slots: int, steps: int) -> list[float]:
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
-    for i in range(slots):
-        engine.add_request([100 + (i * 7 + j) % 1000 for j in range(64)], params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
-    engine.step()  # the first decode: uncounted
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    while engine.has_unfinished():
-        engine.step()
-    return times
+from nanoserve.instruments.runners import decode_step_times
 
 
 def main() -> None:
@@ -68,11 +51,11 @@ def main() -> None:
     for slots in args.slots:
         full, glue = [], []
         for _ in range(args.rounds):
-            full.append(statistics.median(decode_steps(engine, slots, args.steps)))
+            full.append(statistics.median(decode_step_times(engine, slots, args.steps)))
             llama.linear = cached_linear
             try:
-                decode_steps(engine, slots, 2)  # fills the cache for these shapes
-                glue.append(statistics.median(decode_steps(engine, slots, args.steps)))
+                decode_step_times(engine, slots, 2)  # fills the cache for these shapes
+                glue.append(statistics.median(decode_step_times(engine, slots, args.steps)))
             finally:
                 llama.linear = real
         step_ms, glue_ms = 1e3 * statistics.median(full), 1e3 * statistics.median(glue)

@@ -273,6 +273,22 @@ def running_server(log_dir: Path, *args: str, env: dict[str, str] | None = None,
                 proc.wait(timeout=5)
 
 
+@pytest.fixture(scope="module")
+def server(default_model_dir, tmp_path_factory):
+    """A module's own `python -m nanoserve serve` (running_server's flags), its base URL; a module
+    that needs other flags defines its own."""
+    with running_server(tmp_path_factory.mktemp("server")) as s:
+        yield s.base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on `server`."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 def server_metrics(base: str) -> dict[str, float]:
     """The server's /metrics samples as {'name{labels}': value}."""
     import httpx

@@ -14,25 +14,13 @@ import time
 
 import pytest
 from conftest import DEFAULT_MODEL_NAME as MODEL
-from conftest import error_of, greedy, running_server, wait_idle
+from conftest import error_of, greedy, wait_idle
 from conftest import server_metrics as metrics
 
 from nanoserve import SamplingParams
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-
-
-@pytest.fixture(scope="module")
-def server(default_model_dir, tmp_path_factory):
-    """`python -m nanoserve serve` on 127.0.0.1; terminated at the end of the module."""
-    with running_server(tmp_path_factory.mktemp("server")) as s:
-        yield s.base
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import re
 
 import pytest
 from conftest import DEFAULT_MODEL_NAME as MODEL
-from conftest import PERSON_SCHEMA, error_of, running_server, wait_idle
+from conftest import PERSON_SCHEMA, error_of, wait_idle
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -32,17 +32,6 @@ TOOLS = [
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-@pytest.fixture(scope="module")
-def server(default_model_dir, tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("tools")) as s:
-        yield s.base
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def check_calls(message, names=tuple(SCHEMAS)) -> list[tuple[str, str]]:

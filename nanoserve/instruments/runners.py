@@ -179,6 +179,13 @@ def run_concurrent(
 def decode_rate(engine: Engine, slots: int, steps: int, prompt_len: int = 64) -> float:
     """Aggregate decode tokens/s with `slots` requests decoding together: the median of `steps`
     decode steps after every prompt is in and one uncounted decode (prefill left out)."""
+    return slots / statistics.median(decode_step_times(engine, slots, steps, prompt_len))
+
+
+def decode_step_times(engine: Engine, slots: int, steps: int, prompt_len: int = 64) -> list[float]:
+    """The seconds of `steps` decode steps with `slots` greedy requests of `prompt_len` token
+    prompts decoding together, after every prompt is in and one uncounted decode; the requests are
+    run to their end afterwards, so the engine is idle again."""
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
     vocab = engine.model.config.vocab_size
     for i in range(slots):
@@ -193,4 +200,4 @@ def decode_rate(engine: Engine, slots: int, steps: int, prompt_len: int = 64) ->
         times.append(time.perf_counter() - start)
     while engine.has_unfinished():
         engine.step()
-    return slots / statistics.median(times)
+    return times
