@@ -79,7 +79,7 @@ class EngineConfig:
             raise ValueError(f"decode_group_min_rows={self.decode_group_min_rows!r} must be None or an integer >= 2")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an integer >= 1")
-        if not self.tensor_parallel_timeout_s > 0:
+        if not isinstance(self.tensor_parallel_timeout_s, int | float) or not self.tensor_parallel_timeout_s > 0:
             raise ValueError(f"tensor_parallel_timeout_s={self.tensor_parallel_timeout_s!r} must be > 0")
         if self.tensor_parallel_threads is not None and (
             not isinstance(self.tensor_parallel_threads, int) or self.tensor_parallel_threads < 1

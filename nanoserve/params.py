@@ -102,6 +102,11 @@ class SamplingParams:
             raise ValueError(f"logprobs={self.logprobs!r} must be None or an integer in [0, 20]")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ValueError(f"structured_outputs={self.structured_outputs!r} must be a StructuredOutputs")
+        if self.structured_outputs is not None and self.min_tokens > 0:
+            # Once the grammar is complete only EOS may follow, and min_tokens would mask that too:
+            # the row would have no token left to sample.
+            raise ValueError(f"min_tokens={self.min_tokens} cannot be combined with structured_outputs: a complete "
+                             "grammar allows only EOS, which min_tokens forbids (send min_tokens=0)")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop={self.stop!r} must be non-empty strings")

@@ -59,7 +59,8 @@ class RequestGrammar:
 
     def accept(self, token_id: int) -> bool:
         """Advances past one sampled token. Returns True when nothing more may follow: the
-        grammar terminated, or (never, while the mask is applied) the token broke it."""
+        grammar terminated, or the token broke it (which the mask prevents: SamplingParams refuses
+        min_tokens, the one setting that could leave a constrained row no allowed token)."""
         if not self.matcher.accept_token(token_id):
             logger.error("structured outputs: token %d is not allowed by the grammar; ending the request", token_id)
             return True

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from nanoserve import SamplingParams
+from nanoserve.params import StructuredOutputs
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -27,6 +28,8 @@ from nanoserve import SamplingParams
     ({"frequency_penalty": -3.0}, "frequency_penalty=-3.0 must be in \\[-2, 2\\]"),
     ({"logprobs": 21}, "logprobs=21 must be None or an integer in \\[0, 20\\]"),
     ({"stop": ["ok", ""]}, "must be non-empty strings"),
+    ({"min_tokens": 5, "structured_outputs": StructuredOutputs(regex="[0-9]{2}")},
+     "min_tokens=5 cannot be combined with structured_outputs"),
 ])
 def test_bad_sampling_params_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -296,6 +296,27 @@ def test_hung_worker_fails_the_step_within_the_timeout(tiny_path):
         engine.close()  # kills the stopped worker
 
 
+def test_a_fault_in_rank_0s_forward_breaks_the_group_at_once_and_is_fatal(tiny_path):
+    # The plan is out, so the worker waits in the step's all-reduces: the step must not be taken
+    # for a recoverable one (the next step would stall for the timeout, then fail anyway).
+    engine = Engine.from_pretrained(tiny_path, tiny_config(2, tensor_parallel_timeout_s=30.0))
+    try:
+        engine.add_request([5, 6, 7], greedy(3))
+
+        def boom(*args):
+            raise RuntimeError("injected into rank 0's layer")
+
+        engine.model.layer_fn = boom
+        start = time.monotonic()
+        with pytest.raises(WorkerFailure, match="rank 0's own forward raised.*injected into rank 0's layer") as e:
+            engine.step()
+        assert time.monotonic() - start < 5.0
+        with pytest.raises(RuntimeError, match="cannot recover"):
+            engine.fail_step(e.value)
+    finally:
+        engine.close()
+
+
 def test_no_worker_left_after_an_exception_in_the_constructor_or_the_with_block(tiny_path):
     # max_model_len past the model's 256 positions: the engine refuses after the workers loaded.
     with pytest.raises(ValueError, match="max_model_len=1000 exceeds the model's 256 positions"):

@@ -150,3 +150,22 @@ def test_tools_go_into_a_system_message_when_the_template_ignores_them():
     assert json.dumps(WEATHER["function"]) in system["content"] and "JSON array of calls" in system["content"]
     assert assistant == {"role": "assistant", "content": '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'}
     assert tool == {"role": "tool", "content": "sunny"}
+
+
+@pytest.mark.parametrize("template, reads", [
+    ("{% if tools %}{{ tools | tojson }}{% endif %}{{ messages }}", True),
+    ("{%- for tool in tools %}{{ tool }}{% endfor %}", True),
+    ("Use the tools wisely. {{ messages }}", False),  # the word in the text, not the variable
+    ("{% set tools_used = 1 %}{{ messages }}", False),  # another name
+])
+def test_a_template_reads_tools_only_when_jinja_names_the_variable(template, reads):
+    class Recorder(Template):
+        def apply_chat_template(self, messages, **kwargs):
+            self.messages, self.kwargs = messages, kwargs
+            return "prompt"
+
+    tokenizer = Recorder(template)
+    plan = tools.plan(body(tools=[WEATHER], tool_choice="required"), tokenizer)
+    tools.render_prompt(tokenizer, [{"role": "user", "content": "weather?"}], plan)
+    assert ("tools" in tokenizer.kwargs) == reads
+    assert (tokenizer.messages[0]["role"] == "system") == (not reads)

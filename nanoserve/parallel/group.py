@@ -196,8 +196,11 @@ class TensorParallelGroup:
         """Records why the group broke and returns the error a step raises."""
         if self.failure is None:
             time.sleep(0.1)  # a killed worker's exit status lands a moment after its sockets close
-            cause = self.exited() or (f"no worker process has exited: a collective waited past the "
-                                      f"{self.timeout_s:g} s timeout, or failed (a worker hung, or its peer broke)")
+            if not isinstance(error, CollectiveError):
+                cause = "rank 0's own forward raised while the workers were inside the step's collectives"
+            else:
+                cause = self.exited() or (f"no worker process has exited: a collective waited past the "
+                                          f"{self.timeout_s:g} s timeout, or failed (a worker hung, or its peer broke)")
             self.failure = f"tensor-parallel step failed: {cause}. ({type(error).__name__}: {str(error)[:300]})"
         return WorkerFailure(self.failure)
 

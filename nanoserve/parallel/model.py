@@ -37,17 +37,24 @@ class TensorParallelModel(LlamaModel):
         """Logits [R, V] in float32, as LlamaModel.forward returns them.
 
         Raises:
-            WorkerFailure: a worker died or hung (within the group's timeout); every later step
-                raises it too, and Engine.close() still ends the processes.
+            WorkerFailure: a worker died or hung (within the group's timeout), or rank 0's own
+                forward raised after the plan went out; every later step raises it too, and
+                Engine.close() still ends the processes.
         """
         group = self.group
         if group.failure is not None:
             raise WorkerFailure(group.failure)
         try:
             group.send_plan(encode(inputs))
+        except CollectiveError as e:
+            raise group.broke(e) from e
+        # From here the workers are inside this step's collectives: any fault of rank 0's own (not
+        # only a collective's) leaves them waiting for an all-reduce that will never come, so the
+        # group is broken and the step's fault is not one the engine can recover from.
+        try:
             logits = super().forward(inputs, kv)  # [R, V_0]
             return group.gather_logits(logits, self.vocab_ranges)  # [R, V]
-        except CollectiveError as e:
+        except Exception as e:
             raise group.broke(e) from e
 
     __call__ = forward

@@ -6,7 +6,8 @@ or its iterator closed) aborts its request so the blocks go back to the pool.
 
 A step that raises fails the requests of that step (`Engine.fail_step`): their consumers get a
 StepFailedError and the loop goes on with the others. Where the engine's state cannot be
-restored (a fault in schedule, a device error, a pool that fails its invariant check) the front
+restored (a fault in schedule, a device error, a tensor-parallel group broken by a worker or by
+a fault in rank 0's forward, a pool that fails its invariant check) the front
 is dead: every consumer gets an EngineDeadError and so does every later submission.
 """
 

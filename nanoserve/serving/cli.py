@@ -57,7 +57,9 @@ def serve_main(argv: list[str]) -> None:
             from nanoserve.parallel.worker import run_torchrun_worker
 
             sys.exit(run_torchrun_worker(args.tensor_parallel_timeout))
-    tensor_parallel_size = args.tensor_parallel_size or 1
+    tensor_parallel_size = 1 if args.tensor_parallel_size is None else args.tensor_parallel_size
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        parser.error(f"--max-waiting-requests={args.max_waiting_requests} must be >= 0 (0: no bound)")
 
     from nanoserve.config import EngineConfig
     from nanoserve.serving.server import serve

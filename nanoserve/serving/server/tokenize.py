@@ -5,8 +5,10 @@ completions endpoint encodes) or a chat (`messages`; `add_generation_prompt`, de
 `continue_final_message`; `add_special_tokens`, default false since the template writes them;
 `tools`, handed to the template), and answers `{count, max_model_len, tokens, token_strs}`
 (`token_strs` when `return_token_strs` is true, else null). A chat is rendered by the tokenizer's
-chat template as the chat endpoint renders it, so `count` is the prompt length that endpoint
-would see. /detokenize takes `{tokens}` and answers `{prompt}`: the tokenizer's decode with
+chat template as the chat endpoint renders a chat without tools, so `count` is the prompt length
+that endpoint would see for it. With tools and a template that does not read them (the default
+SmolLM2's), the chat endpoint adds nanoserve's own tools message (serving/server/tools.py), which
+this count does not include. /detokenize takes `{tokens}` and answers `{prompt}`: the tokenizer's decode with
 special tokens kept, as vLLM's. Like vLLM, both sit outside /v1; the API key guards them too.
 """
 

@@ -1,6 +1,7 @@
 """Tools on chat completions: what `tools` and `tool_choice` ask for, the prompt, the parsed calls.
 
-- "none" (the default without tools): the tools go into the prompt as vLLM does, the output is text.
+- "none" (the default without tools): the output is text. A template that reads `tools` still
+  renders them (as vLLM does); one that does not gets no tools prompt from nanoserve either.
 - A named function and "required" work on every model: a grammar holds the output to the function's
   arguments (its parameter schema) or to a JSON array of calls `[{"name", "parameters"}, ...]`
   (vLLM's required schema), so the arguments are always valid JSON for their schema.
@@ -18,6 +19,7 @@ assistant's earlier calls written as the JSON array "required" produces.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,7 +108,9 @@ def plan(body: ChatCompletionRequest, tokenizer: Any) -> ToolPlan:
     if not tools and choice != "none":
         raise ApiError(f"tool_choice={choice!r} needs tools", param="tool_choice")
     template = getattr(tokenizer, "chat_template", None)
-    reads_tools = isinstance(template, str) and "tools" in template
+    # The template reads `tools` when a Jinja statement or expression names the variable (not when
+    # the word only appears in its text or inside another name).
+    reads_tools = isinstance(template, str) and re.search(r"\{[{%][^}]*\btools\b", template) is not None
     parser = parser_for_template(template) if choice == "auto" else None
     if choice == "auto" and parser is None:
         raise ApiError("tool_choice='auto' (the default when tools are given) needs a parser for the model's own "
