@@ -32,7 +32,7 @@ from nanoserve.serving.async_engine import (
     RequestStream,
     StepFailedError,
 )
-from nanoserve.serving.server import protocol, tools
+from nanoserve.serving.server import protocol, responses, tools
 from nanoserve.serving.server.guard import ApiKeyMiddleware, ServerConfig
 from nanoserve.serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from nanoserve.serving.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
@@ -122,7 +122,7 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": protocol.now(), "owned_by": "nanoserve",
+        card = {"id": model_name, "object": "model", "created": responses.now(), "owned_by": "nanoserve",
                 "max_model_len": engine.max_model_len}
         return {"object": "list", "data": [card]}
 
@@ -138,16 +138,16 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
         prompt_ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         params = protocol.sampling_params(body, max_tokens_for(body.max_tokens, len(prompt_ids)), body.logprobs,
                                           protocol.structured_outputs(body))
-        rid = protocol.new_id("cmpl")
+        rid = responses.new_id("cmpl")
         stream = await submit(prompt_ids, params, rid)
-        head = {"id": rid, "object": "text_completion", "created": protocol.now(), "model": model_name}
+        head = {"id": rid, "object": "text_completion", "created": responses.now(), "model": model_name}
         k = params.logprobs
         offsets = [0] * params.n  # characters of each completion sent so far, for text_offset
 
         def choice(index: int, text: str, token_ids: list[int], entries, finish_reason) -> dict[str, Any]:
             logprobs = None
             if k is not None:
-                logprobs = protocol.completion_logprobs(engine.tokenizer, token_ids, entries, k, offsets[index])
+                logprobs = responses.completion_logprobs(engine.tokenizer, token_ids, entries, k, offsets[index])
             offsets[index] += len(text)
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
@@ -176,13 +176,13 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
         params = protocol.sampling_params(body, max_tokens_for(requested, len(prompt_ids)),
                                           protocol.chat_logprobs_count(body),
                                           plan.structured_outputs or protocol.structured_outputs(body))
-        rid = protocol.new_id("chatcmpl")
+        rid = responses.new_id("chatcmpl")
         stream = await submit(prompt_ids, params, rid)
-        head = {"id": rid, "object": "chat.completion", "created": protocol.now(), "model": model_name}
+        head = {"id": rid, "object": "chat.completion", "created": responses.now(), "model": model_name}
         k = params.logprobs
 
         def logprobs(token_ids: list[int], entries) -> dict[str, Any] | None:
-            return None if k is None else protocol.chat_logprobs(tokenizer, token_ids, entries, k)
+            return None if k is None else responses.chat_logprobs(tokenizer, token_ids, entries, k)
 
         if body.stream:
             named = set()  # OpenAI names the role once per choice, in its first chunk
@@ -228,7 +228,7 @@ class _Completion:
 
 
 def _usage(stream: RequestStream, completions: dict[int, _Completion]) -> dict[str, int]:
-    return protocol.usage(len(stream.prompt_token_ids), sum(len(c.token_ids) for c in completions.values()))
+    return responses.usage(len(stream.prompt_token_ids), sum(len(c.token_ids) for c in completions.values()))
 
 
 def _sse(stream: RequestStream, head: dict[str, Any], body: Any, make_choice) -> StreamingResponse:

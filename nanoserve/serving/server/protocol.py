@@ -1,4 +1,6 @@
-"""The OpenAI wire format: request bodies as strict pydantic models, their SamplingParams, responses.
+"""The OpenAI wire format in: request bodies as strict pydantic models, and their SamplingParams.
+
+What goes back out (logprobs, usage, ids) is nanoserve.serving.server.responses.
 
 Bodies are validated strictly (a string where a number belongs is an error, not coerced) and
 unknown fields are ignored, as OpenAI clients send fields a server may not know, except those
@@ -14,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import time
-import uuid
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -303,48 +303,3 @@ def chat_logprobs_count(body: ChatCompletionRequest) -> int | None:
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
     return (body.top_logprobs or 0) if body.logprobs else None
-
-
-def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
-    # The engine's entry holds the top k first, in order, then the sampled token if it was not among them.
-    return list(entry.items())[:k]
-
-
-def completion_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]], k: int,
-                        text_offset: int) -> dict[str, Any]:
-    """The legacy completions format: parallel lists over the tokens, `text_offset` from `text_offset`."""
-    tokens = [tokenizer.decode([t]) for t in token_ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(text_offset)
-        text_offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [entry[t] for t, entry in zip(token_ids, entries, strict=True)],
-        "top_logprobs": [{tokenizer.decode([i]): v for i, v in _top(entry, k)} for entry in entries],
-        "text_offset": offsets,
-    }
-
-
-def chat_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]], k: int) -> dict[str, Any]:
-    """The chat format: one object per token with its bytes and its top alternatives."""
-
-    def item(token_id: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [item(t, entry[t]) | {"top_logprobs": [item(i, v) for i, v in _top(entry, k)]}
-                        for t, entry in zip(token_ids, entries, strict=True)]}
-
-
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
