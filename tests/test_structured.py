@@ -111,11 +111,11 @@ def test_bitmask_is_as_wide_as_the_logits_when_the_tokenizer_is_smaller():
     assert all(t in printable for t in out.token_ids)
 
 
-def apply_as_off_cpu(logits, bitmask):  # float64 logits take apply_bitmask's torch-ops path, as a GPU would
+def apply_as_off_cpu(logits, bitmask):  # float64 logits: the lookup table is built per device and dtype
     return apply_bitmask(logits.double(), bitmask).float()
 
 
-@pytest.mark.parametrize("apply", [apply_bitmask, mask_logits, apply_as_off_cpu])  # xgrammar's CPU kernel, torch ops
+@pytest.mark.parametrize("apply", [apply_bitmask, mask_logits, apply_as_off_cpu])  # some rows, all rows, float64
 def test_masking_matches_bit_arithmetic(apply):
     torch.manual_seed(0)
     logits = torch.randn(4, 70)
