@@ -41,6 +41,11 @@ class EngineConfig:
     # the dtype above it (the kernels are shaped for few rows: benchmarks/matmulbench.py --quant);
     # None keeps no dense copy (less memory, slow prefill).
     max_kernel_rows: int | None = 8
+    # Who runs those few-row passes on a CPU: "torch" (its weight-only kernels), "blockdot"
+    # (nanoserve's own, nanoserve/model/blockdot.c, compiled at first use: GGUF's Q4_0, Q4_1 and Q8_0
+    # and nanoserve's int4 with fp16 scales, in float32), or "auto": blockdot where the start-up probe
+    # times it faster than torch's int4 kernel at one row.
+    kernels: str = "auto"
     device: str = "cpu"
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
     # Every layer split across this many processes (nanoserve.parallel): rank 0 is this one and
@@ -67,6 +72,8 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is not one of {list(_DTYPES)}")
         if self.quantization not in _QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} is not one of {list(_QUANTIZATIONS)}")
+        if self.kernels not in ("auto", "torch", "blockdot"):
+            raise ValueError(f"kernels={self.kernels!r} is not one of ['auto', 'torch', 'blockdot']")
         if self.max_kernel_rows is not None and (not isinstance(self.max_kernel_rows, int) or self.max_kernel_rows < 1):
             raise ValueError(f"max_kernel_rows={self.max_kernel_rows!r} must be None or an integer >= 1")
         try:

@@ -72,13 +72,14 @@ class Engine:
                              "process(es): a tensor-parallel engine is built by Engine.from_pretrained(path, config)")
         # The precision is chosen once (dtype and quantization "auto" by a probe) and the model laid
         # out for it: a new model, the one given is left as it was.
-        self.precision = resolve(config.dtype, config.quantization, self.device, is_quantized(model))
+        self.precision = resolve(config.dtype, config.quantization, self.device, is_quantized(model),
+                                 kernels="torch" if world_size > 1 else config.kernels)
         logger.info("nanoserve: computing in %s, quantization %s (%s)%s", self.precision.dtype,
                     self.precision.quantization, self.precision.reason,
                     f"; probe {self.precision.probe.describe()}" if self.precision.probe else "")
         model = self.model = prepare_model(model, pack_weights=config.pack_weights, compile=config.compile,
                                            dtype=self.precision.torch_dtype, quantization=self.precision.quantization,
-                                           max_kernel_rows=config.max_kernel_rows)
+                                           max_kernel_rows=config.max_kernel_rows, kernels=self.precision.kernels)
         num_positions = model.cos.shape[0]
         self.max_model_len = config.max_model_len or num_positions
         if self.max_model_len > num_positions:

@@ -15,10 +15,11 @@ from nanoserve.model.precision import Probe, probe_cpu, resolve
 CPU = torch.device("cpu")
 
 
-def fake(float32_ms, bfloat16_ms, int4_ms=1.0, dense_ms=2.0):
+def fake(float32_ms, bfloat16_ms, int4_ms=1.0, dense_ms=2.0, blockdot_ms=None):
     def probe(kernel_dtype=None):
         chosen = kernel_dtype or ("bfloat16" if bfloat16_ms < float32_ms else "float32")
-        return Probe(float32_ms, bfloat16_ms, int4_ms, dense_ms, chosen, (16, 512, 1024))
+        return Probe(float32_ms, bfloat16_ms, int4_ms, dense_ms, chosen, (16, 512, 1024), blockdot_ms,
+                     "" if blockdot_ms else "not built (faked)")
     return probe
 
 
@@ -46,8 +47,25 @@ def test_auto_quantization_keeps_the_checkpoints_blocks_only_where_the_kernel_is
 def test_explicit_values_are_taken_without_a_probe():
     def no_probe(**_):
         raise AssertionError("an explicit dtype needs no probe")
-    chosen = resolve("float32", "int4", CPU, False, probe=no_probe)
-    assert (chosen.dtype, chosen.quantization, chosen.probe) == ("float32", "int4", None)
+    chosen = resolve("float32", "int4", CPU, False, probe=no_probe, kernels="torch")
+    assert (chosen.dtype, chosen.quantization, chosen.probe, chosen.kernels) == ("float32", "int4", None, "torch")
+
+
+def test_auto_kernels_take_blockdot_only_where_the_probe_times_it_faster():
+    # The dtype and quantization given, the probe is still asked, for the kernels alone, in that dtype.
+    fast = resolve("bfloat16", "int4", CPU, False, probe=fake(0.2, 0.05, int4_ms=0.06, blockdot_ms=0.03))
+    assert fast.kernels == "blockdot" and "kernels blockdot: 2.00x torch's" in fast.reason
+    assert fast.probe.kernel_dtype == "bfloat16"
+    slow = resolve("bfloat16", "int4", CPU, False, probe=fake(0.2, 0.05, int4_ms=0.03, blockdot_ms=0.06))
+    assert slow.kernels == "torch" and "blockdot 0.50x" in slow.reason
+    missing = resolve("bfloat16", "int4", CPU, False, probe=fake(0.2, 0.05))
+    assert missing.kernels == "torch" and "not built (faked)" in missing.reason
+    dense = resolve("bfloat16", None, CPU, False, probe=fake(0.2, 0.05, blockdot_ms=0.01))
+    assert dense.kernels == "torch"  # nothing quantized, nothing for blockdot to run
+    # blockdot faster than torch's kernel makes keeping a checkpoint's blocks worth it even where
+    # torch's kernel alone loses to the dense matmul (an AVX2 CPU: float32 activations)
+    kept = resolve("auto", "auto", CPU, True, probe=fake(0.2, 14.0, int4_ms=0.45, dense_ms=0.02, blockdot_ms=0.01))
+    assert (kept.dtype, kept.quantization, kept.kernels) == ("float32", "keep", "blockdot")
 
 
 def test_quantization_off_the_cpu_is_refused_by_name():

@@ -4,7 +4,9 @@ On a CPU the right precision depends on the instructions it has: with AVX-512 bf
 bf16 matmul runs several times faster than float32; on an AVX2-only CPU it runs tens of times
 slower (measured about 70x on an AMD EPYC Zen 3). So nothing here reads a CPU's name: a probe of a
 few milliseconds times both, and the int4 kernel beside the dense matmul at one row in the chosen
-dtype, and the choice follows the figures, which the engine logs once and reports.
+dtype, and the choice follows the figures, which the engine logs once and reports. The same probe
+times nanoserve's own blockdot kernel (nanoserve.model.blockdot) beside torch's int4 kernel at one
+row, and kernels="auto" takes the faster.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.model import blockdot
 from nanoserve.model.quant import int4_pass, quantize_int4
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -31,11 +34,20 @@ class Probe:
     dense_ms: float  # the dense matmul at one row, in kernel_dtype
     kernel_dtype: str  # the faster of the two, unless the caller named one
     shape: tuple[int, int, int]  # (rows, K, N) of the matmul pair
+    blockdot_ms: float | None = None  # blockdot on the same int4 matrix at one row; None: unavailable
+    blockdot_note: str = ""  # why blockdot_ms is None
+
+    @property
+    def quantized_ms(self) -> float:
+        """The faster one-row int4 kernel."""
+        return min(self.int4_ms, self.blockdot_ms or float("inf"))
 
     def describe(self) -> str:
         rows, K, N = self.shape
+        blockdot_text = f"{self.blockdot_ms:.3f} ms" if self.blockdot_ms is not None else self.blockdot_note
         return (f"[{rows}x{K}]@[{K}x{N}]: float32 {self.float32_ms:.3f} ms, bfloat16 {self.bfloat16_ms:.3f} ms; "
-                f"one row in {self.kernel_dtype}: int4 kernel {self.int4_ms:.3f} ms, dense {self.dense_ms:.3f} ms")
+                f"one row in {self.kernel_dtype}: int4 kernel {self.int4_ms:.3f} ms, blockdot {blockdot_text}, "
+                f"dense {self.dense_ms:.3f} ms")
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,7 @@ class Precision:
     quantization: str | None  # None, "int8", "int4" or "keep" (the checkpoint's own)
     reason: str
     probe: Probe | None = None
+    kernels: str = "torch"  # who runs quantized linears at few rows: "torch" or "blockdot"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -96,18 +109,28 @@ def _probe(kernel_dtype: str | None, rows: int, K: int, N: int) -> Probe:
         kernel = int4_pass(stored.codes, stored.scales, stored.mins + 8 * stored.scales, dtype)
         one, dense = x[:1].to(dtype), w.to(dtype)
         int4, dense_ms = _best_ms(lambda: kernel(one), lambda: torch.nn.functional.linear(one, dense))
-    return Probe(fp32, bf16, int4, dense_ms, str(dtype).removeprefix("torch."), (rows, K, N))
+        blockdot_ms, note = None, ""
+        if not blockdot.supports(stored, dtype):
+            note = f"not for {dtype} activations"
+        elif blockdot.library() is None:
+            note = f"not built ({blockdot.failure()})"
+        else:
+            packed = blockdot.pack(stored)
+            blockdot_ms, _ = _best_ms(lambda: packed(one), lambda: kernel(one))
+    return Probe(fp32, bf16, int4, dense_ms, str(dtype).removeprefix("torch."), (rows, K, N), blockdot_ms, note)
 
 
 def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoint_quantized: bool,
-            probe: Callable[..., Probe] | None = None) -> Precision:
+            probe: Callable[..., Probe] | None = None, kernels: str = "auto") -> Precision:
     """Turns the config's "auto" values into a Precision.
 
     dtype "auto": bfloat16 on a CUDA device that supports it; on a CPU, bfloat16 when the probe
     times it faster than float32; float32 otherwise. quantization "auto": a checkpoint's own
     quantized matrices are kept in kernel form when the probe times the int4 kernel faster than
     the dense matmul at one row (where it is not, as with float32 activations on a CPU, they are
-    dequantized into dense); a dense checkpoint stays dense.
+    dequantized into dense); a dense checkpoint stays dense. kernels "auto": blockdot where the probe
+    times it faster than torch's int4 kernel at one row, torch's kernels otherwise; "blockdot" asks
+    for it (a ValueError where it cannot be built), "torch" for torch's.
     """
     probe = probe or probe_cpu  # looked up at call time, so a test can stand in for it
     figures: Probe | None = None
@@ -135,13 +158,33 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
         else:
             if figures is None or figures.kernel_dtype != dtype:
                 figures = probe(kernel_dtype=dtype)
-            faster = figures.int4_ms < figures.dense_ms
+            faster = figures.quantized_ms < figures.dense_ms
             quantization = "keep" if faster else None
-            reasons.append(f"the checkpoint's quantization {'kept' if faster else 'dequantized'}: int4 kernel "
-                           f"{figures.dense_ms / figures.int4_ms:.2f}x the dense matmul's speed at one row")
+            reasons.append(f"the checkpoint's quantization {'kept' if faster else 'dequantized'}: the faster int4 "
+                           f"kernel {figures.dense_ms / figures.quantized_ms:.2f}x the dense matmul's speed at one row")
     elif quantization is not None and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on torch's CPU kernels; device={device.type!r} has "
                          "none here: use quantization=None")
     else:
         reasons.append(f"quantization {quantization}: as configured")
-    return Precision(dtype, quantization, "; ".join(reasons), figures)
+    chosen = "torch"
+    if kernels == "blockdot":
+        if blockdot.library() is None:
+            raise ValueError(f"kernels='blockdot' but the blockdot kernel could not be built: {blockdot.failure()}")
+        chosen = "blockdot"
+        reasons.append("kernels blockdot: as configured")
+    elif kernels == "auto" and quantization is not None and device.type == "cpu":
+        if figures is None or figures.kernel_dtype != dtype:
+            figures = probe(kernel_dtype=dtype)
+        if figures.blockdot_ms is not None and figures.blockdot_ms < figures.int4_ms:
+            chosen = "blockdot"
+            reasons.append(f"kernels blockdot: {figures.int4_ms / figures.blockdot_ms:.2f}x torch's int4 kernel's "
+                           "speed at one row")
+        elif figures.blockdot_ms is not None:
+            reasons.append(f"kernels torch: blockdot {figures.int4_ms / figures.blockdot_ms:.2f}x torch's int4 "
+                           "kernel's speed at one row")
+        else:
+            reasons.append(f"kernels torch: blockdot not timed ({figures.blockdot_note or 'no figure'})")
+    elif kernels not in ("auto", "torch"):
+        raise ValueError(f"kernels={kernels!r} is not one of ['auto', 'torch', 'blockdot']")
+    return Precision(dtype, quantization, "; ".join(reasons), figures, chosen)

@@ -39,12 +39,14 @@ class Layout:
         head in int8), or "keep" (a checkpoint's own quantized matrices in kernel form, the others
         dense).
     max_kernel_rows: past this many rows a quantized linear reads a dense copy; None: no copy.
+    kernels: "torch" or "blockdot", who runs the quantized linears' few-row passes (quant_linear).
     """
 
     dtype: torch.dtype
     quantization: str | None = None
     max_kernel_rows: int | None = None
     pack_weights: bool = True
+    kernels: str = "torch"
 
 
 def _linear_weight(w: Weight, layout: Layout, head: bool) -> Weight:
@@ -60,7 +62,7 @@ def _linear_weight(w: Weight, layout: Layout, head: bool) -> Weight:
     elif layout.quantization == "int4":
         stored = quantize_int4(dense_of(w))
     if stored is not None:
-        return quant_linear(stored, layout.dtype, layout.max_kernel_rows, layout.pack_weights)
+        return quant_linear(stored, layout.dtype, layout.max_kernel_rows, layout.pack_weights, layout.kernels)
     dense = dense_of(w).to(layout.dtype)
     return pack_linear_weight(dense) if layout.pack_weights and can_pack(dense) else dense
 
@@ -137,19 +139,20 @@ def is_quantized(model: LlamaModel) -> bool:
 
 
 def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype: torch.dtype | None = None,
-                  quantization: str | None = None, max_kernel_rows: int | None = None) -> LlamaModel:
+                  quantization: str | None = None, max_kernel_rows: int | None = None,
+                  kernels: str = "torch") -> LlamaModel:
     """The model an engine runs: laid out in `dtype` (default: the model's own) with the weights'
     quantization, then compiled, or `model` itself when nothing changes."""
     dtype = dtype or model.dtype
     # A checkpoint's matrices as stored always need a form (kernels, or dense when quantization is None).
     needs_layout = dtype != model.dtype or quantization is not None or is_quantized(model)
-    if compile:
+    if compile:  # torch's kernels: a compiled graph cannot trace blockdot's foreign call
         if needs_layout:
             model = laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights=False))
         return compiled(model)
     if not needs_layout:
         return packed(model) if pack_weights else model
-    return laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights))
+    return laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights, kernels))
 
 
 def _nbytes(w: Weight) -> dict[str, int]:

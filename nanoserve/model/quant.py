@@ -5,7 +5,9 @@ Two forms of a quantized matrix [N, K] (N output rows, K input columns, G = 32 p
 - as stored: `BlockQuantized` (nanoserve.model.gguf; GGUF's Q4_0, Q4_1 and Q8_0, or nanoserve's own
   int4 in groups of 32, which is Q4_1's form: w = d q + m, q in 0..15) and `ChannelInt8` (int8 per
   output channel, w = s[n] q). Both dequantize exactly to float32, the reference every test uses;
-- as run: `QuantLinear`, one or two kernel passes summed, in the activations' dtype.
+- as run: `QuantLinear`, one or two kernel passes summed, in the activations' dtype: torch's
+  kernels (below), or nanoserve's own blockdot (nanoserve.model.blockdot: one pass for Q4_0, Q4_1 and
+  Q8_0, fp16 scales exact, float32 arithmetic) where the start-up probe times it faster.
 
 The kernels: `_weight_int4pack_mm_for_cpu` reads 4-bit codes in groups of 32 with a scale and a
 zero per group, w = (q - 8) s + z; `_weight_int8pack_mm` reads int8 with one scale per output
@@ -31,9 +33,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanoserve.model import blockdot
+from nanoserve.model.blockdot import Panels
 from nanoserve.model.gguf import BLOCK, BlockQuantized
 
 GROUP = BLOCK  # 32: the group size of every int4 layout here
+KERNELS = ("torch", "blockdot")  # who runs a quantized linear's few-row passes
 
 
 @dataclass
@@ -65,17 +70,28 @@ def quantize_int8(w: torch.Tensor) -> ChannelInt8:
     return ChannelInt8(codes, scales)
 
 
+def _to_fp16(t: torch.Tensor, up: bool) -> torch.Tensor:
+    """float32 -> the nearest fp16 value at or above t (up) or at or below it, as float32."""
+    h = t.half()
+    wrong_side = h.float() < t if up else h.float() > t
+    toward = torch.full_like(h, float("inf") if up else float("-inf"))
+    return torch.where(wrong_side, torch.nextafter(h, toward), h).float()
+
+
 def quantize_int4(w: torch.Tensor) -> BlockQuantized:
-    """w [N, K] -> 4 bits in groups of 32, asymmetric over each group's range: d = (max - min) / 15,
-    m = min, q = round((w - m) / d) in 0..15 (GGUF's Q4_1 form, w = d q + m)."""
+    """w [N, K] -> 4 bits in groups of 32, asymmetric over each group's range (GGUF's Q4_1 form,
+    w = d q + m, q in 0..15), with d and m in fp16 as the file format stores them (blockdot reads
+    them exactly): m = min rounded down, d = (max - m) / 15 rounded up, so every weight lies within
+    the 16 levels, and q = round((w - m) / d), an error of at most d / 2."""
     N, K = w.shape
     if K % GROUP:
         raise ValueError(f"int4 needs the input width a multiple of {GROUP}; this matrix has K={K}")
     groups = w.float().view(N, K // GROUP, GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, B]
-    scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-    codes = torch.round((groups - low.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
-    return BlockQuantized("Q4_1", codes.view(N, K), scales, low)
+    mins = _to_fp16(low, up=False)
+    scales = _to_fp16((high - mins) / 15, up=True)  # > 0: the smallest fp16 step at least
+    codes = torch.round((groups - mins.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
+    return BlockQuantized("Q4_1", codes.view(N, K), scales, mins)
 
 
 def dense_of(w: torch.Tensor | Stored) -> torch.Tensor:
@@ -161,7 +177,7 @@ def kernel_passes(w: Stored, dtype: torch.dtype) -> list[Int4Pass | Int8Pass]:
 class QuantLinear:
     """A linear run by quantized kernels for up to max_kernel_rows rows and by its dense copy above."""
 
-    passes: list[Int4Pass | Int8Pass]
+    passes: list[Int4Pass | Int8Pass | Panels]
     dense: torch.Tensor | None  # [N, K] in the activations' dtype (oneDNN-packed where that runs faster), or None
     max_kernel_rows: int
     shape: tuple[int, int]  # (N, K)
@@ -211,15 +227,23 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
 
-def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pack: bool) -> QuantLinear:
+def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pack: bool,
+                 kernels: str = "torch") -> QuantLinear:
     """The kernel form of a stored quantized matrix, with a dense copy for more than
-    max_kernel_rows rows (None: no copy, the kernels take every row count)."""
+    max_kernel_rows rows (None: no copy, the kernels take every row count). kernels "blockdot" runs
+    the matrices blockdot supports on it (the rest, and "torch", on torch's kernels)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r} is not one of {KERNELS}")
     dense = None
     if max_kernel_rows is not None:
         dense = w.dequantize().to(dtype)
         if pack and can_pack(dense):
             dense = pack_linear_weight(dense)
-    return QuantLinear(kernel_passes(w, dtype), dense, max_kernel_rows or 0, w.shape)
+    if kernels == "blockdot" and blockdot.supports(w, dtype):
+        passes = [blockdot.pack(w)]
+    else:
+        passes = kernel_passes(w, dtype)
+    return QuantLinear(passes, dense, max_kernel_rows or 0, w.shape)
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor | Stored, dtype: torch.dtype) -> torch.Tensor:

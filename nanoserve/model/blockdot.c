@@ -1,0 +1,224 @@
+/* blockdot.c: y = x @ w^T for a few rows of x, w in blocks of 32 weights with fp16 scales (GGUF's
+ * Q4_0, Q4_1 and Q8_0), the codes and scales exact and the arithmetic float32.
+ *
+ * Built at first use by nanoserve/model/blockdot.py (cc -O3 -march=native -fopenmp) and used in place
+ * of torch's kernels only where a start-up probe measures it faster. Why it exists: torch's one-row
+ * int4 kernel rounds a GGUF file's fp16 scales to bf16 (8 of their 11 bits), its int8 Q8_0 head needs
+ * two int4 passes, and on a CPU without AVX-512 bf16 it has no fast path at all.
+ *
+ * Every block is w[n, k] = d * q + m for 32 consecutive k of one output row n, q in 0..15 in each
+ * of one or two planes of 4-bit codes:
+ *   Q4_1: one plane, d and m as stored;       Q4_0 (d (q - 8)): one plane, m = -8 d;
+ *   Q8_0 (d q, q int8 = 16 hi + lo, lo in 0..15, hi in -8..7): two planes, lo and hi + 8, with
+ *   w = d lo + 16 d (hi + 8) - 128 d, so m = -128 d; the high plane is read against 16 x.
+ * All of these are exact in fp16 and float32 (blockdot.py checks that the scales are).
+ *
+ * Layout ("panels"): output rows in panels of 16, one vector lane per row. Block (p, b) is
+ *   fp16 d[16], fp16 m[16], then per plane 4 octets of 16 uint32: lane n of octet o holds the codes
+ *   of row 16 p + n at k = 32 b + 8 o + i, i = 0..7, in bits 4 i .. 4 i + 3.
+ * A step loads one octet (64 bytes: 16 rows x 8 k), takes each k's 16 codes as floats (a table
+ * lookup with AVX-512, a conversion with AVX2) and multiplies them by x[k] broadcast, so 16 rows
+ * advance at once and no sum crosses lanes; g[n] = sum over the block of q[n, k] x[k] is then scaled
+ * once: acc[n] += d[n] g[n] + m[n] sum_b(x). bf16 activations are widened to float32 first (exactly).
+ *
+ * One 16-lane vector type, vf, is what differs between machines: one __m512, two __m256 (AVX2, FMA,
+ * F16C), or 16 floats in plain C (correct and slow: the probe then keeps torch's kernels). Output
+ * rows are split over `nthreads` OpenMP threads, on the libgomp torch has already loaded.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__F16C__)
+#include <immintrin.h>
+#define SIMD 512
+typedef __m512 vf;
+typedef __m512i vi;
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vset1(float a) { return _mm512_set1_ps(a); }
+static inline void vstore(float *p, vf a) { _mm512_storeu_ps(p, a); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vhalf(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vi viload(const uint32_t *p) { return _mm512_loadu_si512(p); }
+/* the code at bit `shift` of every lane, as a float: a 16-entry table lookup reads an index's low 4 bits */
+static inline vf vcode(vi v, int shift) {
+  const vf table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_permutexvar_ps(shift ? _mm512_srli_epi32(v, shift) : v, table);
+}
+static inline void prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T1); }
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SIMD 256
+typedef struct { __m256 a, b; } vf;
+typedef struct { __m256i a, b; } vi;
+static inline vf vzero(void) { return (vf){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline vf vset1(float a) { return (vf){_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+static inline void vstore(float *p, vf x) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
+static inline vf vfma(vf x, vf y, vf z) { return (vf){_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+static inline vf vhalf(const uint16_t *p) {
+  return (vf){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
+}
+static inline vi viload(const uint32_t *p) {
+  return (vi){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 8))};
+}
+static inline vf vcode(vi v, int shift) {
+  const __m256i m4 = _mm256_set1_epi32(15);
+  return (vf){_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v.a, shift), m4)),
+              _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v.b, shift), m4))};
+}
+static inline void prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T1); }
+
+#else
+#define SIMD 0
+typedef struct { float v[16]; } vf;
+typedef struct { uint32_t v[16]; } vi;
+static inline vf vzero(void) { vf r = {{0}}; return r; }
+static inline vf vset1(float a) { vf r; for (int j = 0; j < 16; j++) r.v[j] = a; return r; }
+static inline void vstore(float *p, vf x) { memcpy(p, x.v, sizeof x.v); }
+static inline vf vfma(vf x, vf y, vf z) { for (int j = 0; j < 16; j++) z.v[j] += x.v[j] * y.v[j]; return z; }
+static inline float half(uint16_t h) {  /* IEEE binary16 -> float32, exact */
+  const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+  float f;
+  if (exp == 0) { f = (float)man / (1 << 24); return sign ? -f : f; }
+  const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  memcpy(&f, &bits, 4);
+  return f;
+}
+static inline vf vhalf(const uint16_t *p) { vf r; for (int j = 0; j < 16; j++) r.v[j] = half(p[j]); return r; }
+static inline vi viload(const uint32_t *p) { vi r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline vf vcode(vi v, int shift) { vf r; for (int j = 0; j < 16; j++) r.v[j] = (v.v[j] >> shift) & 15; return r; }
+static inline void prefetch(const void *p) { (void)p; }
+#endif
+
+#define G 32        /* weights per block */
+#define P 16        /* output rows per panel: one vf */
+#define AHEAD 4     /* blocks prefetched ahead of the one being read, in each panel */
+#define INLINE static inline __attribute__((always_inline))
+
+struct panel_head { uint16_t d[P], m[P]; };  /* then planes * 4 octets * 16 uint32 */
+
+static inline int64_t block_bytes(int planes) { return (int64_t)sizeof(struct panel_head) + planes * 4 * P * 4; }
+
+int blockdot_simd(void) { return SIMD; }
+
+static float bf16_to_f32(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+static uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does; NaN stays NaN */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+/* What the tiles read: per plane, x in float32 ([M, K]: plane 0's x, plane 1's 16 x), and per row
+   and block the sum of x ([M, K / 32]). */
+struct xin {
+  const float *x[2];
+  const float *xsum;
+};
+
+/* NP consecutive panels (16 NP output rows) against MR rows of x: acc[p * MR + r]. NP, MR are
+   constants once inlined, so the sums stay in registers (NP * MR <= 8). */
+INLINE void tile(const struct xin *in, int64_t K, const uint8_t *w, int64_t B, int planes, int64_t p0, int64_t r0,
+                 const int NP, const int MR, vf acc[8]) {
+  const int64_t bb = block_bytes(planes);
+  for (int a = 0; a < NP * MR; a++) acc[a] = vzero();
+  for (int64_t b = 0; b < B; b++) {
+    vf g[8];
+    for (int a = 0; a < NP * MR; a++) g[a] = vzero();
+    for (int p = 0; p < NP; p++)
+      for (int64_t l = 0; l < bb; l += 64) prefetch(w + ((p0 + p) * B + b + AHEAD) * bb + l);
+    for (int plane = 0; plane < planes; plane++) {
+      for (int o = 0; o < 4; o++) {
+        vi codes[4];
+        for (int p = 0; p < NP; p++)
+          codes[p] = viload((const uint32_t *)(w + ((p0 + p) * B + b) * bb + sizeof(struct panel_head)) + (plane * 4 + o) * P);
+        const int64_t k = b * G + o * 8;
+        for (int i = 0; i < 8; i++)
+          for (int p = 0; p < NP; p++) {
+            const vf q = vcode(codes[p], 4 * i);
+            for (int r = 0; r < MR; r++) g[p * MR + r] = vfma(q, vset1(in->x[plane][(r0 + r) * K + k + i]), g[p * MR + r]);
+          }
+      }
+    }
+    for (int p = 0; p < NP; p++) {
+      const struct panel_head *h = (const struct panel_head *)(w + ((p0 + p) * B + b) * bb);
+      const vf d = vhalf(h->d), m = vhalf(h->m);
+      for (int r = 0; r < MR; r++)
+        acc[p * MR + r] = vfma(m, vset1(in->xsum[(r0 + r) * B + b]), vfma(d, g[p * MR + r], acc[p * MR + r]));
+    }
+  }
+}
+
+/* The tile's sums into y [M, N], past-N rows (a panel's padding) left out. */
+INLINE void tile_out(const struct xin *in, int64_t K, int64_t N, const uint8_t *w, int planes, int64_t p0,
+                     int64_t r0, const int NP, const int MR, void *y, int y_bf16) {
+  vf acc[8];
+  tile(in, K, w, K / G, planes, p0, r0, NP, MR, acc);
+  for (int p = 0; p < NP; p++)
+    for (int r = 0; r < MR; r++) {
+      float lanes[P];
+      vstore(lanes, acc[p * MR + r]);
+      for (int n = 0; n < P && (p0 + p) * P + n < N; n++) {
+        const int64_t at = (r0 + r) * N + (p0 + p) * P + n;
+        if (y_bf16) ((uint16_t *)y)[at] = f32_to_bf16(lanes[n]);
+        else ((float *)y)[at] = lanes[n];
+      }
+    }
+}
+
+/* Panels [p0, p0 + NP) against every row of x, in the largest tiles that fit. */
+static void task(const struct xin *in, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, int64_t p0,
+                 int NP, void *y, int y_bf16) {
+  for (int64_t r0 = 0; r0 < M;) {
+    const int64_t left = M - r0;
+    int MR = 1;
+    if (NP == 4 && left >= 2) { MR = 2; tile_out(in, K, N, w, planes, p0, r0, 4, 2, y, y_bf16); }
+    else if (NP == 4) tile_out(in, K, N, w, planes, p0, r0, 4, 1, y, y_bf16);
+    else if (NP == 2 && left >= 4) { MR = 4; tile_out(in, K, N, w, planes, p0, r0, 2, 4, y, y_bf16); }
+    else if (NP == 2 && left >= 2) { MR = 2; tile_out(in, K, N, w, planes, p0, r0, 2, 2, y, y_bf16); }
+    else if (NP == 2) tile_out(in, K, N, w, planes, p0, r0, 2, 1, y, y_bf16);
+    else if (left >= 8) { MR = 8; tile_out(in, K, N, w, planes, p0, r0, 1, 8, y, y_bf16); }
+    else if (left >= 4) { MR = 4; tile_out(in, K, N, w, planes, p0, r0, 1, 4, y, y_bf16); }
+    else if (left >= 2) { MR = 2; tile_out(in, K, N, w, planes, p0, r0, 1, 2, y, y_bf16); }
+    else tile_out(in, K, N, w, planes, p0, r0, 1, 1, y, y_bf16);
+    r0 += MR;
+  }
+}
+
+/* y [M, N] = x [M, K] @ w^T, w in panels of `planes` planes ([ceil(N / 16), K / 32] blocks; rows
+   past N all zero). x and y are float32, or bf16 where x_bf16 / y_bf16. Returns 0, or -1 when out
+   of memory for the activations' float32 copies. */
+int blockdot(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,
+             int y_bf16, int nthreads) {
+  const int64_t B = K / G, panels = (N + P - 1) / P;
+  /* scratch: x in float32 (when it is bf16), 16 x (for a high plane), the block sums */
+  float *scratch = malloc(sizeof(float) * (2 * M * K + M * B));
+  if (!scratch) return -1;
+  float *xf = scratch, *x16 = scratch + M * K, *xsum = scratch + 2 * M * K;
+  const float *x32 = x;
+  if (x_bf16) {
+    for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    x32 = xf;
+  }
+  if (planes == 2)
+    for (int64_t i = 0; i < M * K; i++) x16[i] = 16 * x32[i];  /* exact: a power of two */
+  for (int64_t r = 0; r < M; r++)
+    for (int64_t b = 0; b < B; b++) {
+      float s = 0;
+      for (int j = 0; j < G; j++) s += x32[r * K + b * G + j];
+      xsum[r * B + b] = s;
+    }
+  const struct xin in = {{x32, x16}, xsum};
+  /* A task is NP panels (16 NP output rows) against every row of x, in tiles of NP panels by MR
+     rows with NP * MR <= 8: four panels for one or two rows of x, fewer as the rows grow. */
+  const int NP = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  const int64_t tasks = (panels + NP - 1) / NP;
+  #pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t t = 0; t < tasks; t++) {
+    if ((t + 1) * NP <= panels) task(&in, M, K, N, w, planes, t * NP, NP, y, y_bf16);
+    else for (int64_t p = t * NP; p < panels; p++) task(&in, M, K, N, w, planes, p, 1, y, y_bf16);
+  }
+  free(scratch);
+  return 0;
+}

@@ -1,0 +1,212 @@
+"""blockdot: nanoserve's own CPU kernel for block-quantized linears at few rows (blockdot.c).
+
+torch's one-row int4 kernel rounds a GGUF file's fp16 scales to bf16, runs a Q8_0 matrix (the
+default model's embedding and tied head) as two int4 passes, and has no fast path on a CPU without
+AVX-512 bf16. blockdot reads the file's 4- and 8-bit codes and fp16 scales exactly and computes in
+float32, 16 output rows to a vector (AVX-512, AVX2, or plain C). The C source is compiled once per machine at
+first use (`cc -O3 -march=native -fopenmp`, cached under ~/.cache/nanoserve) and loaded with ctypes;
+where there is no compiler, or the build fails, `library()` is None and torch's kernels serve.
+Whether it is used is not assumed: nanoserve.model.precision times it against torch's kernel at
+start-up.
+
+`pack` turns a `BlockQuantized` matrix (GGUF's Q4_0, Q4_1, Q8_0; nanoserve's own int4, whose
+scales are fp16) into `Panels` without a float round trip: the codes regrouped into panels of 16
+output rows, the blocks' fp16 scales as stored. 5 bits a weight for 4-bit kinds, 8.5 for Q8_0, as
+in the file. `Panels` take x [M, K] in float32 or bfloat16 and return [M, N] in x's dtype.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.model.gguf import BLOCK, BlockQuantized
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("blockdot.c")
+PANEL = 16  # output rows a panel holds: one 16-lane vector
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+KINDS = ("Q4_0", "Q4_1", "Q8_0")  # what blockdot runs; anything else stays on torch's kernels
+DTYPES = (torch.float32, torch.bfloat16)  # the activations it takes
+
+
+@dataclass(frozen=True)
+class Library:
+    lib: ctypes.CDLL
+    simd: int  # vector width the build has: 512, 256, or 0 (plain C: correct and slow)
+    path: Path
+
+
+_library: Library | None = None
+_failure: str | None = None
+
+
+def library() -> Library | None:
+    """The compiled kernel, built on first call and cached on disk; None where it cannot be built
+    (`failure()` says why)."""
+    global _library, _failure
+    if _library is None and _failure is None:
+        try:
+            _library = load()
+        except (OSError, subprocess.SubprocessError) as exc:
+            _failure = f"{type(exc).__name__}: {exc}"
+            logger.info("nanoserve: blockdot kernel unavailable (%s); torch's kernels serve", _failure)
+    return _library
+
+
+def failure() -> str | None:
+    """Why `library()` is None, once it has been tried."""
+    return _failure
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def load(flags: list[str] = FLAGS) -> Library:
+    """blockdot.c built with `flags` (the default: for this machine) and loaded.
+
+    Raises:
+        OSError: no compiler, or the build failed (its error output in the message).
+        subprocess.SubprocessError: the compiler hung.
+    """
+    return _load(_build(flags))
+
+
+def _build(flags: list[str]) -> Path:
+    """Compiles blockdot.c unless a build for the same source, compiler, flags and CPU is cached;
+    returns the shared library's path."""
+    compiler = os.environ.get("CC", "cc")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(), _cpu_flags().encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    cache = Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
+    target = cache / f"blockdot-{key}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: concurrent starts are safe
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
+                                timeout=120)
+        if result.returncode:
+            raise OSError(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-500:]}")
+        os.replace(built, target)
+    return target
+
+
+def _load(path: Path) -> Library:
+    # torch is imported (above), so the library's libgomp.so.1 resolves to the one torch loaded: one
+    # OpenMP thread pool in the process, not two spinning against each other.
+    lib = ctypes.CDLL(str(path))
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.blockdot.argtypes = [p, i32, i64, i64, i64, p, i32, p, i32, i32]
+    lib.blockdot.restype = i32
+    lib.blockdot_simd.restype = i32
+    return Library(lib, lib.blockdot_simd(), path)
+
+
+def supports(w: object, dtype: torch.dtype) -> bool:
+    """Whether blockdot runs this stored matrix with activations in dtype."""
+    return (isinstance(w, BlockQuantized) and w.kind in KINDS and dtype in DTYPES
+            and w.codes.device.type == "cpu" and _fp16_exact(w))
+
+
+def _fp16_exact(w: BlockQuantized) -> bool:
+    """The kernel reads fp16 d and m: a GGUF file's are, nanoserve's own int4 rounds to them; the m
+    of Q4_0 (-8 d) and Q8_0 (-128 d) are then exact too unless they overflow fp16."""
+    mins = {"Q4_0": -8 * w.scales, "Q8_0": -128 * w.scales}.get(w.kind, w.mins)
+    return all(torch.equal(t.half().float(), t) for t in (w.scales, mins))
+
+
+@dataclass
+class Panels:
+    """A Q4_0, Q4_1 or Q8_0 matrix [N, K] in blockdot's panels: [ceil(N / 16), K / 32, 64 + 256 planes]
+    uint8 (blockdot.c's header gives the bytes)."""
+
+    data: torch.Tensor
+    planes: int  # 1 (Q4_0, Q4_1) or 2 (Q8_0: its low and high nibbles)
+    shape: tuple[int, int]  # (N, K)
+    kernel: Library  # the build that runs it
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in DTYPES:
+            raise ValueError(f"blockdot takes activations in {[str(d) for d in DTYPES]}, got {x.dtype}")
+        x = x.contiguous()
+        M, K = x.shape
+        y = torch.empty(M, self.shape[0], dtype=x.dtype)
+        bf16 = int(x.dtype == torch.bfloat16)
+        if self.kernel.lib.blockdot(x.data_ptr(), bf16, M, K, self.shape[0], self.data.data_ptr(), self.planes,
+                                    y.data_ptr(), bf16, torch.get_num_threads()):
+            raise MemoryError(f"blockdot: no memory for float32 copies of [{M}, {K}] activations")
+        return y
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def _half_bytes(t: torch.Tensor) -> torch.Tensor:
+    """float32 values exact in fp16 [..., n] -> their fp16 bytes [..., 2 n] uint8."""
+    return t.half().contiguous().view(torch.uint8)
+
+
+# Where the code of k = 8 o + i sits in its octet's uint32: bits 4 i .. 4 i + 3.
+SHIFTS = 4 * torch.arange(8)
+
+
+def _octets(codes: torch.Tensor) -> torch.Tensor:
+    """codes [Np, K] in 0..15 (Np a multiple of 16) -> [panels, K / 32, 256] uint8: per block, 4
+    octets of 16 uint32, lane n holding row 16 p + n's 8 codes."""
+    Np, K = codes.shape
+    panels, B = Np // PANEL, K // BLOCK
+    words = (codes.to(torch.int64).view(panels, PANEL, B, 4, 8) << SHIFTS).sum(-1)  # [panels, 16, B, 4], < 2**32
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, as int32
+    return words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(panels, B, 256)
+
+
+def pack(w: BlockQuantized, kernel: Library | None = None) -> Panels:
+    """The blockdot form of a stored matrix (see `supports`): codes regrouped, scales as stored, run
+    by `kernel` (None: this machine's build, `library()`).
+
+    Raises:
+        ValueError: a matrix `supports` refuses, or no build to run it (failure() says why).
+    """
+    kernel = kernel or library()
+    if kernel is None:
+        raise ValueError(f"the blockdot kernel could not be built: {failure()}")
+    if not supports(w, torch.float32):
+        raise ValueError(f"blockdot runs {KINDS} matrices on the CPU with scales exact in fp16; got "
+                         f"{getattr(w, 'kind', type(w).__name__)}")
+    N, K = w.shape
+    if w.kind == "Q8_0":  # q = 16 hi + lo: planes lo and hi + 8, w = d lo + 16 d (hi + 8) - 128 d
+        codes = w.codes.to(torch.int16)
+        planes = [codes & 15, (codes >> 4) + 8]
+        mins = -128 * w.scales
+    else:  # Q4_1 as stored; Q4_0's d (q - 8) = d q + (-8 d)
+        planes = [w.codes]
+        mins = w.mins if w.kind == "Q4_1" else -8 * w.scales
+    pad = -N % PANEL  # rows past N: codes, d and m all zero, so their outputs are 0 and cut
+    scales, mins = F.pad(w.scales, (0, 0, 0, pad)), F.pad(mins, (0, 0, 0, pad))
+    panels, B = (N + pad) // PANEL, K // BLOCK
+    head = [_half_bytes(t.view(panels, PANEL, B).transpose(1, 2)) for t in (scales, mins)]  # [panels, B, 32] x 2
+    body = [_octets(F.pad(c, (0, 0, 0, pad))) for c in planes]
+    return Panels(torch.cat([*head, *body], dim=-1).contiguous(), len(planes), (N, K), kernel)

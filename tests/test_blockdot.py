@@ -1,0 +1,149 @@
+"""blockdot, nanoserve's own kernel for GGUF blocks, against the stored forms' dequantized float32.
+
+The reference is x @ w^T in float64 with w the stored form's own dequantize() (checked against
+gguf's arithmetic in test_gguf). Tolerances from the precision: the kernel's weights and scales are
+exact and its sums float32, so float32 activations land within 1e-5 of the output's scale (K
+products, each rounded at 2^-24); bf16 activations are exact inputs too, and only the bf16 output's
+rounding is added: within 2^-8 of the output's scale. Every build the probe could meet is run: this
+machine's (-march=native), AVX2 where the CPU has it, and plain C.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_quant import random_stored
+
+from nanoserve.model import blockdot, precision
+from nanoserve.model.gguf import BlockQuantized
+from nanoserve.model.prepare import Layout, laid_out
+from nanoserve.model.quant import quant_linear, quantize_int4
+
+BASE = ["-O2", "-fopenmp", "-shared", "-fPIC"]
+BUILDS = {"native": blockdot.FLAGS, "avx2": [*BASE, "-mavx2", "-mfma", "-mf16c"], "plain C": BASE}
+
+
+def _has_avx2() -> bool:
+    try:
+        return " avx2 " in open("/proc/cpuinfo").read().replace("\n", " ")
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def kernel(request):
+    if request.param == "avx2" and not _has_avx2():
+        pytest.skip("this CPU has no AVX2")
+    try:
+        return blockdot.load(BUILDS[request.param])
+    except OSError as exc:
+        pytest.skip(f"no C compiler here: {exc}")
+
+
+def test_each_build_has_the_vector_width_its_flags_ask_for(kernel):
+    assert kernel.simd in (0, 256, 512)
+    if kernel.path.name == blockdot.load(BUILDS["plain C"]).path.name:
+        assert kernel.simd == 0
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("N", [48, 40, 200])  # 40: a panel's padding; 200: 13 panels, a tail of one
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])  # every tile shape, and a second pass of 8 rows
+def test_equals_the_dequantized_matmul(kernel, kind, N, rows):
+    K = 96
+    stored = random_stored(kind, N, K)
+    stored.scales = stored.scales.half().float()  # GGUF's scales are fp16
+    if stored.mins is not None:
+        stored.mins = stored.mins.half().float()
+    panels = blockdot.pack(stored, kernel)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    expected = x.double() @ stored.dequantize().double().T
+    scale = expected.abs().max().item()
+    out = panels(x)
+    assert out.shape == (rows, N) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, atol=1e-5 * scale, rtol=0)
+    xb = x.bfloat16()
+    expected = xb.double() @ stored.dequantize().double().T
+    out = panels(xb)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, atol=2**-8 * expected.abs().max().item(), rtol=0)
+
+
+def test_a_hand_built_block():
+    # One row of Q4_1 with d = 0.5, m = -1, codes 0..15 then 15..0: w[k] = 0.5 q[k] - 1. A one-hot x
+    # picks a single weight; a ones x sums them: 0.5 * (2 * 120) - 32 = 88.
+    codes = torch.cat([torch.arange(16), torch.arange(15, -1, -1)]).to(torch.uint8).unsqueeze(0)
+    stored = BlockQuantized("Q4_1", codes, torch.tensor([[0.5]]), torch.tensor([[-1.0]]))
+    panels = blockdot.pack(stored)
+    for k, q in ((0, 0), (5, 5), (17, 14), (31, 0)):
+        x = torch.zeros(1, 32)
+        x[0, k] = 1.0
+        assert panels(x).item() == 0.5 * q - 1
+    assert panels(torch.ones(1, 32)).item() == 88.0
+    # Q8_0 code -77 = 16 * (-5) + 3 at d = 0.5: planes 3 and 3, w = 0.5 * 3 + 8 * 3 - 64 = -38.5
+    q8 = BlockQuantized("Q8_0", torch.full((1, 32), -77, dtype=torch.int8), torch.tensor([[0.5]]), None)
+    x = torch.zeros(1, 32)
+    x[0, 7] = 1.0
+    assert blockdot.pack(q8)(x).item() == -38.5
+
+
+def test_refused_by_name():
+    q4 = random_stored("Q4_1", 16, 32)
+    q4.scales = q4.scales * 0 + 0.1  # 0.1 is not an fp16 value
+    assert not blockdot.supports(q4, torch.float32)
+    with pytest.raises(ValueError, match="scales exact in fp16; got Q4_1"):
+        blockdot.pack(q4)
+    fine = random_stored("Q4_1", 16, 32)
+    fine.scales, fine.mins = fine.scales.half().float(), fine.mins.half().float()
+    assert blockdot.supports(fine, torch.bfloat16) and not blockdot.supports(fine, torch.float16)
+    assert not blockdot.supports(random_stored("int8", 16, 32), torch.float32)
+    panels = blockdot.pack(fine)
+    with pytest.raises(ValueError, match="activations in .*got torch.float16"):
+        panels(torch.zeros(1, 32, dtype=torch.float16))
+
+
+def test_nanoserves_own_int4_is_run_exactly():
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(4))
+    stored = quantize_int4(w)
+    assert blockdot.supports(stored, torch.float32)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(blockdot.pack(stored)(x).double(), x.double() @ stored.dequantize().double().T,
+                               atol=1e-5 * 10, rtol=0)
+
+
+def test_quant_linear_takes_blockdot_when_asked_and_keeps_the_dense_copy_above():
+    stored = random_stored("Q8_0", 32, 64)
+    stored.scales = stored.scales.half().float()
+    linear = quant_linear(stored, torch.bfloat16, 8, pack=False, kernels="blockdot")
+    assert [type(p) for p in linear.passes] == [blockdot.Panels] and linear.kernel_bytes == 2 * 2 * (64 + 512)
+    torch_linear = quant_linear(stored, torch.bfloat16, 8, pack=False, kernels="torch")
+    assert len(torch_linear.passes) == 2  # torch's: Q8_0 as two int4 passes
+    x = torch.randn(4, 64).bfloat16()
+    torch.testing.assert_close(linear(x).float(), torch_linear(x).float(), atol=0.05, rtol=0.02)
+    wide = torch.randn(9, 64).bfloat16()  # past max_kernel_rows: the dense copy, as before
+    assert torch.equal(linear(wide), torch_linear(wide))
+    with pytest.raises(ValueError, match="kernels='cuda' is not one of"):
+        quant_linear(stored, torch.bfloat16, 8, pack=False, kernels="cuda")
+
+
+def test_a_model_laid_out_on_blockdot_gives_the_torch_kernels_logits():
+    from conftest import make_hf_llama, nanoserve_model_from_hf
+    from test_quant import _logits
+
+    model = nanoserve_model_from_hf(make_hf_llama(seed=3))
+    tokens = [5, 17, 3, 60, 2]
+    ours = laid_out(model, Layout(torch.float32, "int4", max_kernel_rows=8, pack_weights=False, kernels="blockdot"))
+    theirs = laid_out(model, Layout(torch.float32, "int4", max_kernel_rows=8, pack_weights=False))
+    assert any(isinstance(p, blockdot.Panels) for p in ours.layers[0].qkv.passes)
+    # float32 activations: torch's int4 kernel is exact too, so the two agree to float32's rounding
+    torch.testing.assert_close(_logits(ours, tokens), _logits(theirs, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_no_build_falls_back_to_torch_and_an_explicit_ask_is_refused(monkeypatch):
+    monkeypatch.setattr(blockdot, "_library", None)
+    monkeypatch.setattr(blockdot, "_failure", "OSError: cc not found (faked)")
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="kernels='blockdot' but the blockdot kernel could not be built: OSError"):
+        precision.resolve("bfloat16", "int4", cpu, False, kernels="blockdot")
+    figures = precision._probe("bfloat16", 4, 64, 64)
+    assert figures.blockdot_ms is None and "not built (OSError: cc not found (faked))" in figures.blockdot_note
