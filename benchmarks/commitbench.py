@@ -9,7 +9,9 @@ of the medians, head / base: below 1.0 the head commit's step is faster.
     python benchmarks/commitbench.py --base 5c0b1c5 --head HEAD --slots 1 16 --rounds 4
 
 The child uses only the public API both commits must share (Engine.from_pretrained,
-EngineConfig, SamplingParams, add_request, step), in float32 with the engine's defaults otherwise.
+EngineConfig, SamplingParams, add_request, step), in float32 with the engine's defaults otherwise;
+with --precision default, at the engine's default precision (dtype and quantization "auto": the
+shipped GGUF's blocks in kernel form where the probe keeps them).
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ import torch
 from nanoserve import Engine, EngineConfig, SamplingParams
 
 slots, steps, threads, prompt_len = (int(a) for a in sys.argv[1:5])
+exact = sys.argv[5] == "float32"
 torch.set_num_threads(threads)
 fields = EngineConfig.__dataclass_fields__
 config = EngineConfig(max_num_seqs=slots, max_model_len=1024,
-                      **({"dtype": "float32"} if "dtype" in fields else {}),
-                      **({"quantization": None} if "quantization" in fields else {}))
+                      **({"dtype": "float32"} if exact and "dtype" in fields else {}),
+                      **({"quantization": None} if exact and "quantization" in fields else {}))
 engine = Engine.from_pretrained(None, config)
 params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
 for i in range(slots):
@@ -64,9 +67,10 @@ def worktree(rev: str, into: Path) -> Path:
     return path
 
 
-def step_times(tree: Path, slots: int, steps: int, threads: int, prompt_len: int) -> list[float]:
+def step_times(tree: Path, slots: int, steps: int, threads: int, prompt_len: int,
+               precision: str = "float32") -> list[float]:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(slots), str(steps), str(threads), str(prompt_len)],
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(slots), str(steps), str(threads), str(prompt_len), precision],
                           cwd=tree, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"child in {tree} failed:\n{proc.stderr[-3000:]}")
@@ -82,6 +86,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--precision", choices=["float32", "default"], default="float32",
+                        help="float32 (the exact path), or the engine's default precision")
     parser.add_argument("--out", default="runs/commitbench.csv")
     args = parser.parse_args()
     for name in ("rounds", "steps", "prompt_len", "threads"):
@@ -95,7 +101,7 @@ def main() -> None:
                 for slots in args.slots:
                     for side in (("base", "head") if r % 2 == 0 else ("head", "base")):
                         times.setdefault((side, slots), []).extend(
-                            step_times(trees[side], slots, args.steps, args.threads, args.prompt_len))
+                            step_times(trees[side], slots, args.steps, args.threads, args.prompt_len, args.precision))
         finally:
             for tree in trees.values():
                 if tree != ROOT:
@@ -103,13 +109,14 @@ def main() -> None:
                                    capture_output=True)
     rows = []
     print(f"commitbench: decode step, base {args.base} vs head {args.head}, {args.rounds} rounds x "
-          f"{args.steps} steps, {args.threads} threads, medians")
+          f"{args.steps} steps, {args.threads} threads, {args.precision} precision, medians")
     print(f"{'slots':>5} {'base ms':>10} {'head ms':>10} {'head/base':>10}")
     for slots in args.slots:
         base, head = statistics.median(times[("base", slots)]), statistics.median(times[("head", slots)])
         print(f"{slots:>5} {base * 1e3:>10.2f} {head * 1e3:>10.2f} {head / base:>10.3f}")
         rows.append({"base": args.base, "head": args.head, "slots": slots, "rounds": args.rounds,
-                     "steps": args.steps, "threads": args.threads, "base_step_ms": base * 1e3,
+                     "steps": args.steps, "threads": args.threads, "precision": args.precision,
+                     "base_step_ms": base * 1e3,
                      "head_step_ms": head * 1e3, "head_over_base": head / base})
     write_csv(args.out, rows)
     print(f"wrote {args.out}")
