@@ -45,13 +45,15 @@ from nanoserve.instruments.runners import decode_rate
 
 ROOT = Path(__file__).resolve().parent
 TEXT = ROOT / "data" / "quantbench.txt"
-# name -> (EngineConfig.dtype, EngineConfig.quantization); "auto" dtype lets the probe pick the activations.
+# name -> (EngineConfig.dtype, EngineConfig.quantization, EngineConfig.kernels); "auto" dtype lets the
+# probe pick the activations, "auto" kernels the faster of blockdot and torch's at one row.
 PRECISIONS = {
-    "float32": ("float32", None),
-    "bfloat16": ("bfloat16", None),
-    "int8": ("auto", "int8"),
-    "int4": ("auto", "int4"),
-    "gguf-q4_1": ("auto", "auto"),  # the default: the file's own Q4_1 (and Q8_0 embedding) kept where it pays
+    "float32": ("float32", None, "auto"),
+    "bfloat16": ("bfloat16", None, "auto"),
+    "int8": ("auto", "int8", "auto"),
+    "int4": ("auto", "int4", "auto"),
+    "gguf-q4_1": ("auto", "auto", "auto"),  # the default: the file's own Q4_1 (and Q8_0 embedding) kept where it pays
+    "gguf-q4_1-torch": ("auto", "auto", "torch"),  # the same on torch's kernels (bf16 scales, Q8_0 as two int4 passes)
 }
 PROMPTS = [
     "The capital of France is", "def fibonacci(n):", "Once upon a time", "The three laws of thermodynamics are",
@@ -61,8 +63,9 @@ PROMPTS = [
 
 
 def engine_for(name: str, **overrides) -> Engine:
-    dtype, quantization = PRECISIONS[name]
-    return Engine.from_pretrained(None, EngineConfig(dtype=dtype, quantization=quantization, **overrides))
+    dtype, quantization, kernels = PRECISIONS[name]
+    return Engine.from_pretrained(None, EngineConfig(dtype=dtype, quantization=quantization, kernels=kernels,
+                                                     **overrides))
 
 
 def child(name: str, slots_list: list[int], steps: int) -> None:
@@ -132,6 +135,7 @@ def main() -> None:
         del engine
         measured = run_child(name, args.slots, steps, args.threads)
         rows.append(accuracy_row(name, precision.dtype, precision.quantization, report) | {
+            "kernels": precision.kernels if precision.quantization else "",
             "greedy_mean_prefix": agreement["mean_common_prefix"], "greedy_full_match": agreement["full_match"],
             **{f"decode_tok_s_{s}": measured["rates"][str(s)] for s in args.slots},
             "rss_mb": measured["rss_bytes"] / 2**20,

@@ -12,16 +12,20 @@ does instead of finding them in cache. For each row count M, each layout runs on
     packed    oneDNN's packed linear (torch.ops.mkldnn, weights reordered once): the engine's default
 
 With --quant, the layouts of the lower precisions instead, activations in bf16 (the probe's choice
-on a CPU with native bf16), each against `bf16` (what a quantized linear reads past
-EngineConfig.max_kernel_rows): the row count where int4 stops beating bf16 is that crossover.
+on a CPU with native bf16; --activations float32 for a CPU without), each against `dense` (what a
+quantized linear reads past EngineConfig.max_kernel_rows): the row count where a kernel stops
+beating dense is that crossover.
 
-    bf16      dense bfloat16, oneDNN-packed where oneDNN has bf16
+    dense     dense in the activations' dtype, oneDNN-packed where oneDNN has it
     int8      torch's _weight_int8pack_mm, int8 per output channel
     int4      torch's _weight_int4pack_mm_for_cpu, int4 in groups of 32 (nanoserve's int4, GGUF Q4_1)
+    blockdot  nanoserve's own kernel on the same int4 (nanoserve/model/blockdot.c), built for this
+              machine or, with --blockdot-build avx2 / plain, as an AVX2-only or plain-C CPU would run it
 
     python benchmarks/matmulbench.py            # M = 1 2 4 8 16 32 64, about 3 minutes
     python benchmarks/matmulbench.py --quick    # M = 1 16, 3 rounds
     python benchmarks/matmulbench.py --quant --rows 1 2 4 8 12 16 32
+    python benchmarks/matmulbench.py --quant --activations float32 --blockdot-build avx2 --rows 1 4 8
 
 Columns: ms per pass, GB/s of weights read (bytes / time), GFLOP/s (2 M N K / time), and each
 layout's time over `packed`'s. A read rate is what bounds a small-M pass; a FLOP rate a large one.
@@ -39,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.instruments.csv_writer import write_csv
+from nanoserve.model import blockdot
 from nanoserve.model.quant import (
     QuantLinear,
     can_pack,
@@ -51,15 +56,20 @@ from nanoserve.model.quant import (
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [N, K]: qkv, o, gate_up, down
 HEAD_SHAPE = (49152, 576)
 LAYOUTS = ("linear", "skinny", "xWt", "packed")
-QUANT_LAYOUTS = ("int8", "int4", "bf16")  # the last is the one the others are divided by
+QUANT_LAYOUTS = ("int8", "int4", "blockdot", "dense")  # the last is the one the others are divided by
+BASE_FLAGS = ["-O2", "-fopenmp", "-shared", "-fPIC"]
+BLOCKDOT_BUILDS = {"native": blockdot.FLAGS, "avx2": [*BASE_FLAGS, "-mavx2", "-mfma", "-mf16c"], "plain": BASE_FLAGS}
 
 
-def prepare(weights: list[torch.Tensor], layout: str) -> list[torch.Tensor | QuantLinear]:
-    if layout == "bf16":
-        return [pack_linear_weight(w.bfloat16()) if can_pack(w.bfloat16()) else w.bfloat16() for w in weights]
+def prepare(weights: list[torch.Tensor], layout: str, dtype: torch.dtype = torch.bfloat16,
+            kernel: blockdot.Library | None = None) -> list:
+    if layout == "dense":
+        return [pack_linear_weight(w.to(dtype)) if can_pack(w.to(dtype)) else w.to(dtype) for w in weights]
+    if layout == "blockdot":
+        return [blockdot.pack(quantize_int4(w), kernel) for w in weights]
     if layout in ("int8", "int4"):
         quantize = quantize_int8 if layout == "int8" else quantize_int4
-        return [quant_linear(quantize(w), torch.bfloat16, None, pack=False) for w in weights]
+        return [quant_linear(quantize(w), dtype, None, pack=False) for w in weights]
     if layout == "xWt":
         return [w.t().contiguous() for w in weights]
     if layout == "packed":
@@ -68,9 +78,9 @@ def prepare(weights: list[torch.Tensor], layout: str) -> list[torch.Tensor | Qua
 
 
 def apply(layout: str, x: torch.Tensor, w: torch.Tensor | QuantLinear) -> torch.Tensor:
-    if isinstance(w, QuantLinear):
+    if isinstance(w, QuantLinear | blockdot.Panels):
         return w(x)
-    if layout == "bf16":
+    if layout == "dense":
         return F.linear(x, w) if not w.is_mkldnn else torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     if layout == "linear":
         return F.linear(x, w)
@@ -97,6 +107,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--quant", action="store_true", help="int8 and int4 kernels against dense bf16")
+    parser.add_argument("--activations", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="with --quant: the activations' dtype (and the dense reference's)")
+    parser.add_argument("--blockdot-build", choices=list(BLOCKDOT_BUILDS), default="native",
+                        help="with --quant: the blockdot build to run")
     parser.add_argument("--out", default="runs/matmulbench.csv")
     args = parser.parse_args()
     if args.quick:
@@ -107,8 +121,13 @@ def main() -> None:
     head = [torch.randn(*HEAD_SHAPE, generator=gen)]
     layouts = QUANT_LAYOUTS if args.quant else LAYOUTS
     reference = layouts[-1]
-    stacks = {(part, layout): prepare(ws, layout) for part, ws in (("layers", plain), ("head", head)) for layout in layouts}
+    dtype = getattr(torch, args.activations)
+    kernel = blockdot.load(BLOCKDOT_BUILDS[args.blockdot_build]) if args.quant else None
+    stacks = {(part, layout): prepare(ws, layout, dtype, kernel) for part, ws in (("layers", plain), ("head", head))
+              for layout in layouts}
     nbytes = {"layers": sum(w.numel() for w in plain) * 4, "head": head[0].numel() * 4}
+    if args.quant:
+        print(f"activations {args.activations}; blockdot built {args.blockdot_build} ({kernel.simd}-bit vectors)")
     print(f"matmulbench: {args.threads} threads, median of {args.rounds} interleaved rounds; "
           f"layers = 30 x (qkv, o, gate_up, down), {nbytes['layers'] / 1e6:.0f} MB; head {nbytes['head'] / 1e6:.0f} MB")
     print(f"{'part':<7}{'M':>4}" + "".join(f"{name + ' ms':>12}" for name in layouts)
@@ -119,7 +138,7 @@ def main() -> None:
             for m in args.rows:
                 xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
                 if args.quant:
-                    xs = {k: x.bfloat16() for k, x in xs.items()}
+                    xs = {k: x.to(dtype) for k, x in xs.items()}
                 samples: dict[str, list[float]] = {name: [] for name in layouts}
                 for round_ in range(args.rounds + 1):
                     for name in layouts:
@@ -129,6 +148,8 @@ def main() -> None:
                 med = {name: statistics.median(v) for name, v in samples.items()}
                 flops = 2 * m * nbytes[part] / 4
                 row = {"part": part, "rows": m, "threads": args.threads}
+                if args.quant:
+                    row |= {"activations": args.activations, "blockdot_build": args.blockdot_build}
                 row |= {f"{name}_ms": med[name] * 1e3 for name in layouts}
                 if not args.quant:
                     row["packed_gb_per_s"] = nbytes[part] / med["packed"] / 1e9

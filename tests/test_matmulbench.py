@@ -43,6 +43,7 @@ def test_quant_run_times_the_kernels_against_dense_bf16(tmp_path):
         rows = list(csv.DictReader(f))
     assert [(r["part"], int(r["rows"])) for r in rows] == [("layers", 1), ("layers", 9), ("head", 1), ("head", 9)]
     for r in rows:
-        for name in ("int8", "int4"):
+        assert (r["activations"], r["blockdot_build"]) == ("bfloat16", "native")
+        for name in ("int8", "int4", "blockdot"):
             # The CSV keeps 6 decimals: the ratio of two rounded figures agrees to 1e-4, not to the last digit.
-            assert float(r[f"{name}_over_bf16"]) == pytest.approx(float(r[f"{name}_ms"]) / float(r["bf16_ms"]), rel=1e-4)
+            assert float(r[f"{name}_over_dense"]) == pytest.approx(float(r[f"{name}_ms"]) / float(r["dense_ms"]), rel=1e-4)
