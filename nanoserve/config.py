@@ -44,7 +44,7 @@ class EngineConfig:
     # Who runs those few-row passes on a CPU: "torch" (its weight-only kernels), "blockdot"
     # (nanoserve's own, nanoserve/model/blockdot.c, compiled at first use: GGUF's Q4_0, Q4_1 and Q8_0
     # and nanoserve's int4 with fp16 scales, in float32), or "auto": blockdot where the start-up probe
-    # times it faster than torch's int4 kernel at one row.
+    # times it faster than torch's int4 kernel at one row. Tensor-parallel ranks use torch's.
     kernels: str = "auto"
     device: str = "cpu"
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
@@ -92,6 +92,9 @@ class EngineConfig:
             not isinstance(self.tensor_parallel_threads, int) or self.tensor_parallel_threads < 1
         ):
             raise ValueError(f"tensor_parallel_threads={self.tensor_parallel_threads!r} must be None or an integer >= 1")
+        if self.tensor_parallel_size > 1 and self.kernels == "blockdot":
+            raise ValueError(f"kernels='blockdot' with tensor_parallel_size={self.tensor_parallel_size}: each rank lays "
+                             "its shard out on torch's kernels; use kernels='auto' or 'torch'")
         if self.tensor_parallel_size > 1 and self.compile:
             raise ValueError(f"compile=True with tensor_parallel_size={self.tensor_parallel_size}: the compiled layer "
                              "would have to trace the all-reduces inside it; use compile=False")

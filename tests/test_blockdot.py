@@ -23,33 +23,37 @@ BASE = ["-O2", "-fopenmp", "-shared", "-fPIC"]
 BUILDS = {"native": blockdot.FLAGS, "avx2": [*BASE, "-mavx2", "-mfma", "-mf16c"], "plain C": BASE}
 
 
-def _has_avx2() -> bool:
+def _cpu_has(flag: str) -> bool:
     try:
-        return " avx2 " in open("/proc/cpuinfo").read().replace("\n", " ")
+        return f" {flag} " in open("/proc/cpuinfo").read().replace("\n", " ")
     except OSError:
         return False
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
 def kernel(request):
-    if request.param == "avx2" and not _has_avx2():
+    if request.param == "avx2" and not _cpu_has("avx2"):
         pytest.skip("this CPU has no AVX2")
     try:
-        return blockdot.load(BUILDS[request.param])
+        return request.param, blockdot.load(BUILDS[request.param])
     except OSError as exc:
         pytest.skip(f"no C compiler here: {exc}")
 
 
 def test_each_build_has_the_vector_width_its_flags_ask_for(kernel):
-    assert kernel.simd in (0, 256, 512)
-    if kernel.path.name == blockdot.load(BUILDS["plain C"]).path.name:
-        assert kernel.simd == 0
+    name, built = kernel
+    native = 512 if _cpu_has("avx512f") else 256 if _cpu_has("avx2") and _cpu_has("fma") else None
+    expected = {"avx2": 256, "plain C": 0, "native": native}[name]
+    if expected is None:
+        pytest.skip("neither AVX-512 nor AVX2 here: what -march=native gives is the compiler's to say")
+    assert built.simd == expected
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("N", [48, 40, 200])  # 40: a panel's padding; 200: 13 panels, a tail of one
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])  # every tile shape, and a second pass of 8 rows
 def test_equals_the_dequantized_matmul(kernel, kind, N, rows):
+    _, kernel = kernel
     K = 96
     stored = random_stored(kind, N, K)
     stored.scales = stored.scales.half().float()  # GGUF's scales are fp16
@@ -107,8 +111,9 @@ def test_nanoserves_own_int4_is_run_exactly():
     stored = quantize_int4(w)
     assert blockdot.supports(stored, torch.float32)
     x = torch.randn(3, 64)
-    torch.testing.assert_close(blockdot.pack(stored)(x).double(), x.double() @ stored.dequantize().double().T,
-                               atol=1e-5 * 10, rtol=0)
+    expected = x.double() @ stored.dequantize().double().T
+    torch.testing.assert_close(blockdot.pack(stored)(x).double(), expected, atol=1e-5 * expected.abs().max().item(),
+                               rtol=0)
 
 
 def test_quant_linear_takes_blockdot_when_asked_and_keeps_the_dense_copy_above():

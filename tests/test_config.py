@@ -38,6 +38,8 @@ def test_invalid_engine_config_is_refused_by_name(overrides, message):
     ({"dtype": "fp32"}, r"dtype='fp32' is not one of \['auto', 'float32', 'bfloat16', 'float16'\]"),
     ({"quantization": "int3"}, r"quantization='int3' is not one of \['auto', 'int8', 'int4', None\]"),
     ({"max_kernel_rows": 0}, "max_kernel_rows=0 must be None or an integer >= 1"),
+    ({"kernels": "mkl"}, r"kernels='mkl' is not one of \['auto', 'torch', 'blockdot'\]"),
+    ({"kernels": "blockdot", "tensor_parallel_size": 2}, "kernels='blockdot' with tensor_parallel_size=2"),
 ])
 def test_wrong_types_and_negatives_are_refused_by_name(overrides, message):
     with pytest.raises(ValueError, match=message):
