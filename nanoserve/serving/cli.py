@@ -28,6 +28,9 @@ def serve_main(argv: list[str]) -> None:
                         help="auto: bfloat16 where a start-up probe times it faster than float32")
     parser.add_argument("--quantization", default="auto", choices=["auto", "int8", "int4", "none"],
                         help="weight-only quantization; auto keeps a GGUF's own where its kernel pays")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "torch", "blockdot"],
+                        help="who runs quantized linears at few rows: auto takes nanoserve's blockdot where the "
+                             "start-up probe times it faster than torch's int4 kernel")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
@@ -70,7 +73,7 @@ def serve_main(argv: list[str]) -> None:
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             dtype=args.dtype, quantization=None if args.quantization == "none" else args.quantization,
-            device=args.device, seed=args.seed, tensor_parallel_size=tensor_parallel_size,
+            kernels=args.kernels, device=args.device, seed=args.seed, tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_timeout_s=args.tensor_parallel_timeout,
             tensor_parallel_threads=args.num_threads if tensor_parallel_size > 1 else None,
         )
