@@ -62,6 +62,8 @@ def test_auto_kernels_take_blockdot_only_where_the_probe_times_it_faster():
     assert missing.kernels == "torch" and "not built (faked)" in missing.reason
     dense = resolve("bfloat16", None, CPU, False, probe=fake(0.2, 0.05, blockdot_ms=0.01))
     assert dense.kernels == "torch"  # nothing quantized, nothing for blockdot to run
+    int8 = resolve("bfloat16", "int8", CPU, False, probe=fake(0.2, 0.05, blockdot_ms=0.01))
+    assert int8.kernels == "torch" and "does not run int8 per channel" in int8.reason
     # blockdot faster than torch's kernel makes keeping a checkpoint's blocks worth it even where
     # torch's kernel alone loses to the dense matmul (an AVX2 CPU: float32 activations)
     kept = resolve("auto", "auto", CPU, True, probe=fake(0.2, 14.0, int4_ms=0.45, dense_ms=0.02, blockdot_ms=0.01))

@@ -173,6 +173,8 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
             raise ValueError(f"kernels='blockdot' but the blockdot kernel could not be built: {blockdot.failure()}")
         chosen = "blockdot"
         reasons.append("kernels blockdot: as configured")
+    elif kernels == "auto" and quantization == "int8":
+        reasons.append("kernels torch: blockdot does not run int8 per channel")
     elif kernels == "auto" and quantization is not None and device.type == "cpu":
         if figures is None or figures.kernel_dtype != dtype:
             figures = probe(kernel_dtype=dtype)
