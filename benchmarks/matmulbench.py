@@ -122,12 +122,19 @@ def main() -> None:
     layouts = QUANT_LAYOUTS if args.quant else LAYOUTS
     reference = layouts[-1]
     dtype = getattr(torch, args.activations)
-    kernel = blockdot.load(BLOCKDOT_BUILDS[args.blockdot_build]) if args.quant else None
+    kernel = None
+    if args.quant:
+        try:
+            kernel = blockdot.load(BLOCKDOT_BUILDS[args.blockdot_build])
+        except OSError as exc:  # no C compiler: torch's kernels alone
+            print(f"blockdot not built ({exc}): its column is left out")
+            layouts = tuple(name for name in layouts if name != "blockdot")
     stacks = {(part, layout): prepare(ws, layout, dtype, kernel) for part, ws in (("layers", plain), ("head", head))
               for layout in layouts}
     nbytes = {"layers": sum(w.numel() for w in plain) * 4, "head": head[0].numel() * 4}
     if args.quant:
-        print(f"activations {args.activations}; blockdot built {args.blockdot_build} ({kernel.simd}-bit vectors)")
+        print(f"activations {args.activations}; blockdot built {args.blockdot_build} "
+              f"({kernel.simd if kernel else 'no'}-bit vectors)")
     print(f"matmulbench: {args.threads} threads, median of {args.rounds} interleaved rounds; "
           f"layers = 30 x (qkv, o, gate_up, down), {nbytes['layers'] / 1e6:.0f} MB; head {nbytes['head'] / 1e6:.0f} MB")
     print(f"{'part':<7}{'M':>4}" + "".join(f"{name + ' ms':>12}" for name in layouts)

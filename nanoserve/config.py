@@ -8,6 +8,7 @@ import torch
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _QUANTIZATIONS = ("auto", "int8", "int4", None)
+_KERNELS = ("auto", "torch", "blockdot")
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,8 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is not one of {list(_DTYPES)}")
         if self.quantization not in _QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} is not one of {list(_QUANTIZATIONS)}")
-        if self.kernels not in ("auto", "torch", "blockdot"):
-            raise ValueError(f"kernels={self.kernels!r} is not one of ['auto', 'torch', 'blockdot']")
+        if self.kernels not in _KERNELS:
+            raise ValueError(f"kernels={self.kernels!r} is not one of {list(_KERNELS)}")
         if self.max_kernel_rows is not None and (not isinstance(self.max_kernel_rows, int) or self.max_kernel_rows < 1):
             raise ValueError(f"max_kernel_rows={self.max_kernel_rows!r} must be None or an integer >= 1")
         try:

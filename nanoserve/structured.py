@@ -15,8 +15,9 @@ token was taken).
 Compiling runs in Engine.add_request, in the caller's thread, before the request is queued: a
 grammar that does not compile is a ValueError there, never an unconstrained run. Compiled
 grammars are cached by their text (an LRU of `max_cached` entries), so a repeated schema costs a
-dictionary lookup. The mask is applied by xgrammar's CPU kernel on the CPU and by torch ops on
-any other device (xgrammar's CUDA path needs triton, which nanoserve does not install).
+dictionary lookup. The mask is applied by torch ops on whatever device the logits are on, as an
+additive bias looked up a byte at a time (`mask_logits`): faster here than xgrammar's CPU kernel,
+and its CUDA path needs triton, which nanoserve does not install.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ from nanoserve.model.prepare import Layout, laid_out
 from nanoserve.model.quant import quant_linear, quantize_int4
 
 BASE = ["-O2", "-fopenmp", "-shared", "-fPIC"]
+# Tests of this machine's own build; without a C compiler torch's kernels serve and they have nothing to run.
+needs_build = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
 BUILDS = {"native": blockdot.FLAGS, "avx2": [*BASE, "-mavx2", "-mfma", "-mf16c"], "plain C": BASE}
 
 
@@ -73,6 +75,7 @@ def test_equals_the_dequantized_matmul(kernel, kind, N, rows):
     torch.testing.assert_close(out.double(), expected, atol=2**-8 * expected.abs().max().item(), rtol=0)
 
 
+@needs_build
 def test_a_hand_built_block():
     # One row of Q4_1 with d = 0.5, m = -1, codes 0..15 then 15..0: w[k] = 0.5 q[k] - 1. A one-hot x
     # picks a single weight; a ones x sums them: 0.5 * (2 * 120) - 32 = 88.
@@ -91,6 +94,7 @@ def test_a_hand_built_block():
     assert blockdot.pack(q8)(x).item() == -38.5
 
 
+@needs_build
 def test_refused_by_name():
     q4 = random_stored("Q4_1", 16, 32)
     q4.scales = q4.scales * 0 + 0.1  # 0.1 is not an fp16 value
@@ -106,6 +110,7 @@ def test_refused_by_name():
         panels(torch.zeros(1, 32, dtype=torch.float16))
 
 
+@needs_build
 def test_nanoserves_own_int4_is_run_exactly():
     w = torch.randn(40, 64, generator=torch.Generator().manual_seed(4))
     stored = quantize_int4(w)
@@ -116,6 +121,7 @@ def test_nanoserves_own_int4_is_run_exactly():
                                rtol=0)
 
 
+@needs_build
 def test_quant_linear_takes_blockdot_when_asked_and_keeps_the_dense_copy_above():
     stored = random_stored("Q8_0", 32, 64)
     stored.scales = stored.scales.half().float()
@@ -131,6 +137,7 @@ def test_quant_linear_takes_blockdot_when_asked_and_keeps_the_dense_copy_above()
         quant_linear(stored, torch.bfloat16, 8, pack=False, kernels="cuda")
 
 
+@needs_build
 def test_a_model_laid_out_on_blockdot_gives_the_torch_kernels_logits():
     from conftest import make_hf_llama, nanoserve_model_from_hf
     from test_quant import _logits

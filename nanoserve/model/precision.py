@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.model import blockdot
-from nanoserve.model.quant import int4_pass, quantize_int4
+from nanoserve.model.quant import KERNELS, int4_pass, quantize_int4
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -187,6 +187,6 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
                            "kernel's speed at one row")
         else:
             reasons.append(f"kernels torch: blockdot not timed ({figures.blockdot_note or 'no figure'})")
-    elif kernels not in ("auto", "torch"):
-        raise ValueError(f"kernels={kernels!r} is not one of ['auto', 'torch', 'blockdot']")
+    elif kernels not in ("auto", *KERNELS):
+        raise ValueError(f"kernels={kernels!r} is not one of {['auto', *KERNELS]}")
     return Precision(dtype, quantization, "; ".join(reasons), figures, chosen)

@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.model import blockdot
-from nanoserve.model.blockdot import Panels
 from nanoserve.model.gguf import BLOCK, BlockQuantized
 
 GROUP = BLOCK  # 32: the group size of every int4 layout here
@@ -177,7 +176,7 @@ def kernel_passes(w: Stored, dtype: torch.dtype) -> list[Int4Pass | Int8Pass]:
 class QuantLinear:
     """A linear run by quantized kernels for up to max_kernel_rows rows and by its dense copy above."""
 
-    passes: list[Int4Pass | Int8Pass | Panels]
+    passes: list[Int4Pass | Int8Pass | blockdot.Panels]
     dense: torch.Tensor | None  # [N, K] in the activations' dtype (oneDNN-packed where that runs faster), or None
     max_kernel_rows: int
     shape: tuple[int, int]  # (N, K)
