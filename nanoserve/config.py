@@ -47,6 +47,10 @@ class EngineConfig:
     # and nanoserve's int4 with fp16 scales, in float32), or "auto": blockdot where the start-up probe
     # times it faster than torch's int4 kernel at one row. Tensor-parallel ranks use torch's.
     kernels: str = "auto"
+    # Decode steps of at most max_kernel_rows rows run every layer in one C call
+    # (nanoserve/model/fused_decode.c) where the quantized linears are on blockdot and the family is a
+    # plain Llama; False keeps them on llama.py's decoder_layer (to compare, or to profile per operation).
+    fused_decode: bool = True
     device: str = "cpu"
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
     # Every layer split across this many processes (nanoserve.parallel): rank 0 is this one and
@@ -96,6 +100,8 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.kernels == "blockdot":
             raise ValueError(f"kernels='blockdot' with tensor_parallel_size={self.tensor_parallel_size}: each rank lays "
                              "its shard out on torch's kernels; use kernels='auto' or 'torch'")
+        if not isinstance(self.fused_decode, bool):
+            raise ValueError(f"fused_decode={self.fused_decode!r} must be True or False")
         if self.tensor_parallel_size > 1 and self.compile:
             raise ValueError(f"compile=True with tensor_parallel_size={self.tensor_parallel_size}: the compiled layer "
                              "would have to trace the all-reduces inside it; use compile=False")

@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "blockdot.h"
+
 #if defined(__AVX512F__) && defined(__F16C__)
 #include <immintrin.h>
 #define SIMD 512
@@ -102,20 +104,6 @@ static inline int64_t block_bytes(int planes) { return (int64_t)sizeof(struct pa
 
 int blockdot_simd(void) { return SIMD; }
 
-static float bf16_to_f32(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
-static uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does; NaN stays NaN */
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-
-/* What the tiles read: per plane, x in float32 ([M, K]: plane 0's x, plane 1's 16 x), and per row
-   and block the sum of x ([M, K / 32]). */
-struct xin {
-  const float *x[2];
-  const float *xsum;
-};
 
 /* NP consecutive panels (16 NP output rows) against MR rows of x: acc[p * MR + r]. NP, MR are
    constants once inlined, so the sums stay in registers (NP * MR <= 8). */
@@ -186,39 +174,54 @@ static void task(const struct xin *in, int64_t M, int64_t K, int64_t N, const ui
   }
 }
 
+int64_t blockdot_scratch_floats(int64_t M, int64_t K) { return M * K + M * (K / G); }
+
+void blockdot_prepare(const float *x, int64_t M, int64_t K, int planes, float *scratch, struct xin *in) {
+  const int64_t B = K / G;
+  float *x16 = scratch, *xsum = scratch + M * K;
+  if (planes == 2)
+    for (int64_t i = 0; i < M * K; i++) x16[i] = 16 * x[i];  /* exact: a power of two */
+  for (int64_t r = 0; r < M; r++)
+    for (int64_t b = 0; b < B; b++) {
+      float s = 0;
+      for (int j = 0; j < G; j++) s += x[r * K + b * G + j];
+      xsum[r * B + b] = s;
+    }
+  in->x[0] = x;
+  in->x[1] = x16;
+  in->xsum = xsum;
+}
+
+void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,
+                    int y_bf16) {
+  const int64_t panels = (N + P - 1) / P;
+  /* A task is NP panels (16 NP output rows) against every row of x, in tiles of NP panels by MR
+     rows with NP * MR <= 8: four panels for one or two rows of x, fewer as the rows grow. */
+  const int NP = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  const int64_t tasks = (panels + NP - 1) / NP;
+  #pragma omp for schedule(static)
+  for (int64_t t = 0; t < tasks; t++) {
+    if ((t + 1) * NP <= panels) task(in, M, K, N, w, planes, t * NP, NP, y, y_bf16);
+    else for (int64_t p = t * NP; p < panels; p++) task(in, M, K, N, w, planes, p, 1, y, y_bf16);
+  }
+}
+
 /* y [M, N] = x [M, K] @ w^T, w in panels of `planes` planes ([ceil(N / 16), K / 32] blocks; rows
    past N all zero). x and y are float32, or bf16 where x_bf16 / y_bf16. Returns 0, or -1 when out
    of memory for the activations' float32 copies. */
 int blockdot(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,
              int y_bf16, int nthreads) {
-  const int64_t B = K / G, panels = (N + P - 1) / P;
-  /* scratch: x in float32 (when it is bf16), 16 x (for a high plane), the block sums */
-  float *scratch = malloc(sizeof(float) * (2 * M * K + M * B));
+  float *scratch = malloc(sizeof(float) * ((x_bf16 ? M * K : 0) + blockdot_scratch_floats(M, K)));
   if (!scratch) return -1;
-  float *xf = scratch, *x16 = scratch + M * K, *xsum = scratch + 2 * M * K;
   const float *x32 = x;
   if (x_bf16) {
-    for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(((const uint16_t *)x)[i]);
-    x32 = xf;
+    for (int64_t i = 0; i < M * K; i++) scratch[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    x32 = scratch;
   }
-  if (planes == 2)
-    for (int64_t i = 0; i < M * K; i++) x16[i] = 16 * x32[i];  /* exact: a power of two */
-  for (int64_t r = 0; r < M; r++)
-    for (int64_t b = 0; b < B; b++) {
-      float s = 0;
-      for (int j = 0; j < G; j++) s += x32[r * K + b * G + j];
-      xsum[r * B + b] = s;
-    }
-  const struct xin in = {{x32, x16}, xsum};
-  /* A task is NP panels (16 NP output rows) against every row of x, in tiles of NP panels by MR
-     rows with NP * MR <= 8: four panels for one or two rows of x, fewer as the rows grow. */
-  const int NP = M <= 2 ? 4 : M <= 4 ? 2 : 1;
-  const int64_t tasks = (panels + NP - 1) / NP;
-  #pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int64_t t = 0; t < tasks; t++) {
-    if ((t + 1) * NP <= panels) task(&in, M, K, N, w, planes, t * NP, NP, y, y_bf16);
-    else for (int64_t p = t * NP; p < panels; p++) task(&in, M, K, N, w, planes, p, 1, y, y_bf16);
-  }
+  struct xin in;
+  blockdot_prepare(x32, M, K, planes, scratch + (x_bf16 ? M * K : 0), &in);
+  #pragma omp parallel num_threads(nthreads)
+  blockdot_tasks(&in, M, K, N, w, planes, y, y_bf16);
   free(scratch);
   return 0;
 }

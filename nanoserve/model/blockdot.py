@@ -35,6 +35,9 @@ from nanoserve.model.gguf import BLOCK, BlockQuantized
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("blockdot.c")
+# Built into one library with blockdot.c: the decode step that runs its layers in C (fused_decode.py).
+SOURCES = [SOURCE, SOURCE.with_name("fused_decode.c")]
+HEADERS = [SOURCE.with_name("blockdot.h")]
 PANEL = 16  # output rows a panel holds: one 16-lane vector
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 KINDS = ("Q4_0", "Q4_1", "Q8_0")  # what blockdot runs; anything else stays on torch's kernels
@@ -91,11 +94,11 @@ def load(flags: list[str] = FLAGS) -> Library:
 
 
 def _build(flags: list[str]) -> Path:
-    """Compiles blockdot.c unless a build for the same source, compiler, flags and CPU is cached;
-    returns the shared library's path."""
+    """Compiles SOURCES into one shared library unless a build for the same sources, compiler, flags
+    and CPU is cached; returns its path."""
     compiler = os.environ.get("CC", "cc")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(), _cpu_flags().encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
     cache = Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
@@ -105,10 +108,10 @@ def _build(flags: list[str]) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: concurrent starts are safe
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
+        result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built)], capture_output=True, text=True,
                                 timeout=120)
         if result.returncode:
-            raise OSError(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-500:]}")
+            raise OSError(f"{compiler} failed on {', '.join(path.name for path in SOURCES)}: {result.stderr.strip()[-500:]}")
         os.replace(built, target)
     return target
 
@@ -121,6 +124,10 @@ def _load(path: Path) -> Library:
     lib.blockdot.argtypes = [p, i32, i64, i64, i64, p, i32, p, i32, i32]
     lib.blockdot.restype = i32
     lib.blockdot_simd.restype = i32
+    # fused_decode.c's entry (nanoserve.model.fused_decode): shape, layers, num_layers, h, T, positions,
+    # slot_mapping, tables, nb, cos, sin, nthreads
+    lib.fused_decode.argtypes = [p, p, i64, p, i64, p, p, p, i64, p, p, i32]
+    lib.fused_decode.restype = i32
     return Library(lib, lib.blockdot_simd(), path)
 
 

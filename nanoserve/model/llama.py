@@ -19,7 +19,7 @@ within noise at 1 and 16 slots).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -186,6 +186,10 @@ class LlamaModel:
         self.sliding_layers = frozenset(config.sliding_layers)  # layers that attend within config.sliding_window
         self.layer_fn = decoder_layer
         self.lm_head_weight = lm_head  # what the head's linear reads: lm_head, or its packed copy
+        # Every layer of a decode step in one call (nanoserve.model.fused_decode), set by prepare_model
+        # where the layout allows: h [T, E], inputs, kv -> h after the last layer, or None for a step
+        # it does not take (those run decoder_layer).
+        self.fused_layers: Callable[[torch.Tensor, ModelInputs, KVCache], torch.Tensor | None] | None = None
 
     @classmethod
     def from_state_dict(cls, config: LlamaConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
@@ -250,11 +254,15 @@ class LlamaModel:
         h = embedding(inputs.input_ids, self.embed, torch.float32)  # [T, E]
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        cos = self.cos[inputs.positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[inputs.positions].unsqueeze(1)  # [T, 1, D]
-        for i, layer in enumerate(self.layers):
-            attn = windowed if i in self.sliding_layers else inputs.attn
-            h = self.layer_fn(h, layer, cos, sin, kv.k[i], kv.v[i], attn, self.shape)
+        fused = None if self.fused_layers is None else self.fused_layers(h, inputs, kv)
+        if fused is not None:
+            h = fused
+        else:
+            cos = self.cos[inputs.positions].unsqueeze(1)  # [T, 1, D]
+            sin = self.sin[inputs.positions].unsqueeze(1)  # [T, 1, D]
+            for i, layer in enumerate(self.layers):
+                attn = windowed if i in self.sliding_layers else inputs.attn
+                h = self.layer_fn(h, layer, cos, sin, kv.k[i], kv.v[i], attn, self.shape)
         # Only the rows that sample need the norm and the [E, V] head: the rest of T is prefill.
         h = F.rms_norm(h[inputs.logits_indices], self.norm.shape, self.norm, config.rms_norm_eps).to(self.dtype)  # [R, E]
         logits = linear(h, self.lm_head_weight).float()  # [R, V]

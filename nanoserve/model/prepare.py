@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.model.fused_decode import fused_decode
 from nanoserve.model.llama import LayerWeights, LlamaModel, Weight, decoder_layer, embedding_scale
 from nanoserve.model.quant import (
     ChannelInt8,
@@ -140,9 +141,10 @@ def is_quantized(model: LlamaModel) -> bool:
 
 def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype: torch.dtype | None = None,
                   quantization: str | None = None, max_kernel_rows: int | None = None,
-                  kernels: str = "torch") -> LlamaModel:
+                  kernels: str = "torch", fuse_decode: bool = False) -> LlamaModel:
     """The model an engine runs: laid out in `dtype` (default: the model's own) with the weights'
-    quantization, then compiled, or `model` itself when nothing changes."""
+    quantization, then compiled, or `model` itself when nothing changes. fuse_decode: decode steps
+    run all their layers in one C call where the layout allows it (nanoserve.model.fused_decode)."""
     dtype = dtype or model.dtype
     # A checkpoint's matrices as stored always need a form (kernels, or dense when quantization is None).
     needs_layout = dtype != model.dtype or quantization is not None or is_quantized(model)
@@ -152,7 +154,10 @@ def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype
         return compiled(model)
     if not needs_layout:
         return packed(model) if pack_weights else model
-    return laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights, kernels))
+    prepared = laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights, kernels))
+    if fuse_decode:
+        prepared.fused_layers = fused_decode(prepared)  # None where why_not(prepared) says it cannot run
+    return prepared
 
 
 def _nbytes(w: Weight) -> dict[str, int]:

@@ -1,0 +1,35 @@
+/* blockdot.h: what blockdot.c offers the fused decode (fused_decode.c) besides its ctypes entry
+ * blockdot(): the same matmul split in two, so that it can run inside a caller's OpenMP parallel
+ * region with no thread start or gap per call. */
+#ifndef NANOSERVE_BLOCKDOT_H
+#define NANOSERVE_BLOCKDOT_H
+#include <stdint.h>
+#include <string.h>
+
+/* What the tiles read: per plane, x in float32 ([M, K]: plane 0's x, plane 1's 16 x), and per row
+   and block of 32 the sum of x ([M, K / 32]). */
+struct xin {
+  const float *x[2];
+  const float *xsum;
+};
+
+/* Floats of scratch blockdot_prepare needs for x [M, K]. */
+int64_t blockdot_scratch_floats(int64_t M, int64_t K);
+
+/* Fills `in` for x [M, K] float32 (kept, not copied) against a matrix of `planes` planes; serial. */
+void blockdot_prepare(const float *x, int64_t M, int64_t K, int planes, float *scratch, struct xin *in);
+
+/* y [M, N] (float32, or bf16 where y_bf16) = x @ w^T for w in panels: an orphaned `omp for` over
+   the panels, so it splits the work among the threads of an enclosing parallel region (and ends
+   at its barrier), or runs on the calling thread alone outside one. */
+void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,
+                    int y_bf16);
+
+static inline float bf16_to_f32(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does; NaN stays NaN */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+#endif

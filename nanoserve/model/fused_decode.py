@@ -1,0 +1,140 @@
+"""A decode step's layers in one C call (fused_decode.c), where every matmul runs on blockdot.
+
+At one sequence the default model's linears take 8-10 ms a step back to back, but 15 ms when each
+follows ~25 small torch operations of glue (notes/blockdot.md: a call after a gap runs slower).
+fused_decode.c runs the whole stack of decoder layers for a step whose every row is one decoding
+sequence inside one OpenMP parallel region: norms, rope, the cache write and attention in plain C
+between blockdot's matmuls, activations in float32. The embedding, the final norm and the head stay
+in llama.py's forward.
+
+It applies to a plain Llama layout (SmolLM, Llama 2/3, Mistral without a window): no biases, no
+per-head norms or sandwich norms, SiLU, no soft-capping, no sliding window, the K/V cache in float32
+or bfloat16, and the four matmuls of every layer on blockdot's panels. A step with a prompt or
+chunk in it, or more rows than the quantized linears take (past max_kernel_rows the dense copies
+are faster), goes through llama.py's decoder_layer as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.model import blockdot
+from nanoserve.model.kv_cache import KVCache
+from nanoserve.model.llama import LayerWeights, LlamaModel, ModelInputs
+from nanoserve.model.quant import QuantLinear
+from nanoserve.model.rope import rope_table
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Shape(ctypes.Structure):  # struct fused_shape
+    _fields_ = [(name, _i64) for name in ("E", "H", "Hkv", "D", "I", "block_size", "kv_bf16")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class _Layer(ctypes.Structure):  # struct fused_layer
+    _fields_ = [(name, _ptr) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")] + [
+        (f"{name}_planes", _i64) for name in ("qkv", "o", "gate_up", "down")] + [("k_cache", _ptr), ("v_cache", _ptr)]
+
+
+MATMULS = ("qkv", "o", "gate_up", "down")
+
+
+def _panels(weight: object) -> blockdot.Panels | None:
+    if isinstance(weight, QuantLinear) and len(weight.passes) == 1 and isinstance(weight.passes[0], blockdot.Panels):
+        return weight.passes[0]
+    return None
+
+
+def why_not(model: LlamaModel) -> str | None:
+    """Why the fused decode cannot run this laid-out model; None when it can."""
+    config, shape = model.config, model.shape
+    if model.device.type != "cpu":
+        return f"the model is on {model.device}"
+    if model.dtype not in (torch.float32, torch.bfloat16):
+        return f"the K/V cache would be {model.dtype}"
+    switches = {"qkv_bias": config.qkv_bias, "o_bias": config.o_bias, "qk_norm": config.qk_norm,
+                "sandwich_norms": config.sandwich_norms, "sliding_window": config.sliding_window is not None,
+                "attn_logit_softcap": shape.attn_softcap is not None, "activation": shape.activation != "silu"}
+    if any(switches.values()):
+        return f"the family's {[name for name, on in switches.items() if on]} are not in fused_decode.c"
+    for i, layer in enumerate(model.layers):
+        for name in MATMULS:
+            if _panels(getattr(layer, name)) is None:
+                return f"layer {i}'s {name} is not on blockdot's panels"
+    return None
+
+
+@dataclass
+class FusedDecode:
+    """The model's layers for decode steps of at most max_rows rows: called with a step's h [T, E]
+    float32 (the embedding's rows), it returns h after the last layer (the same tensor, updated in
+    place), or None for a step it does not take."""
+
+    layers: list[LayerWeights]
+    shape: _Shape
+    cos: torch.Tensor  # [P, D] float32
+    sin: torch.Tensor  # [P, D] float32
+    max_rows: int
+    kernel: blockdot.Library
+    _table: ctypes.Array | None = None  # the layers' structs, for the cache they were built against
+    _cache: KVCache | None = None
+
+    def accepts(self, inputs: ModelInputs) -> bool:
+        """Whether a step is one it runs: every row a decoding sequence, at most max_rows of them."""
+        attn = inputs.attn
+        return not attn.prefill_runs and attn.windowed is None and inputs.input_ids.shape[0] <= self.max_rows
+
+    def __call__(self, h: torch.Tensor, inputs: ModelInputs, kv: KVCache) -> torch.Tensor | None:
+        if not self.accepts(inputs):
+            return None
+        if self._cache is not kv:
+            self._table, self._cache = self._layer_table(kv), kv
+            self.shape.block_size = kv.block_size
+        h = h.contiguous()  # [T, E] float32, updated in place by the C step
+        T = h.shape[0]
+        tables = _row_tables(inputs, T)  # [T, nb]
+        positions, slots = inputs.positions.contiguous(), inputs.attn.slot_mapping.contiguous()
+        if self.kernel.lib.fused_decode(ctypes.byref(self.shape), self._table, len(self.layers), h.data_ptr(), T,
+                                        positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+                                        self.cos.data_ptr(), self.sin.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"fused_decode: no memory for the scratch of a {T}-row step")
+        return h
+
+    def _layer_table(self, kv: KVCache) -> ctypes.Array:
+        table = (_Layer * len(self.layers))()
+        for i, layer in enumerate(self.layers):
+            panels = [_panels(getattr(layer, name)) for name in MATMULS]
+            table[i] = _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
+                              *(p.data.data_ptr() for p in panels), *(p.planes for p in panels),
+                              kv.k[i].data_ptr(), kv.v[i].data_ptr())
+        return table
+
+
+def _row_tables(inputs: ModelInputs, T: int) -> torch.Tensor:
+    """Each row's block table, [T, nb] int64, from the step's decode groups."""
+    groups = inputs.attn.decode_groups
+    if len(groups) == 1 and groups[0].rows is None:
+        return groups[0].block_table.contiguous()
+    tables = torch.zeros(T, max(g.block_table.shape[1] for g in groups), dtype=torch.int64)
+    for group in groups:
+        tables[group.rows, :group.block_table.shape[1]] = group.block_table
+    return tables
+
+
+def fused_decode(model: LlamaModel) -> FusedDecode | None:
+    """The fused decode of a laid-out model, or None where why_not(model) says it cannot run."""
+    if why_not(model) is not None:
+        return None
+    config, shape = model.config, model.shape
+    kernel = _panels(model.layers[0].qkv).kernel
+    scale = shape.attn_scale if shape.attn_scale is not None else shape.head_dim ** -0.5
+    c_shape = _Shape(config.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                     config.intermediate_size, 0, int(model.dtype == torch.bfloat16), shape.eps, scale)
+    cos, sin = rope_table(config, model.cos.shape[0], torch.float32, model.device)
+    first = model.layers[0].qkv
+    max_rows = first.max_kernel_rows if first.dense is not None else 2**31
+    return FusedDecode(model.layers, c_shape, cos, sin, max_rows, kernel)

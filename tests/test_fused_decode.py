@@ -1,0 +1,116 @@
+"""The fused decode step (fused_decode.c) against transformers' forward on the same weights.
+
+The reference: a tiny random transformers Llama whose linears are replaced by the engine's own
+quantized matrices, dequantized by their stored forms' arithmetic (the dense copies a QuantLinear
+keeps for wide steps are exactly that with pack_weights=False). The engine then decodes on blockdot
+with its layers fused, and every logits row it samples from is compared with transformers' over the
+request's tokens. Tolerances from the precision: in float32 the fused step's sums are float32 in
+another order, so 1e-4 as every float32 logits test; with a bfloat16 K/V cache (and the prompt's
+forward in bfloat16) the error is bf16's, 2^-8 of the values, a few times over through the layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CharTokenizer, make_hf_llama, make_hf_model, nanoserve_model_from_hf
+from test_llama import assert_logits_match, run_and_capture
+
+from nanoserve import Engine, EngineConfig
+from nanoserve.model import blockdot
+from nanoserve.model.fused_decode import FusedDecode, why_not
+from nanoserve.model.quant import QuantLinear
+
+pytestmark = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
+
+# Lengths that cross block boundaries and differ enough that decode_group_min_rows=2 splits them.
+PROMPTS = [[5, 9, 13, 22, 7, 41, 3, 8, 60, 33, 21], [17, 4], [30 + i % 50 for i in range(40)], [11, 12, 13, 14, 15]]
+
+
+def fused_engine(hf, dtype: str = "float32", block_size: int = 4, **overrides) -> Engine:
+    config = EngineConfig(**({"dtype": dtype, "quantization": "int4", "kernels": "blockdot", "pack_weights": False,
+                              "block_size": block_size, "num_kv_blocks": 256 // block_size + 8, "max_num_seqs": 4,
+                              "decode_group_min_rows": 2} | overrides))
+    return Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), config)
+
+
+def load_engine_weights_into(hf, engine: Engine) -> None:
+    """hf's linears become the engine's quantized matrices, dequantized (their dense copies)."""
+    config = engine.model.config
+    H, Hkv, D, I = config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
+    with torch.no_grad():
+        for ours, theirs in zip(engine.model.layers, hf.model.layers, strict=True):
+            q, k, v = ours.qkv.dense.float().split([H * D, Hkv * D, Hkv * D])
+            gate, up = ours.gate_up.dense.float().split([I, I])
+            attn, mlp = theirs.self_attn, theirs.mlp
+            for module, weight in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v), (attn.o_proj, ours.o.dense),
+                                   (mlp.gate_proj, gate), (mlp.up_proj, up), (mlp.down_proj, ours.down.dense)):
+                module.weight.copy_(weight.float())
+        hf.lm_head.weight.copy_(engine.model.lm_head_weight.dense.float())
+
+
+def count_fused_steps(engine: Engine) -> list[int]:
+    """Wraps the engine's fused layers; the list gets each fused step's row count."""
+    fused, rows = engine.model.fused_layers, []
+
+    def counted(h, inputs, kv):
+        out = fused(h, inputs, kv)
+        if out is not None:
+            rows.append(h.shape[0])
+        return out
+
+    engine.model.fused_layers = counted
+    return rows
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_fused_decode_logits_equal_transformers_on_the_same_weights(block_size):
+    hf = make_hf_llama(seed=11)
+    engine = fused_engine(hf, block_size=block_size)
+    assert isinstance(engine.model.fused_layers, FusedDecode)
+    load_engine_weights_into(hf, engine)
+    fused_rows = count_fused_steps(engine)
+    captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=12)
+    assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 12
+    assert sum(fused_rows) == len(PROMPTS) * 11 and max(fused_rows) == 4  # every decode token went through C
+    engine.check_invariants()
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_fused_decode_with_a_bfloat16_cache_stays_within_bf16_precision():
+    hf = make_hf_llama(seed=12)
+    engine = fused_engine(hf, dtype="bfloat16")
+    assert engine.kv.k.dtype == torch.bfloat16 and isinstance(engine.model.fused_layers, FusedDecode)
+    load_engine_weights_into(hf, engine)
+    fused_rows = count_fused_steps(engine)
+    captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=8)
+    assert assert_logits_match(hf, captured, outputs, atol=0.03) == len(PROMPTS) * 8
+    assert sum(fused_rows) == len(PROMPTS) * 7
+
+
+def test_steps_wider_than_the_kernel_rows_run_the_layers_in_python():
+    hf = make_hf_llama(seed=13)
+    engine = fused_engine(hf, max_kernel_rows=2)  # four decoding requests: a step for the dense copies
+    load_engine_weights_into(hf, engine)
+    fused_rows = count_fused_steps(engine)
+    captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=6)
+    assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 6
+    assert fused_rows == []
+    captured, outputs = run_and_capture(engine, PROMPTS[:2], max_tokens=6)
+    assert assert_logits_match(hf, captured, outputs) == 2 * 6
+    assert fused_rows == [2] * 5
+
+
+def test_families_and_layouts_it_cannot_run_are_named():
+    biased = fused_engine(make_hf_model("qwen2", seed=14))
+    assert biased.model.fused_layers is None
+    assert why_not(biased.model) == "the family's ['qkv_bias'] are not in fused_decode.c"
+    torch_kernels = fused_engine(make_hf_llama(seed=14), kernels="torch")
+    assert torch_kernels.model.fused_layers is None
+    assert why_not(torch_kernels.model) == "layer 0's qkv is not on blockdot's panels"
+    off = fused_engine(make_hf_llama(seed=14), fused_decode=False)
+    assert off.model.fused_layers is None and isinstance(off.model.layers[0].qkv, QuantLinear)
+    dense = fused_engine(make_hf_llama(seed=14), quantization=None)
+    assert dense.model.fused_layers is None
+    with pytest.raises(ValueError, match="fused_decode='yes' must be True or False"):
+        EngineConfig(fused_decode="yes")
