@@ -7,8 +7,9 @@ The reference is float32 over the GGUF's weights dequantized exactly. For each p
   mean KL(float32 || precision) of the next-token distributions;
 - greedy agreement on a prompt set: mean common-prefix length with float32's own greedy tokens
   and the share of runs that match to the end;
-  both with at most 8 rows a forward, so a quantized precision is scored on its kernels (what its
-  decode steps run), not on the dense copy that steps of more than max_kernel_rows rows read;
+  a quantized precision teacher-forced one token a step as decode steps (what its decode steps
+  run: blockdot, in one fused C call where it has one), not on the dense copy that steps of more
+  than max_kernel_rows rows read; a dense one in chunks of 512;
 - decode rate at 1 and 16 slots (aggregate tokens/s over decode steps) and resident memory, each
   precision in a fresh child process, one at a time, so nothing else shares the cores.
 transformers' own model in bfloat16 is scored on the same text as the bar the default precision's
@@ -124,11 +125,10 @@ def main() -> None:
 
     rows = []
     for name in args.precisions:
-        # At most max_kernel_rows rows per forward (8) and 8 slots: a quantized precision is scored on
-        # the kernels that serve its decode steps, not on the dense copy that serves wider steps
-        # (scored apart as the dense dtype's own row).
+        # One token a step and 8 slots: a quantized precision is scored on what serves its decode
+        # steps, not on the dense copy that serves wider steps (scored apart as the dense dtype's own row).
         engine = engine_for(name, max_model_len=8192, max_num_seqs=8)
-        chunk = engine.config.max_kernel_rows if engine.precision.quantization else 512
+        chunk = 1 if engine.precision.quantization else 512
         report = compare(reference, teacher_forced_logits(engine.model, token_ids, chunk=chunk)[:-1], targets)
         agreement = greedy_agreement(reference_runs, [o.token_ids for o in engine.generate(prompts, greedy)])
         precision = engine.precision

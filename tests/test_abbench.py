@@ -38,11 +38,12 @@ def test_each_side_differs_only_in_its_change(base, change):
 
 def test_preparing_either_side_leaves_the_loaded_model_as_it_was(base):
     layer = base.model.layers[0]
-    qkv, lm_head = layer.qkv, base.model.lm_head_weight
+    qkv, lm_head, fused = layer.qkv, base.model.lm_head_weight, base.model.fused_layers
     packed = make_engine(base, "packed", True, slots=2)
     plain = make_engine(base, "packed", False, slots=2)
-    assert plain.model is base.model  # nothing to prepare: the given model itself
-    assert base.model.packed is False
+    # Nothing to lay out: the given model's own weights, in a shallow copy that carries the fused decode.
+    assert plain.model.layers is base.model.layers and plain.model.lm_head_weight is lm_head
+    assert base.model.packed is False and base.model.fused_layers is fused
     assert base.model.layers[0] is layer and layer.qkv is qkv and base.model.lm_head_weight is lm_head
     if packed.model.packed:  # oneDNN present: B runs its own packed copy
         assert packed.model is not base.model and packed.model.layers[0].qkv is not qkv

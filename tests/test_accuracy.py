@@ -24,6 +24,8 @@ from nanoserve.instruments.accuracy import (
     teacher_forced_logits,
     worse_than,
 )
+from nanoserve.model import blockdot
+from nanoserve.model.prepare import prepare_model
 
 QUANTBENCH = Path(__file__).resolve().parents[1] / "data" / "quantbench.txt"
 
@@ -32,8 +34,8 @@ def random_ids(n: int, vocab_size: int = 97, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize(("num_tokens", "chunk"), [(40, 16), (33, 16), (40, 7), (40, 512)],
-                         ids=["chunks-of-blocks", "last-chunk-one-token", "chunks-cut-blocks", "one-chunk"])
+@pytest.mark.parametrize(("num_tokens", "chunk"), [(40, 16), (33, 16), (40, 7), (40, 512), (40, 1)],
+                         ids=["chunks-of-blocks", "last-chunk-one-token", "chunks-cut-blocks", "one-chunk", "decode-steps"])
 @pytest.mark.parametrize("arch", [{}, {"rope_scaling": LLAMA3_ROPE, "head_dim": 16, "rope_theta": 500000.0}],
                          ids=["gqa", "llama3-rope"])
 def test_teacher_forced_logits_equal_transformers(num_tokens, chunk, arch):
@@ -44,6 +46,19 @@ def test_teacher_forced_logits_equal_transformers(num_tokens, chunk, arch):
     got = teacher_forced_logits(nanoserve_model_from_hf(hf), ids, chunk=chunk)
     assert got.dtype == torch.float32 and got.shape == (num_tokens, 97)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(blockdot.library() is None, reason=f"no fused decode here: {blockdot.failure()}")
+def test_teacher_forced_decode_steps_run_the_models_fused_decode():
+    hf = make_hf_llama(seed=4)
+    ids = random_ids(37)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]  # [T, V]
+    model = prepare_model(nanoserve_model_from_hf(hf), pack_weights=False, compile=False, fuse_decode=True)
+    fused, calls = model.fused_layers, []
+    model.fused_layers = lambda h, inputs, kv: calls.append(h.shape[0]) or fused(h, inputs, kv)
+    torch.testing.assert_close(teacher_forced_logits(model, ids, chunk=1), expected, atol=1e-4, rtol=1e-4)
+    assert calls == [1] * 37
 
 
 def test_teacher_forced_logits_refuses_bad_input():

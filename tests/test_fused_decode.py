@@ -1,10 +1,11 @@
-"""The fused decode step (fused_decode.c) against transformers' forward on the same weights.
+"""The fused decode (fused_decode.c) against transformers' forward on the same weights.
 
 The reference: a tiny random transformers Llama whose linears are replaced by the engine's own
 quantized matrices, dequantized by their stored forms' arithmetic (the dense copies a QuantLinear
-keeps for wide steps are exactly that with pack_weights=False). The engine then decodes on blockdot
-with its layers fused, and every logits row it samples from is compared with transformers' over the
-request's tokens. Tolerances from the precision: in float32 the fused step's sums are float32 in
+keeps for wide steps are exactly that with pack_weights=False); for a dense engine, the weights it
+was built from. The engine decodes with its glue in C (narrow steps on blockdot in one call, the
+rest with torch's linears between per-layer calls), and every logits row it samples from is compared
+with transformers' over the request's tokens. Tolerances from the precision: in float32 the fused step's sums are float32 in
 another order, so 1e-4 as every float32 logits test; with a bfloat16 K/V cache (and the prompt's
 forward in bfloat16) the error is bf16's, 2^-8 of the values, a few times over through the layers.
 """
@@ -18,7 +19,7 @@ from test_llama import assert_logits_match, run_and_capture
 
 from nanoserve import Engine, EngineConfig
 from nanoserve.model import blockdot
-from nanoserve.model.fused_decode import FusedDecode, why_not
+from nanoserve.model.fused_decode import FusedDecode, why_not, why_not_in_one_call
 from nanoserve.model.quant import QuantLinear
 
 pytestmark = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
@@ -88,17 +89,49 @@ def test_fused_decode_with_a_bfloat16_cache_stays_within_bf16_precision():
     assert sum(fused_rows) == len(PROMPTS) * 7
 
 
-def test_steps_wider_than_the_kernel_rows_run_the_layers_in_python():
+def count_one_call_steps(engine: Engine) -> list[int]:
+    """Counts the steps fused_decode.c's one-call entry runs (their row counts)."""
+    fused, rows = engine.model.fused_layers, []
+    lib = fused.kernel.lib
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def fused_decode(self, shape, table, num_layers, h, T, *rest):
+            rows.append(T)
+            return lib.fused_decode(shape, table, num_layers, h, T, *rest)
+
+    fused.kernel = blockdot.Library(Spy(), fused.kernel.simd, fused.kernel.path)
+    return rows
+
+
+def test_steps_wider_than_the_kernel_rows_take_torchs_linears_between_per_layer_calls():
     hf = make_hf_llama(seed=13)
     engine = fused_engine(hf, max_kernel_rows=2)  # four decoding requests: a step for the dense copies
     load_engine_weights_into(hf, engine)
+    one_call_rows = count_one_call_steps(engine)
     fused_rows = count_fused_steps(engine)
     captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=6)
     assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 6
-    assert fused_rows == []
+    assert fused_rows == [4] * 5 and one_call_rows == []
     captured, outputs = run_and_capture(engine, PROMPTS[:2], max_tokens=6)
     assert assert_logits_match(hf, captured, outputs) == 2 * 6
-    assert fused_rows == [2] * 5
+    assert one_call_rows == [2] * 5
+
+
+@pytest.mark.parametrize("dtype, atol", [("float32", 1e-4), ("bfloat16", 0.03)])
+def test_a_dense_model_takes_the_per_layer_calls_at_every_width(dtype, atol):
+    hf = make_hf_llama(seed=15)
+    engine = fused_engine(hf, dtype=dtype, quantization=None)
+    assert engine.model.fused_layers.max_rows == 0
+    assert why_not_in_one_call(engine.model) == "layer 0's qkv is not on blockdot's panels"
+    fused_rows = count_fused_steps(engine)
+    captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=8)
+    assert assert_logits_match(hf, captured, outputs, atol=atol) == len(PROMPTS) * 8
+    assert sum(fused_rows) == len(PROMPTS) * 7
+    engine.check_invariants()
+    assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
 def test_families_and_layouts_it_cannot_run_are_named():
@@ -106,11 +139,11 @@ def test_families_and_layouts_it_cannot_run_are_named():
     assert biased.model.fused_layers is None
     assert why_not(biased.model) == "the family's ['qkv_bias'] are not in fused_decode.c"
     torch_kernels = fused_engine(make_hf_llama(seed=14), kernels="torch")
-    assert torch_kernels.model.fused_layers is None
-    assert why_not(torch_kernels.model) == "layer 0's qkv is not on blockdot's panels"
+    assert torch_kernels.model.fused_layers.max_rows == 0
+    assert why_not_in_one_call(torch_kernels.model) == "layer 0's qkv is not on blockdot's panels"
     off = fused_engine(make_hf_llama(seed=14), fused_decode=False)
     assert off.model.fused_layers is None and isinstance(off.model.layers[0].qkv, QuantLinear)
-    dense = fused_engine(make_hf_llama(seed=14), quantization=None)
-    assert dense.model.fused_layers is None
+    half = fused_engine(make_hf_llama(seed=14), dtype="float16", quantization=None)
+    assert half.model.fused_layers is None and why_not(half.model) == "the model computes in torch.float16"
     with pytest.raises(ValueError, match="fused_decode='yes' must be True or False"):
         EngineConfig(fused_decode="yes")

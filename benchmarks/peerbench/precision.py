@@ -15,7 +15,8 @@ the pairs interleaved round by round; the report is medians and their ratio.
     python -m benchmarks.peerbench.precision --pairs q4_1 --slots 1 --kernels torch blockdot   # both kernels
 
 --kernels runs nanoserve once per value on the quantized files (EngineConfig.kernels: auto, torch,
-blockdot), each against the same llama.cpp runs.
+blockdot), each against the same llama.cpp runs; --unfused adds a run of each with
+EngineConfig.fused_decode=False (decode steps through llama.py's decoder_layer, not fused_decode.c).
 """
 
 from __future__ import annotations
@@ -49,16 +50,18 @@ import psutil, torch
 from nanoserve import Engine, EngineConfig
 from nanoserve.instruments.runners import decode_rate
 
-gguf, dtype, quantization, kernels, pp, tg, threads = *sys.argv[1:5], *map(int, sys.argv[5:8])
-slots_list = [int(s) for s in sys.argv[8:]]
+gguf, dtype, quantization, kernels, fused, pp, tg, threads = *sys.argv[1:6], *map(int, sys.argv[6:9])
+slots_list = [int(s) for s in sys.argv[9:]]
 torch.set_num_threads(threads)
 config = EngineConfig(dtype=dtype, quantization=None if quantization == "none" else quantization,
-                      max_num_seqs=max(slots_list), max_model_len=pp + tg + 8, kernels=kernels)
+                      max_num_seqs=max(slots_list), max_model_len=pp + tg + 8, kernels=kernels,
+                      fused_decode=fused == "fused")
 engine = Engine.from_pretrained(gguf, config)
 rates = {slots: decode_rate(engine, slots, tg - 2, pp) for slots in slots_list}
 print(json.dumps({"rates": rates, "rss_mib": psutil.Process().memory_info().rss / 2**20,
                   "dtype": engine.precision.dtype, "quantization": engine.precision.quantization,
-                  "kernels": engine.precision.kernels, "memory": engine.memory()}))
+                  "kernels": engine.precision.kernels, "fused": engine.model.fused_layers is not None,
+                  "memory": engine.memory()}))
 """
 
 # transformers' generate on the same weights (the converted float32 directory), in float32 and bf16:
@@ -118,14 +121,16 @@ def gguf_files() -> dict[str, Path]:
 
 
 def nanoserve_rates(gguf: Path, dtype: str, quantization: str | None, pp: int, tg: int, threads: int,
-                    slots: list[int], kernels: str = "auto") -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(gguf), dtype, quantization or "none", kernels, str(pp),
+                    slots: list[int], kernels: str = "auto", fused: bool = True) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(gguf), dtype, quantization or "none", kernels,
+                           "fused" if fused else "unfused", str(pp),
                            str(tg), str(threads), *map(str, slots)], capture_output=True, text=True, cwd=ROOT,
                           timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"nanoserve child on {gguf.name} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     quantized = f"/{result['kernels']}" if result["quantization"] else ""
+    quantized += "/fused" if result["fused"] else ""
     return {"rates": {int(k): v for k, v in result["rates"].items()}, "rss_mib": result["rss_mib"],
             "precision": f"{result['dtype']}/{result['quantization']}{quantized}"}
 
@@ -164,6 +169,8 @@ def main() -> None:
                         help="leave out transformers generate in float32 and bfloat16 (same weights)")
     parser.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "torch", "blockdot"],
                         help="nanoserve's kernels on the quantized files, one run each")
+    parser.add_argument("--unfused", action="store_true",
+                        help="also run each of those with fused_decode=False")
     parser.add_argument("--out", default="runs/peerbench_precision.csv")
     args = parser.parse_args()
     if args.rounds < 1 or min(args.slots) < 1:
@@ -174,11 +181,12 @@ def main() -> None:
         for name in args.pairs:
             _, dtype, quantization = PAIRS[name]
             ours = [f"nanoserve:{k}" for k in (args.kernels if quantization else args.kernels[:1])]
+            ours += [f"{system}:unfused" for system in ours] if args.unfused and quantization else []
             order = [*ours, "llama.cpp"] if r % 2 == 0 else ["llama.cpp", *ours]
             for system in order:
                 if system.startswith("nanoserve"):
                     result = nanoserve_rates(files[name], dtype, quantization, args.pp, args.tg, args.threads,
-                                             args.slots, system.split(":")[1])
+                                             args.slots, system.split(":")[1], not system.endswith(":unfused"))
                 else:
                     result = llama_rates(files[name], args.pp, args.tg, args.threads, args.slots)
                 got.setdefault((name, system), []).append(result)
@@ -192,7 +200,7 @@ def main() -> None:
     rows = []
     print(f"\npeerbench precision: decode tok/s (aggregate, median of {args.rounds}), pp={args.pp} tg={args.tg}, "
           f"{args.threads} threads")
-    print(f"{'file':<6}{'nanoserve as':<26}{'slots':>6}{'nanoserve':>11}{'llama.cpp':>11}{'ratio':>8}"
+    print(f"{'file':<6}{'nanoserve as':<32}{'slots':>6}{'nanoserve':>11}{'llama.cpp':>11}{'ratio':>8}"
           f"{'RSS MiB n/l':>14}")
     for name, system in [key for key in got if key[1].startswith("nanoserve")]:
         ours, theirs = got[(name, system)], got[(name, "llama.cpp")]
@@ -201,7 +209,7 @@ def main() -> None:
             ll = statistics.median(x["rates"][s] for x in theirs)
             rss_n = max(x["rss_mib"] for x in ours)
             rss_l = max((x["rss_mib"] for x in theirs if not math.isnan(x["rss_mib"])), default=math.nan)
-            print(f"{name:<6}{ours[0]['precision']:<26}{s:>6}{n:>11.1f}{ll:>11.1f}{n / ll:>8.2f}"
+            print(f"{name:<6}{ours[0]['precision']:<32}{s:>6}{n:>11.1f}{ll:>11.1f}{n / ll:>8.2f}"
                   f"{rss_n:>7.0f}/{rss_l:<6.0f}")
             rows.append({"file": name, "gguf": files[name].name, "nanoserve_precision": ours[0]["precision"],
                          "slots": s, "nanoserve_decode_tok_s": n, "llamacpp_decode_tok_s": ll,

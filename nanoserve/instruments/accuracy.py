@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.model.attention import AttentionMetadata, PrefillRun
+from nanoserve.model.attention import AttentionMetadata, DecodeGroup, PrefillRun
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.llama import LlamaModel, ModelInputs
 
@@ -29,8 +29,10 @@ def teacher_forced_logits(model: LlamaModel, token_ids: Sequence[int], chunk: in
     """The next-token logits at every position of token_ids: [T, V] float32 on the CPU.
 
     The text is fed as one sequence in chunks of `chunk` tokens, the way chunked prefill feeds a long
-    prompt: each chunk after the first attends to the cached K/V of everything before it. The result
-    holds T x V floats (1.5 GB for 7,700 tokens of a 49k vocabulary).
+    prompt: each chunk after the first attends to the cached K/V of everything before it. chunk=1
+    feeds it as decode steps instead, one query a step (what a generating request runs, including
+    the model's fused decode where it has one). The result holds T x V floats (1.5 GB for 7,700
+    tokens of a 49k vocabulary).
 
     Raises:
         ValueError: token_ids empty or longer than the model's rope table, an id outside the
@@ -61,11 +63,24 @@ def teacher_forced_logits(model: LlamaModel, token_ids: Sequence[int], chunk: in
         for start in range(0, num_tokens, chunk):
             end = min(start + chunk, num_tokens)
             positions = torch.arange(start, end, device=device)  # [Tq], also the slots: slot == position
-            attn = AttentionMetadata(positions, [], [_chunk_run(start, end, device)], BLOCK_SIZE)
+            if chunk == 1:
+                attn = AttentionMetadata(positions, [_decode_group(start, device)], [], BLOCK_SIZE)
+            else:
+                attn = AttentionMetadata(positions, [], [_chunk_run(start, end, device)], BLOCK_SIZE)
             every_row = torch.arange(end - start, device=device)  # [Tq]: every position is scored
             inputs = ModelInputs(ids[start:end].to(device), positions, every_row, attn)
             logits[start:end] = model(inputs, kv).cpu()  # [Tq, V]
     return logits
+
+
+def _decode_group(position: int, device: torch.device) -> DecodeGroup:
+    """The token at `position` as a decode step: one query over keys 0 .. position."""
+    num_blocks = position // BLOCK_SIZE + 1
+    block_table = torch.arange(num_blocks, device=device)[None]  # [1, nb]
+    if (position + 1) % BLOCK_SIZE == 0:  # the last block is full: nothing to mask
+        return DecodeGroup(None, block_table, None)
+    visible = torch.arange(num_blocks * BLOCK_SIZE) <= position  # [L]
+    return DecodeGroup(None, block_table, visible[None, None, None].to(device))  # mask [1, 1, 1, L]
 
 
 def _chunk_run(start: int, end: int, device: torch.device) -> PrefillRun:

@@ -100,6 +100,26 @@ static void attend(const struct fused_shape *s, const float *q, const void *k_ca
     for (int64_t i = 0; i < D; i++) out[h * D + i] /= total[h];
 }
 
+/* A decode step's attention for one layer, inside a parallel region (an `omp for` over rows and kv
+   heads): each row's q and k [T, (H + 2 Hkv) D] rotated in place, its new k and v written to the
+   cache at its slot, then its query heads attended over its context into att [T, H D]. */
+static void attention(const struct fused_shape *s, void *k_cache, void *v_cache, float *qkv, float *att, int64_t T,
+                      const int64_t *positions, const int64_t *slot_mapping, const int64_t *tables, int64_t nb,
+                      const float *cos, const float *sin) {
+  const int64_t H = s->H, Hkv = s->Hkv, D = s->D, group = H / Hkv, NQKV = (H + 2 * Hkv) * D;
+  #pragma omp for schedule(static)
+  for (int64_t task = 0; task < T * Hkv; task++) {
+    const int64_t r = task / Hkv, g = task % Hkv, pos = positions[r];
+    float *row = qkv + r * NQKV, *q = row + g * group * D, *k = row + (H + g) * D, *v = row + (H + Hkv + g) * D;
+    for (int64_t j = 0; j < group; j++) rope(q + j * D, cos + pos * D, sin + pos * D, D);
+    rope(k, cos + pos * D, sin + pos * D, D);
+    const int64_t at = (slot_mapping[r] * Hkv + g) * D;
+    store_kv(k_cache, at, k, D, (int)s->kv_bf16);
+    store_kv(v_cache, at, v, D, (int)s->kv_bf16);
+    attend(s, q, k_cache, v_cache, tables + r * nb, pos + 1, g, att + r * H * D + g * group * D);
+  }
+}
+
 /* h [T, E] float32, updated in place through every layer. positions, slot_mapping [T]; tables
    [T, nb] block ids; cos, sin [positions, D] float32. Returns 0, or -1 when out of memory. */
 int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, int64_t num_layers, float *h,
@@ -125,18 +145,7 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
       blockdot_prepare(x, T, E, (int)w->qkv_planes, prep, &in);
     }
     blockdot_tasks(&in, T, E, NQKV, w->qkv, (int)w->qkv_planes, qkv, 0);
-    /* per row and kv head: rotate, write the new K/V, attend */
-    #pragma omp for schedule(static)
-    for (int64_t task = 0; task < T * Hkv; task++) {
-      const int64_t r = task / Hkv, g = task % Hkv, group = H / Hkv, pos = positions[r];
-      float *row = qkv + r * NQKV, *q = row + g * group * D, *k = row + (H + g) * D, *v = row + (H + Hkv + g) * D;
-      for (int64_t j = 0; j < group; j++) rope(q + j * D, cos + pos * D, sin + pos * D, D);
-      rope(k, cos + pos * D, sin + pos * D, D);
-      const int64_t at = (slot_mapping[r] * Hkv + g) * D;
-      store_kv(w->k_cache, at, k, D, (int)s->kv_bf16);
-      store_kv(w->v_cache, at, v, D, (int)s->kv_bf16);
-      attend(s, q, w->k_cache, w->v_cache, tables + r * nb, pos + 1, g, att + r * H * D + g * group * D);
-    }
+    attention(s, w->k_cache, w->v_cache, qkv, att, T, positions, slot_mapping, tables, nb, cos, sin);
     #pragma omp single
     blockdot_prepare(att, T, H * D, (int)w->o_planes, prep, &in);
     blockdot_tasks(&in, T, H * D, E, w->o, (int)w->o_planes, out, 0);
@@ -162,4 +171,67 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
   }
   free(scratch);
   return 0;
+}
+
+/* The same step with the matmuls left to the caller (fused_decode.py's wide steps: torch's dense
+   or quantized linears between these calls), activations in float32 or bf16 (io_bf16) as the
+   linears give and take them. */
+
+static void widen(const void *x, float *out, int64_t n, int bf16) {
+  if (bf16) for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+  else memcpy(out, x, sizeof(float) * n);
+}
+
+static void narrow(const float *x, void *out, int64_t n, int bf16) {
+  if (bf16) for (int64_t i = 0; i < n; i++) ((uint16_t *)out)[i] = f32_to_bf16(x[i]);
+  else memcpy(out, x, sizeof(float) * n);
+}
+
+/* One layer's attention: qkv [T, (H + 2 Hkv) D] -> att [T, H D], the new K/V written to the cache.
+   Returns 0, or -1 when out of memory. */
+int fused_attention(const struct fused_shape *s, void *k_cache, void *v_cache, const void *qkv, void *att,
+                    int io_bf16, int64_t T, const int64_t *positions, const int64_t *slot_mapping,
+                    const int64_t *tables, int64_t nb, const float *cos, const float *sin, int nthreads) {
+  const int64_t NQKV = (s->H + 2 * s->Hkv) * s->D, HD = s->H * s->D;
+  float *scratch = malloc(sizeof(float) * T * (NQKV + HD));
+  if (!scratch) return -1;
+  widen(qkv, scratch, T * NQKV, io_bf16);
+  #pragma omp parallel num_threads(nthreads)
+  attention(s, k_cache, v_cache, scratch, scratch + T * NQKV, T, positions, slot_mapping, tables, nb, cos, sin);
+  narrow(scratch + T * NQKV, att, T * HD, io_bf16);
+  free(scratch);
+  return 0;
+}
+
+/* h [T, E] float32 += add (float32 or bf16; NULL: nothing), then x = rms_norm(h) * w in float32
+   or bf16 (w NULL: no norm, x untouched). */
+void fused_add_norm(float *h, const void *add, const float *w, void *x, int io_bf16, int64_t T, int64_t E, float eps) {
+  float normed[E];
+  for (int64_t r = 0; r < T; r++) {
+    float *row = h + r * E;
+    if (add)
+      for (int64_t i = 0; i < E; i++)
+        row[i] += io_bf16 ? bf16_to_f32(((const uint16_t *)add)[r * E + i]) : ((const float *)add)[r * E + i];
+    if (!w) continue;
+    rms_norm(row, w, normed, E, eps);
+    narrow(normed, io_bf16 ? (void *)((uint16_t *)x + r * E) : (void *)((float *)x + r * E), E, io_bf16);
+  }
+}
+
+/* gu [T, 2 I] (gate, then up) -> out [T, I] = silu(gate) up, in float32 or bf16. */
+void fused_silu_mul(const void *gu, void *out, int io_bf16, int64_t T, int64_t I) {
+  for (int64_t r = 0; r < T; r++)
+    for (int64_t i = 0; i < I; i++) {
+      float gate, up;
+      if (io_bf16) {
+        gate = bf16_to_f32(((const uint16_t *)gu)[r * 2 * I + i]);
+        up = bf16_to_f32(((const uint16_t *)gu)[r * 2 * I + I + i]);
+      } else {
+        gate = ((const float *)gu)[r * 2 * I + i];
+        up = ((const float *)gu)[r * 2 * I + I + i];
+      }
+      const float y = gate / (1.0f + expf(-gate)) * up;
+      if (io_bf16) ((uint16_t *)out)[r * I + i] = f32_to_bf16(y);
+      else ((float *)out)[r * I + i] = y;
+    }
 }

@@ -1,17 +1,23 @@
-"""A decode step's layers in one C call (fused_decode.c), where every matmul runs on blockdot.
+"""A decode step's layers with the glue in C (fused_decode.c): all of it in one call where every
+matmul runs on blockdot, or a few calls a layer between torch's linears elsewhere.
 
 At one sequence the default model's linears take 8-10 ms a step back to back, but 15 ms when each
 follows ~25 small torch operations of glue (notes/blockdot.md: a call after a gap runs slower).
-fused_decode.c runs the whole stack of decoder layers for a step whose every row is one decoding
-sequence inside one OpenMP parallel region: norms, rope, the cache write and attention in plain C
-between blockdot's matmuls, activations in float32. The embedding, the final norm and the head stay
-in llama.py's forward.
+For a step whose every row is one decoding sequence:
 
-It applies to a plain Llama layout (SmolLM, Llama 2/3, Mistral without a window): no biases, no
-per-head norms or sandwich norms, SiLU, no soft-capping, no sliding window, the K/V cache in float32
-or bfloat16, and the four matmuls of every layer on blockdot's panels. A step with a prompt or
-chunk in it, or more rows than the quantized linears take (past max_kernel_rows the dense copies
-are faster), goes through llama.py's decoder_layer as before.
+- narrow steps (at most max_rows rows; every matmul of every layer on blockdot's panels): the whole
+  stack of decoder layers in one C call, inside one OpenMP parallel region, activations in float32
+  (fused_decode.c's fused_decode);
+- wider steps, or weights in other forms (dense, or quantized past max_kernel_rows, where the dense
+  copies are faster): torch's linears as in decoder_layer, and between them three C calls a layer
+  in place of ~25 torch operations: rope, the K/V write and attention (fused_attention), the
+  residual add with the next norm (fused_add_norm), and the gate (fused_silu_mul), in the linears'
+  dtype at their edges and float32 inside.
+
+Either way the embedding, the final norm and the head stay in llama.py's forward, and so does
+every step with a prompt or chunk in it. It applies to a plain Llama (SmolLM, Llama 2/3, Mistral
+without a window): no biases, no per-head or sandwich norms, SiLU, no soft-capping, no sliding
+window, the model computing in float32 or bfloat16 on the CPU.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 
 from nanoserve.model import blockdot
 from nanoserve.model.kv_cache import KVCache
-from nanoserve.model.llama import LayerWeights, LlamaModel, ModelInputs
+from nanoserve.model.llama import LayerWeights, LlamaModel, ModelInputs, linear
 from nanoserve.model.quant import QuantLinear
 from nanoserve.model.rope import rope_table
 
@@ -50,17 +56,24 @@ def _panels(weight: object) -> blockdot.Panels | None:
 
 
 def why_not(model: LlamaModel) -> str | None:
-    """Why the fused decode cannot run this laid-out model; None when it can."""
+    """Why the fused decode cannot run this laid-out model at all; None when it can."""
     config, shape = model.config, model.shape
+    if blockdot.library() is None:
+        return f"fused_decode.c could not be built: {blockdot.failure()}"
     if model.device.type != "cpu":
         return f"the model is on {model.device}"
     if model.dtype not in (torch.float32, torch.bfloat16):
-        return f"the K/V cache would be {model.dtype}"
+        return f"the model computes in {model.dtype}"
     switches = {"qkv_bias": config.qkv_bias, "o_bias": config.o_bias, "qk_norm": config.qk_norm,
                 "sandwich_norms": config.sandwich_norms, "sliding_window": config.sliding_window is not None,
                 "attn_logit_softcap": shape.attn_softcap is not None, "activation": shape.activation != "silu"}
     if any(switches.values()):
         return f"the family's {[name for name, on in switches.items() if on]} are not in fused_decode.c"
+    return None
+
+
+def why_not_in_one_call(model: LlamaModel) -> str | None:
+    """Why a narrow step cannot run in one C call (it then takes the per-layer calls); None when it can."""
     for i, layer in enumerate(model.layers):
         for name in MATMULS:
             if _panels(getattr(layer, name)) is None:
@@ -70,23 +83,22 @@ def why_not(model: LlamaModel) -> str | None:
 
 @dataclass
 class FusedDecode:
-    """The model's layers for decode steps of at most max_rows rows: called with a step's h [T, E]
-    float32 (the embedding's rows), it returns h after the last layer (the same tensor, updated in
-    place), or None for a step it does not take."""
+    """Called with a step's h [T, E] float32 (the embedding's rows), it returns h after the last
+    layer (the same tensor, updated in place), or None for a step it does not take."""
 
     layers: list[LayerWeights]
     shape: _Shape
     cos: torch.Tensor  # [P, D] float32
     sin: torch.Tensor  # [P, D] float32
-    max_rows: int
+    dtype: torch.dtype  # the linears' (and the K/V cache's): float32 or bfloat16
+    max_rows: int  # steps of up to this many rows run in one call; 0: none (some matmul is not on panels)
     kernel: blockdot.Library
     _table: ctypes.Array | None = None  # the layers' structs, for the cache they were built against
     _cache: KVCache | None = None
 
     def accepts(self, inputs: ModelInputs) -> bool:
-        """Whether a step is one it runs: every row a decoding sequence, at most max_rows of them."""
-        attn = inputs.attn
-        return not attn.prefill_runs and attn.windowed is None and inputs.input_ids.shape[0] <= self.max_rows
+        """Whether a step is one it runs: every row a decoding sequence, no windowed layers."""
+        return not inputs.attn.prefill_runs and inputs.attn.windowed is None
 
     def __call__(self, h: torch.Tensor, inputs: ModelInputs, kv: KVCache) -> torch.Tensor | None:
         if not self.accepts(inputs):
@@ -94,23 +106,54 @@ class FusedDecode:
         if self._cache is not kv:
             self._table, self._cache = self._layer_table(kv), kv
             self.shape.block_size = kv.block_size
-        h = h.contiguous()  # [T, E] float32, updated in place by the C step
+        h = h.contiguous()  # [T, E] float32, updated in place by the C calls
         T = h.shape[0]
         tables = _row_tables(inputs, T)  # [T, nb]
         positions, slots = inputs.positions.contiguous(), inputs.attn.slot_mapping.contiguous()
-        if self.kernel.lib.fused_decode(ctypes.byref(self.shape), self._table, len(self.layers), h.data_ptr(), T,
-                                        positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-                                        self.cos.data_ptr(), self.sin.data_ptr(), torch.get_num_threads()):
+        rows = (T, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1], self.cos.data_ptr(),
+                self.sin.data_ptr())
+        if h.shape[0] > self.max_rows:
+            return self._per_layer(h, kv, rows)
+        if self.kernel.lib.fused_decode(ctypes.byref(self.shape), self._table, len(self.layers), h.data_ptr(), *rows,
+                                        torch.get_num_threads()):
             raise MemoryError(f"fused_decode: no memory for the scratch of a {T}-row step")
+        return h
+
+    def _per_layer(self, h: torch.Tensor, kv: KVCache, rows: tuple) -> torch.Tensor:
+        """torch's linears, the glue between them in three C calls a layer."""
+        lib, shape, T = self.kernel.lib, self.shape, h.shape[0]
+        io_bf16 = int(self.dtype == torch.bfloat16)
+
+        def add_norm(add: torch.Tensor | None, norm: torch.Tensor | None) -> torch.Tensor | None:
+            x = None if norm is None else torch.empty(T, shape.E, dtype=self.dtype)  # [T, E]
+            lib.fused_add_norm(h.data_ptr(), None if add is None else add.contiguous().data_ptr(),
+                               None if norm is None else norm.data_ptr(), None if x is None else x.data_ptr(), io_bf16,
+                               T, shape.E, shape.eps)
+            return x
+
+        x = add_norm(None, self.layers[0].input_norm)
+        for i, layer in enumerate(self.layers):
+            qkv = linear(x, layer.qkv).contiguous()  # [T, (H + 2 Hkv) D]
+            att = torch.empty(T, shape.H * shape.D, dtype=self.dtype)  # [T, H D]
+            if lib.fused_attention(ctypes.byref(shape), kv.k[i].data_ptr(), kv.v[i].data_ptr(), qkv.data_ptr(),
+                                   att.data_ptr(), io_bf16, *rows, torch.get_num_threads()):
+                raise MemoryError(f"fused_attention: no memory for the scratch of a {T}-row step")
+            x = add_norm(linear(att, layer.o), layer.post_norm)  # [T, E]
+            gate_up = linear(x, layer.gate_up).contiguous()  # [T, 2 I]
+            act = torch.empty(T, shape.I, dtype=self.dtype)  # [T, I]
+            lib.fused_silu_mul(gate_up.data_ptr(), act.data_ptr(), io_bf16, T, shape.I)
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+            x = add_norm(linear(act, layer.down), following)
         return h
 
     def _layer_table(self, kv: KVCache) -> ctypes.Array:
         table = (_Layer * len(self.layers))()
         for i, layer in enumerate(self.layers):
             panels = [_panels(getattr(layer, name)) for name in MATMULS]
-            table[i] = _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
-                              *(p.data.data_ptr() for p in panels), *(p.planes for p in panels),
-                              kv.k[i].data_ptr(), kv.v[i].data_ptr())
+            if self.max_rows:
+                table[i] = _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
+                                  *(p.data.data_ptr() for p in panels), *(p.planes for p in panels),
+                                  kv.k[i].data_ptr(), kv.v[i].data_ptr())
         return table
 
 
@@ -130,11 +173,12 @@ def fused_decode(model: LlamaModel) -> FusedDecode | None:
     if why_not(model) is not None:
         return None
     config, shape = model.config, model.shape
-    kernel = _panels(model.layers[0].qkv).kernel
     scale = shape.attn_scale if shape.attn_scale is not None else shape.head_dim ** -0.5
     c_shape = _Shape(config.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
                      config.intermediate_size, 0, int(model.dtype == torch.bfloat16), shape.eps, scale)
     cos, sin = rope_table(config, model.cos.shape[0], torch.float32, model.device)
-    first = model.layers[0].qkv
-    max_rows = first.max_kernel_rows if first.dense is not None else 2**31
-    return FusedDecode(model.layers, c_shape, cos, sin, max_rows, kernel)
+    max_rows = 0
+    if why_not_in_one_call(model) is None:  # past max_kernel_rows the linears' dense copies are faster
+        first = model.layers[0].qkv
+        max_rows = first.max_kernel_rows if first.dense is not None else 2**31
+    return FusedDecode(model.layers, c_shape, cos, sin, model.dtype, max_rows, blockdot.library())

@@ -153,10 +153,13 @@ def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype
             model = laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights=False))
         return compiled(model)
     if not needs_layout:
-        return packed(model) if pack_weights else model
-    prepared = laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights, kernels))
-    if fuse_decode:
-        prepared.fused_layers = fused_decode(prepared)  # None where why_not(prepared) says it cannot run
+        prepared = packed(model) if pack_weights else model
+    else:
+        prepared = laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights, kernels))
+    fused = fused_decode(prepared) if fuse_decode else None  # None where why_not(prepared) says it cannot run
+    if fused is not None:
+        prepared = copy.copy(prepared) if prepared is model else prepared
+        prepared.fused_layers = fused
     return prepared
 
 
