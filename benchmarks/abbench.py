@@ -5,6 +5,11 @@ the change off (A) and on (B), alternating A B A B ... in one process, and repor
     python benchmarks/abbench.py --change deferred   # deferred output processing
     python benchmarks/abbench.py --change compile    # torch.compile of the decoder layer against packed eager (warm-up apart)
     python benchmarks/abbench.py --change packed     # matmul weights packed for oneDNN against plain F.linear
+    python benchmarks/abbench.py --change fused      # the decode glue in C (fused_decode) against decoder_layer
+
+Every change but fused runs the default model in float32, dense; fused runs it at the default
+precision (the GGUF's blocks on the kernels the probe picks, and their dense copies), both engines
+over the same laid-out weights.
 """
 
 from __future__ import annotations
@@ -22,13 +27,18 @@ import torch
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.instruments.csv_writer import write_csv
 
-CHANGES = ("groups", "deferred", "compile", "packed")
+CHANGES = ("groups", "deferred", "compile", "packed", "fused")
 
 
 def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
     """An engine over `base`'s plain weights with `change` off (A) or on (B), every other setting equal.
     Each engine prepares its own model from them (packed or compiled), so A and B never share a change.
-    Compile is measured against the best eager engine, the packed one; packing against plain."""
+    Compile is measured against the best eager engine, the packed one; packing against plain. fused:
+    `base` is at the default precision, laid out already; both engines run its weights as they are."""
+    if change == "fused":
+        return Engine(base.model, base.tokenizer, EngineConfig(
+            dtype=base.precision.dtype, quantization=None, max_num_seqs=slots, max_model_len=2048,
+            max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, fused_decode=on))
     packed = {"packed": on, "compile": not on}.get(change, True)
     config = EngineConfig(dtype="float32", quantization=None, max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192,
                           kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, pack_weights=packed,
@@ -67,7 +77,11 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    base = Engine.from_pretrained(args.model, EngineConfig(dtype="float32", quantization=None, max_model_len=2048, pack_weights=False))
+    if args.change == "fused":
+        base = Engine.from_pretrained(args.model, EngineConfig(max_model_len=2048, fused_decode=False))
+    else:
+        base = Engine.from_pretrained(args.model, EngineConfig(dtype="float32", quantization=None, max_model_len=2048,
+                                                               pack_weights=False))
     rng = random.Random(0)
     vocab = base.model.config.vocab_size
     rows = []

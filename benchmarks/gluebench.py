@@ -6,7 +6,9 @@ forward (nanoserve.model.llama.linear: the projections, the MLP and the head) an
 of the output it gave for that weight and row count the first time. The second step is the
 forward's glue (norms, rope, the paged K/V writes and gathers, attention, residual adds, casts)
 plus the loop around it; the difference is what the linears cost. The tokens of the second half
-are wrong (the cached outputs belong to other inputs): only its time is read.
+are wrong (the cached outputs belong to other inputs): only its time is read. The engine runs
+decoder_layer (fused_decode=False): the fused decode's glue is C between its own matmuls, with no
+Python linears to answer (`python benchmarks/abbench.py --change fused` times it against this path).
 
     python benchmarks/gluebench.py                           # the default precision, 1 slot
     python benchmarks/gluebench.py --dtype float32 --quantization none --slots 1 16
@@ -38,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     quantization = None if args.quantization == "none" else args.quantization
     engine = Engine.from_pretrained(args.model, EngineConfig(dtype=args.dtype, quantization=quantization,
-                                                             max_num_seqs=max(args.slots)))
+                                                             max_num_seqs=max(args.slots), fused_decode=False))
     real = llama.linear
     cached: dict[tuple[int, int], torch.Tensor] = {}
 

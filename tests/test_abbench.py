@@ -15,12 +15,14 @@ def base():
     return make_tiny_engine(hf_overrides={"max_position_embeddings": 2048}, pack_weights=False)
 
 
-# (pack_weights, compile, deferred_output, decode_group_min_rows) of A (off) and B (on), from abbench's usage
+# (pack_weights, compile, deferred_output, decode_group_min_rows, fused_decode) of A (off) and B (on),
+# from abbench's usage
 PAIRS = {
-    "groups": ((True, False, False, None), (True, False, False, 8)),
-    "deferred": ((True, False, False, 8), (True, False, True, 8)),
-    "compile": ((True, False, False, 8), (False, True, False, 8)),
-    "packed": ((False, False, False, 8), (True, False, False, 8)),
+    "groups": ((True, False, False, None, True), (True, False, False, 8, True)),
+    "deferred": ((True, False, False, 8, True), (True, False, True, 8, True)),
+    "compile": ((True, False, False, 8, True), (False, True, False, 8, True)),
+    "packed": ((False, False, False, 8, True), (True, False, False, 8, True)),
+    "fused": ((True, False, False, 8, False), (True, False, False, 8, True)),
 }
 
 
@@ -32,7 +34,8 @@ def test_every_change_has_a_pair():
 def test_each_side_differs_only_in_its_change(base, change):
     for on, expected in zip((False, True), PAIRS[change], strict=True):
         c = make_engine(base, change, on, slots=2).config
-        assert (c.pack_weights, c.compile, c.deferred_output, c.decode_group_min_rows) == expected, (change, on)
+        assert (c.pack_weights, c.compile, c.deferred_output, c.decode_group_min_rows, c.fused_decode) == expected, \
+            (change, on)
         assert c.max_num_seqs == 2
 
 

@@ -130,7 +130,7 @@ def nanoserve_rates(gguf: Path, dtype: str, quantization: str | None, pp: int, t
         raise RuntimeError(f"nanoserve child on {gguf.name} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     quantized = f"/{result['kernels']}" if result["quantization"] else ""
-    quantized += "/fused" if result["fused"] else ""
+    quantized += "/fused" if result["fused"] else ""  # the glue in C (nanoserve.model.fused_decode)
     return {"rates": {int(k): v for k, v in result["rates"].items()}, "rss_mib": result["rss_mib"],
             "precision": f"{result['dtype']}/{result['quantization']}{quantized}"}
 
@@ -181,7 +181,7 @@ def main() -> None:
         for name in args.pairs:
             _, dtype, quantization = PAIRS[name]
             ours = [f"nanoserve:{k}" for k in (args.kernels if quantization else args.kernels[:1])]
-            ours += [f"{system}:unfused" for system in ours] if args.unfused and quantization else []
+            ours += [f"{system}:unfused" for system in ours] if args.unfused else []
             order = [*ours, "llama.cpp"] if r % 2 == 0 else ["llama.cpp", *ours]
             for system in order:
                 if system.startswith("nanoserve"):

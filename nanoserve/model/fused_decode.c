@@ -53,10 +53,6 @@ static void rope(float *x, const float *cos, const float *sin, int64_t D) {
   }
 }
 
-static inline float load_kv(const void *cache, int64_t at, int bf16) {
-  return bf16 ? bf16_to_f32(((const uint16_t *)cache)[at]) : ((const float *)cache)[at];
-}
-
 static void store_kv(void *cache, int64_t at, const float *x, int64_t D, int bf16) {
   for (int64_t i = 0; i < D; i++) {
     if (bf16) ((uint16_t *)cache)[at + i] = f32_to_bf16(x[i]);
@@ -64,48 +60,88 @@ static void store_kv(void *cache, int64_t at, const float *x, int64_t D, int bf1
   }
 }
 
-/* One row's query heads of kv head g: out[h] = softmax over its L keys of scale q_h . k_j, times V.
-   One pass: the running maximum rescales what has been summed so far. */
-static void attend(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
-                   const int64_t *table, int64_t L, int64_t g, float *out) {
-  const int64_t D = s->D, group = s->H / s->Hkv, bs = s->block_size;
-  float m[group], total[group], k[D], v[D];
-  for (int64_t h = 0; h < group; h++) {
-    m[h] = -INFINITY;
-    total[h] = 0;
-    for (int64_t i = 0; i < D; i++) out[h * D + i] = 0;
-  }
-  for (int64_t j = 0; j < L; j++) {
-    const int64_t at = ((table[j / bs] * bs + j % bs) * s->Hkv + g) * D;
-    for (int64_t i = 0; i < D; i++) k[i] = load_kv(k_cache, at + i, (int)s->kv_bf16);
-    for (int64_t i = 0; i < D; i++) v[i] = load_kv(v_cache, at + i, (int)s->kv_bf16);
-    for (int64_t h = 0; h < group; h++) {
-      float score = 0;
-      #pragma omp simd reduction(+ : score)
-      for (int64_t i = 0; i < D; i++) score += q[h * D + i] * k[i];
-      score *= s->scale;
-      float *o = out + h * D;
-      if (score > m[h]) {  /* a new maximum: what was summed against the old one shrinks */
-        const float shrink = expf(m[h] - score);
-        total[h] *= shrink;
-        for (int64_t i = 0; i < D; i++) o[i] *= shrink;
-        m[h] = score;
-      }
-      const float p = expf(score - m[h]);
-      total[h] += p;
-      for (int64_t i = 0; i < D; i++) o[i] += p * v[i];
-    }
-  }
-  for (int64_t h = 0; h < group; h++)
-    for (int64_t i = 0; i < D; i++) out[h * D + i] /= total[h];
+#define INLINE static inline __attribute__((always_inline))
+
+/* element i of a cache, float32 or bf16: `bf16` is a constant wherever this is inlined, so each
+   loop below is compiled once per cache dtype */
+INLINE float kv(const void *cache, int64_t i, const int bf16) {
+  return bf16 ? bf16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
 }
 
-/* A decode step's attention for one layer, inside a parallel region (an `omp for` over rows and kv
-   heads): each row's q and k [T, (H + 2 Hkv) D] rotated in place, its new k and v written to the
-   cache at its slot, then its query heads attended over its context into att [T, H D]. */
+/* scores[j] = scale q . k_j for n keys at cache offsets at + j stride: four keys at a time, so four
+   independent sums are in flight rather than one chain of D / lanes dependent additions */
+INLINE void scores_run(const float *q, const void *cache, int64_t at, int64_t stride, int64_t n, int64_t D,
+                       float scale, float *scores, const int bf16) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const int64_t k = at + j * stride;
+    float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    #pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t i = 0; i < D; i++) {
+      s0 += q[i] * kv(cache, k + i, bf16);
+      s1 += q[i] * kv(cache, k + stride + i, bf16);
+      s2 += q[i] * kv(cache, k + 2 * stride + i, bf16);
+      s3 += q[i] * kv(cache, k + 3 * stride + i, bf16);
+    }
+    scores[j] = scale * s0, scores[j + 1] = scale * s1, scores[j + 2] = scale * s2, scores[j + 3] = scale * s3;
+  }
+  for (; j < n; j++) {
+    float sum = 0;
+    #pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < D; i++) sum += q[i] * kv(cache, at + j * stride + i, bf16);
+    scores[j] = scale * sum;
+  }
+}
+
+/* out += sum_j p[j] v_j over n values at cache offsets at + j stride, four at a time */
+INLINE void values_run(float *out, const float *p, const void *cache, int64_t at, int64_t stride, int64_t n,
+                       int64_t D, const int bf16) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const int64_t v = at + j * stride;
+    #pragma omp simd
+    for (int64_t i = 0; i < D; i++)
+      out[i] += p[j] * kv(cache, v + i, bf16) + p[j + 1] * kv(cache, v + stride + i, bf16)
+                + p[j + 2] * kv(cache, v + 2 * stride + i, bf16) + p[j + 3] * kv(cache, v + 3 * stride + i, bf16);
+  }
+  for (; j < n; j++) {
+    #pragma omp simd
+    for (int64_t i = 0; i < D; i++) out[i] += p[j] * kv(cache, at + j * stride + i, bf16);
+  }
+}
+
+/* One query head q [D] of kv head g over its L keys (through its block table): out [D] =
+   softmax(scale q . k_j) V, the scores kept in `scores` [L] between the two passes. The keys are
+   walked a block at a time: a block's slots are consecutive, one cache row (Hkv D) apart. */
+INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
+                      const int64_t *table, int64_t L, int64_t g, float *scores, float *out, const int bf16) {
+  const int64_t D = s->D, bs = s->block_size, row = s->Hkv * D;
+  for (int64_t b = 0, j = 0; j < L; b++, j += bs)
+    scores_run(q, k_cache, (table[b] * bs * s->Hkv + g) * D, row, j + bs < L ? bs : L - j, D, s->scale, scores + j,
+               bf16);
+  float max = -INFINITY, total = 0;
+  for (int64_t j = 0; j < L; j++) max = scores[j] > max ? scores[j] : max;
+  for (int64_t j = 0; j < L; j++) total += scores[j] = expf(scores[j] - max);
+  for (int64_t j = 0; j < L; j++) scores[j] /= total;
+  for (int64_t i = 0; i < D; i++) out[i] = 0;
+  for (int64_t b = 0, j = 0; j < L; b++, j += bs)
+    values_run(out, scores + j, v_cache, (table[b] * bs * s->Hkv + g) * D, row, j + bs < L ? bs : L - j, D, bf16);
+}
+
+static void attend(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
+                   const int64_t *table, int64_t L, int64_t g, float *scores, float *out) {
+  if (s->kv_bf16) attend_as(s, q, k_cache, v_cache, table, L, g, scores, out, 1);
+  else attend_as(s, q, k_cache, v_cache, table, L, g, scores, out, 0);
+}
+
+/* A decode step's attention for one layer, inside a parallel region: each row's q and k
+   [T, (H + 2 Hkv) D] rotated in place and its new k and v written to the cache at its slot (an
+   `omp for` over rows and kv heads), then each of its query heads attended over its context into
+   att [T, H D] (an `omp for` over rows and query heads: nine tasks for one row of SmolLM, so two
+   threads share them evenly). scores: [T H, max_len] scratch, max_len the longest context. */
 static void attention(const struct fused_shape *s, void *k_cache, void *v_cache, float *qkv, float *att, int64_t T,
                       const int64_t *positions, const int64_t *slot_mapping, const int64_t *tables, int64_t nb,
-                      const float *cos, const float *sin) {
+                      const float *cos, const float *sin, float *scores, int64_t max_len) {
   const int64_t H = s->H, Hkv = s->Hkv, D = s->D, group = H / Hkv, NQKV = (H + 2 * Hkv) * D;
   #pragma omp for schedule(static)
   for (int64_t task = 0; task < T * Hkv; task++) {
@@ -116,8 +152,20 @@ static void attention(const struct fused_shape *s, void *k_cache, void *v_cache,
     const int64_t at = (slot_mapping[r] * Hkv + g) * D;
     store_kv(k_cache, at, k, D, (int)s->kv_bf16);
     store_kv(v_cache, at, v, D, (int)s->kv_bf16);
-    attend(s, q, k_cache, v_cache, tables + r * nb, pos + 1, g, att + r * H * D + g * group * D);
   }
+  #pragma omp for schedule(static)
+  for (int64_t task = 0; task < T * H; task++) {
+    const int64_t r = task / H, h = task % H;
+    attend(s, qkv + r * NQKV + h * D, k_cache, v_cache, tables + r * nb, positions[r] + 1, h / group,
+           scores + task * max_len, att + r * H * D + h * D);
+  }
+}
+
+/* the longest context of the step: its last position + 1 */
+static int64_t longest(const int64_t *positions, int64_t T) {
+  int64_t max = 0;
+  for (int64_t r = 0; r < T; r++) max = positions[r] + 1 > max ? positions[r] + 1 : max;
+  return max;
 }
 
 /* h [T, E] float32, updated in place through every layer. positions, slot_mapping [T]; tables
@@ -127,13 +175,15 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
                  const float *cos, const float *sin, int nthreads) {
   const int64_t E = s->E, H = s->H, Hkv = s->Hkv, D = s->D, I = s->I;
   const int64_t NQKV = (H + 2 * Hkv) * D, K_MAX = I > E ? (I > H * D ? I : H * D) : (E > H * D ? E : H * D);
-  const int64_t sizes[] = {T * K_MAX, blockdot_scratch_floats(T, K_MAX), T * NQKV, T * H * D, T * E, T * 2 * I};
+  const int64_t max_len = longest(positions, T);
+  const int64_t sizes[] = {T * K_MAX, blockdot_scratch_floats(T, K_MAX), T * NQKV, T * H * D, T * E, T * 2 * I,
+                           T * H * max_len};
   int64_t total = 0;
-  for (int i = 0; i < 6; i++) total += sizes[i];
+  for (int i = 0; i < 7; i++) total += sizes[i];
   float *scratch = malloc(sizeof(float) * total);
   if (!scratch) return -1;
   float *x = scratch, *prep = x + sizes[0], *qkv = prep + sizes[1], *att = qkv + sizes[2], *out = att + sizes[3],
-        *gu = out + sizes[4];
+        *gu = out + sizes[4], *scores = gu + sizes[5];
   struct xin in;  /* shared: written in `single`, read by every thread after its barrier */
 
   #pragma omp parallel num_threads(nthreads)
@@ -145,7 +195,7 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
       blockdot_prepare(x, T, E, (int)w->qkv_planes, prep, &in);
     }
     blockdot_tasks(&in, T, E, NQKV, w->qkv, (int)w->qkv_planes, qkv, 0);
-    attention(s, w->k_cache, w->v_cache, qkv, att, T, positions, slot_mapping, tables, nb, cos, sin);
+    attention(s, w->k_cache, w->v_cache, qkv, att, T, positions, slot_mapping, tables, nb, cos, sin, scores, max_len);
     #pragma omp single
     blockdot_prepare(att, T, H * D, (int)w->o_planes, prep, &in);
     blockdot_tasks(&in, T, H * D, E, w->o, (int)w->o_planes, out, 0);
@@ -193,11 +243,13 @@ int fused_attention(const struct fused_shape *s, void *k_cache, void *v_cache, c
                     int io_bf16, int64_t T, const int64_t *positions, const int64_t *slot_mapping,
                     const int64_t *tables, int64_t nb, const float *cos, const float *sin, int nthreads) {
   const int64_t NQKV = (s->H + 2 * s->Hkv) * s->D, HD = s->H * s->D;
-  float *scratch = malloc(sizeof(float) * T * (NQKV + HD));
+  const int64_t max_len = longest(positions, T);
+  float *scratch = malloc(sizeof(float) * T * (NQKV + HD + s->H * max_len));
   if (!scratch) return -1;
   widen(qkv, scratch, T * NQKV, io_bf16);
   #pragma omp parallel num_threads(nthreads)
-  attention(s, k_cache, v_cache, scratch, scratch + T * NQKV, T, positions, slot_mapping, tables, nb, cos, sin);
+  attention(s, k_cache, v_cache, scratch, scratch + T * NQKV, T, positions, slot_mapping, tables, nb, cos, sin,
+            scratch + T * (NQKV + HD), max_len);
   narrow(scratch + T * NQKV, att, T * HD, io_bf16);
   free(scratch);
   return 0;
