@@ -47,9 +47,10 @@ class EngineConfig:
     # and nanoserve's int4 with fp16 scales, in float32), or "auto": blockdot where the start-up probe
     # times it faster than torch's int4 kernel at one row. Tensor-parallel ranks use torch's.
     kernels: str = "auto"
-    # Decode steps of at most max_kernel_rows rows run every layer in one C call
-    # (nanoserve/model/fused_decode.c) where the quantized linears are on blockdot and the family is a
-    # plain Llama; False keeps them on llama.py's decoder_layer (to compare, or to profile per operation).
+    # Decode-only steps run their glue in C (nanoserve/model/fused_decode.c) for Llama, Mistral and
+    # Qwen2/3 layers: every layer in one call up to max_kernel_rows rows where the quantized linears
+    # are on blockdot, three calls a layer between torch's linears otherwise. False keeps them on
+    # llama.py's decoder_layer (to compare, or to profile per operation).
     fused_decode: bool = True
     device: str = "cpu"
     seed: int = 0  # seeds the generator of requests that bring no seed of their own

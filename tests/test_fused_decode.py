@@ -134,10 +134,36 @@ def test_a_dense_model_takes_the_per_layer_calls_at_every_width(dtype, atol):
     assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
+# Each family switch the fused decode runs, at tiny shapes whose matmuls quantize to int4 (K a multiple of 32).
+FAMILIES = {
+    "qwen2-bias": ("qwen2", {}),
+    "qwen2-window-on-layer-0": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+    "qwen3-qk-norm": ("qwen3", {"head_dim": 16}),
+    "mistral-window": ("mistral", {"sliding_window": 5}),
+}
+
+
+@pytest.mark.parametrize("quantization", ["int4", None], ids=["one-call", "per-layer"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_switches_equal_transformers(name, quantization):
+    family, overrides = FAMILIES[name]
+    hf = make_hf_model(family, seed=16, **overrides)
+    engine = fused_engine(hf, quantization=quantization)
+    assert (engine.model.fused_layers.max_rows > 0) == (quantization is not None)
+    if quantization:
+        load_engine_weights_into(hf, engine)
+    fused_rows = count_fused_steps(engine)
+    captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=8)  # 40 tokens: past every window
+    assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 8
+    assert sum(fused_rows) == len(PROMPTS) * 7
+    engine.check_invariants()
+
+
 def test_families_and_layouts_it_cannot_run_are_named():
-    biased = fused_engine(make_hf_model("qwen2", seed=14))
-    assert biased.model.fused_layers is None
-    assert why_not(biased.model) == "the family's ['qkv_bias'] are not in fused_decode.c"
+    gemma = fused_engine(make_hf_model("gemma2", seed=14, sliding_window=6, query_pre_attn_scalar=12,
+                                       attn_logit_softcapping=2.0, final_logit_softcapping=3.0, head_dim=16))
+    assert gemma.model.fused_layers is None
+    assert why_not(gemma.model) == "the family's ['sandwich_norms', 'attn_logit_softcap', 'activation'] are not in fused_decode.c"
     torch_kernels = fused_engine(make_hf_llama(seed=14), kernels="torch")
     assert torch_kernels.model.fused_layers.max_rows == 0
     assert why_not_in_one_call(torch_kernels.model) == "layer 0's qkv is not on blockdot's panels"

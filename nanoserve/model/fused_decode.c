@@ -1,6 +1,7 @@
 /* fused_decode.c: every decoder layer of a decode step (one query per sequence, a few sequences) in
- * one call, inside one OpenMP parallel region, for a plain Llama whose four matmuls per layer are in
- * blockdot's panels (blockdot.c).
+ * one call, inside one OpenMP parallel region, for a Llama-family model whose four matmuls per layer
+ * are in blockdot's panels (blockdot.c); and the same glue in three calls a layer for steps whose
+ * matmuls torch runs (fused_attention, fused_add_norm, fused_silu_mul).
  *
  * Why: at one sequence the linears of the default model take 8-10 ms a step when called back to back,
  * but 15 ms when each follows the Python glue between them (norms, rope, the cache write, attention:
@@ -11,11 +12,12 @@
  * matmuls read the blocks' codes and fp16 scales exactly, as blockdot does), and the K/V written to
  * and read from the paged cache in its own dtype (float32 or bf16, rounded to nearest even as torch
  * rounds). Softmax is the one-pass (online) form. Per layer, for rows r of T:
- *   x = rms_norm(h) * input_norm;  q, k, v = x @ qkv^T;  q, k rotated (rotate-half, cos/sin of r's
- *   position);  k, v written to the cache at slot_mapping[r];  a = softmax(scale q . K^T) V over the
- *   r's context (positions 0 .. position[r], through its block table);  h += a @ o^T;
+ *   x = rms_norm(h) * input_norm;  q, k, v = x @ qkv^T (+ qkv_bias);  q, k heads normed (q_norm,
+ *   k_norm) and rotated (rotate-half, cos/sin of r's position);  k, v written to the cache at
+ *   slot_mapping[r];  a = softmax(scale q . K^T) V over r's context (positions 0 .. position[r], the
+ *   last W of them in a windowed layer, through its block table);  h += a @ o^T;
  *   x = rms_norm(h) * post_norm;  g, u = x @ gate_up^T;  h += (silu(g) u) @ down^T.
- * fused_decode.py decides when this applies (no biases, no per-head norms, no window, no softcap).
+ * fused_decode.py decides when this applies (no o bias, no sandwich norms, no softcap, SiLU).
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,9 +27,13 @@
 
 struct fused_layer {  /* one layer's weights and cache, as fused_decode.py lays them out */
   const float *input_norm, *post_norm;           /* [E] float32 */
-  const uint8_t *qkv, *o, *gate_up, *down;       /* blockdot panels */
+  const uint8_t *qkv, *o, *gate_up, *down;       /* blockdot panels (NULL where the step's linears are torch's) */
   int64_t qkv_planes, o_planes, gate_up_planes, down_planes;
   void *k_cache, *v_cache;                       /* [slots, Hkv, D] float32, or bf16 where kv_bf16 */
+  /* the family's switches, NULL or 0 where it has none */
+  const float *qkv_bias;                         /* [(H + 2 Hkv) D] float32 (Qwen2) */
+  const float *q_norm, *k_norm;                  /* [D] float32: RMSNorm of each q and k head before rope (Qwen3) */
+  int64_t window;                                /* W: a query at position p sees keys p - W + 1 .. p (Mistral) */
 };
 
 struct fused_shape {
@@ -110,36 +116,42 @@ INLINE void values_run(float *out, const float *p, const void *cache, int64_t at
   }
 }
 
-/* One query head q [D] of kv head g over its L keys (through its block table): out [D] =
-   softmax(scale q . k_j) V, the scores kept in `scores` [L] between the two passes. The keys are
-   walked a block at a time: a block's slots are consecutive, one cache row (Hkv D) apart. */
+/* One query head q [D] of kv head g over keys first .. L - 1 (through its block table): out [D] =
+   softmax(scale q . k_j) V, the scores kept in `scores` [L - first] between the two passes. The keys
+   are walked a run of one block at a time: a block's slots are consecutive, one cache row (Hkv D) apart. */
 INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
-                      const int64_t *table, int64_t L, int64_t g, float *scores, float *out, const int bf16) {
-  const int64_t D = s->D, bs = s->block_size, row = s->Hkv * D;
-  for (int64_t b = 0, j = 0; j < L; b++, j += bs)
-    scores_run(q, k_cache, (table[b] * bs * s->Hkv + g) * D, row, j + bs < L ? bs : L - j, D, s->scale, scores + j,
-               bf16);
+                      const int64_t *table, int64_t first, int64_t L, int64_t g, float *scores, float *out,
+                      const int bf16) {
+  const int64_t D = s->D, bs = s->block_size, row = s->Hkv * D, n = L - first;
+  for (int64_t j = first, run; j < L; j += run) {
+    run = bs - j % bs < L - j ? bs - j % bs : L - j;
+    scores_run(q, k_cache, ((table[j / bs] * bs + j % bs) * s->Hkv + g) * D, row, run, D, s->scale,
+               scores + j - first, bf16);
+  }
   float max = -INFINITY, total = 0;
-  for (int64_t j = 0; j < L; j++) max = scores[j] > max ? scores[j] : max;
-  for (int64_t j = 0; j < L; j++) total += scores[j] = expf(scores[j] - max);
-  for (int64_t j = 0; j < L; j++) scores[j] /= total;
+  for (int64_t j = 0; j < n; j++) max = scores[j] > max ? scores[j] : max;
+  for (int64_t j = 0; j < n; j++) total += scores[j] = expf(scores[j] - max);
+  for (int64_t j = 0; j < n; j++) scores[j] /= total;
   for (int64_t i = 0; i < D; i++) out[i] = 0;
-  for (int64_t b = 0, j = 0; j < L; b++, j += bs)
-    values_run(out, scores + j, v_cache, (table[b] * bs * s->Hkv + g) * D, row, j + bs < L ? bs : L - j, D, bf16);
+  for (int64_t j = first, run; j < L; j += run) {
+    run = bs - j % bs < L - j ? bs - j % bs : L - j;
+    values_run(out, scores + j - first, v_cache, ((table[j / bs] * bs + j % bs) * s->Hkv + g) * D, row, run, D, bf16);
+  }
 }
 
 static void attend(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
-                   const int64_t *table, int64_t L, int64_t g, float *scores, float *out) {
-  if (s->kv_bf16) attend_as(s, q, k_cache, v_cache, table, L, g, scores, out, 1);
-  else attend_as(s, q, k_cache, v_cache, table, L, g, scores, out, 0);
+                   const int64_t *table, int64_t first, int64_t L, int64_t g, float *scores, float *out) {
+  if (s->kv_bf16) attend_as(s, q, k_cache, v_cache, table, first, L, g, scores, out, 1);
+  else attend_as(s, q, k_cache, v_cache, table, first, L, g, scores, out, 0);
 }
 
-/* A decode step's attention for one layer, inside a parallel region: each row's q and k
-   [T, (H + 2 Hkv) D] rotated in place and its new k and v written to the cache at its slot (an
-   `omp for` over rows and kv heads), then each of its query heads attended over its context into
-   att [T, H D] (an `omp for` over rows and query heads: nine tasks for one row of SmolLM, so two
-   threads share them evenly). scores: [T H, max_len] scratch, max_len the longest context. */
-static void attention(const struct fused_shape *s, void *k_cache, void *v_cache, float *qkv, float *att, int64_t T,
+/* A decode step's attention for one layer w, inside a parallel region: each row's q, k, v
+   [T, (H + 2 Hkv) D] biased, its q and k heads normed and rotated in place, its new k and v written
+   to the cache at its slot (an `omp for` over rows and kv heads), then each of its query heads
+   attended over its context (the last W keys of it in a windowed layer) into att [T, H D] (an `omp
+   for` over rows and query heads: nine tasks for one row of SmolLM, so two threads share them
+   evenly). scores: [T H, max_len] scratch, max_len the longest context. */
+static void attention(const struct fused_shape *s, const struct fused_layer *w, float *qkv, float *att, int64_t T,
                       const int64_t *positions, const int64_t *slot_mapping, const int64_t *tables, int64_t nb,
                       const float *cos, const float *sin, float *scores, int64_t max_len) {
   const int64_t H = s->H, Hkv = s->Hkv, D = s->D, group = H / Hkv, NQKV = (H + 2 * Hkv) * D;
@@ -147,16 +159,26 @@ static void attention(const struct fused_shape *s, void *k_cache, void *v_cache,
   for (int64_t task = 0; task < T * Hkv; task++) {
     const int64_t r = task / Hkv, g = task % Hkv, pos = positions[r];
     float *row = qkv + r * NQKV, *q = row + g * group * D, *k = row + (H + g) * D, *v = row + (H + Hkv + g) * D;
-    for (int64_t j = 0; j < group; j++) rope(q + j * D, cos + pos * D, sin + pos * D, D);
+    if (w->qkv_bias) {
+      const float *bias = w->qkv_bias;
+      for (int64_t i = 0; i < group * D; i++) q[i] += bias[g * group * D + i];
+      for (int64_t i = 0; i < D; i++) k[i] += bias[(H + g) * D + i], v[i] += bias[(H + Hkv + g) * D + i];
+    }
+    for (int64_t j = 0; j < group; j++) {
+      if (w->q_norm) rms_norm(q + j * D, w->q_norm, q + j * D, D, s->eps);
+      rope(q + j * D, cos + pos * D, sin + pos * D, D);
+    }
+    if (w->k_norm) rms_norm(k, w->k_norm, k, D, s->eps);
     rope(k, cos + pos * D, sin + pos * D, D);
     const int64_t at = (slot_mapping[r] * Hkv + g) * D;
-    store_kv(k_cache, at, k, D, (int)s->kv_bf16);
-    store_kv(v_cache, at, v, D, (int)s->kv_bf16);
+    store_kv(w->k_cache, at, k, D, (int)s->kv_bf16);
+    store_kv(w->v_cache, at, v, D, (int)s->kv_bf16);
   }
   #pragma omp for schedule(static)
   for (int64_t task = 0; task < T * H; task++) {
-    const int64_t r = task / H, h = task % H;
-    attend(s, qkv + r * NQKV + h * D, k_cache, v_cache, tables + r * nb, positions[r] + 1, h / group,
+    const int64_t r = task / H, h = task % H, L = positions[r] + 1;
+    const int64_t first = w->window && L > w->window ? L - w->window : 0;
+    attend(s, qkv + r * NQKV + h * D, w->k_cache, w->v_cache, tables + r * nb, first, L, h / group,
            scores + task * max_len, att + r * H * D + h * D);
   }
 }
@@ -195,7 +217,7 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
       blockdot_prepare(x, T, E, (int)w->qkv_planes, prep, &in);
     }
     blockdot_tasks(&in, T, E, NQKV, w->qkv, (int)w->qkv_planes, qkv, 0);
-    attention(s, w->k_cache, w->v_cache, qkv, att, T, positions, slot_mapping, tables, nb, cos, sin, scores, max_len);
+    attention(s, w, qkv, att, T, positions, slot_mapping, tables, nb, cos, sin, scores, max_len);
     #pragma omp single
     blockdot_prepare(att, T, H * D, (int)w->o_planes, prep, &in);
     blockdot_tasks(&in, T, H * D, E, w->o, (int)w->o_planes, out, 0);
@@ -237,18 +259,18 @@ static void narrow(const float *x, void *out, int64_t n, int bf16) {
   else memcpy(out, x, sizeof(float) * n);
 }
 
-/* One layer's attention: qkv [T, (H + 2 Hkv) D] -> att [T, H D], the new K/V written to the cache.
-   Returns 0, or -1 when out of memory. */
-int fused_attention(const struct fused_shape *s, void *k_cache, void *v_cache, const void *qkv, void *att,
-                    int io_bf16, int64_t T, const int64_t *positions, const int64_t *slot_mapping,
-                    const int64_t *tables, int64_t nb, const float *cos, const float *sin, int nthreads) {
+/* One layer's attention: qkv [T, (H + 2 Hkv) D] -> att [T, H D], the new K/V written to the cache
+   of layer w (its panels unused). Returns 0, or -1 when out of memory. */
+int fused_attention(const struct fused_shape *s, const struct fused_layer *w, const void *qkv, void *att, int io_bf16,
+                    int64_t T, const int64_t *positions, const int64_t *slot_mapping, const int64_t *tables, int64_t nb,
+                    const float *cos, const float *sin, int nthreads) {
   const int64_t NQKV = (s->H + 2 * s->Hkv) * s->D, HD = s->H * s->D;
   const int64_t max_len = longest(positions, T);
   float *scratch = malloc(sizeof(float) * T * (NQKV + HD + s->H * max_len));
   if (!scratch) return -1;
   widen(qkv, scratch, T * NQKV, io_bf16);
   #pragma omp parallel num_threads(nthreads)
-  attention(s, k_cache, v_cache, scratch, scratch + T * NQKV, T, positions, slot_mapping, tables, nb, cos, sin,
+  attention(s, w, scratch, scratch + T * NQKV, T, positions, slot_mapping, tables, nb, cos, sin,
             scratch + T * (NQKV + HD), max_len);
   narrow(scratch + T * NQKV, att, T * HD, io_bf16);
   free(scratch);

@@ -15,9 +15,10 @@ For a step whose every row is one decoding sequence:
   dtype at their edges and float32 inside.
 
 Either way the embedding, the final norm and the head stay in llama.py's forward, and so does
-every step with a prompt or chunk in it. It applies to a plain Llama (SmolLM, Llama 2/3, Mistral
-without a window): no biases, no per-head or sandwich norms, SiLU, no soft-capping, no sliding
-window, the model computing in float32 or bfloat16 on the CPU.
+every step with a prompt or chunk in it. It applies to the Llama family's switches that SmolLM,
+Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 use (a qkv bias, per-head q/k norms, a sliding window on
+some or all layers, SiLU), the model computing in float32 or bfloat16 on the CPU; Gemma's (sandwich
+norms, GELU, soft-capping) and an o bias keep decoder_layer.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class _Shape(ctypes.Structure):  # struct fused_shape
 
 class _Layer(ctypes.Structure):  # struct fused_layer
     _fields_ = [(name, _ptr) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")] + [
-        (f"{name}_planes", _i64) for name in ("qkv", "o", "gate_up", "down")] + [("k_cache", _ptr), ("v_cache", _ptr)]
+        (f"{name}_planes", _i64) for name in ("qkv", "o", "gate_up", "down")] + [
+        (name, _ptr) for name in ("k_cache", "v_cache", "qkv_bias", "q_norm", "k_norm")] + [("window", _i64)]
 
 
 MATMULS = ("qkv", "o", "gate_up", "down")
@@ -64,8 +66,7 @@ def why_not(model: LlamaModel) -> str | None:
         return f"the model is on {model.device}"
     if model.dtype not in (torch.float32, torch.bfloat16):
         return f"the model computes in {model.dtype}"
-    switches = {"qkv_bias": config.qkv_bias, "o_bias": config.o_bias, "qk_norm": config.qk_norm,
-                "sandwich_norms": config.sandwich_norms, "sliding_window": config.sliding_window is not None,
+    switches = {"o_bias": config.o_bias, "sandwich_norms": config.sandwich_norms,
                 "attn_logit_softcap": shape.attn_softcap is not None, "activation": shape.activation != "silu"}
     if any(switches.values()):
         return f"the family's {[name for name, on in switches.items() if on]} are not in fused_decode.c"
@@ -93,12 +94,15 @@ class FusedDecode:
     dtype: torch.dtype  # the linears' (and the K/V cache's): float32 or bfloat16
     max_rows: int  # steps of up to this many rows run in one call; 0: none (some matmul is not on panels)
     kernel: blockdot.Library
+    switches: list[tuple[torch.Tensor | None, ...]]  # per layer: qkv_bias, q_norm, k_norm in float32, or None
+    windows: list[int]  # per layer: its sliding window W, 0 for none
     _table: ctypes.Array | None = None  # the layers' structs, for the cache they were built against
     _cache: KVCache | None = None
 
     def accepts(self, inputs: ModelInputs) -> bool:
-        """Whether a step is one it runs: every row a decoding sequence, no windowed layers."""
-        return not inputs.attn.prefill_runs and inputs.attn.windowed is None
+        """Whether a step is one it runs: every row a decoding sequence. (Windowed layers cut their
+        keys themselves from the step's full block tables, which the allocator keeps whole.)"""
+        return not inputs.attn.prefill_runs
 
     def __call__(self, h: torch.Tensor, inputs: ModelInputs, kv: KVCache) -> torch.Tensor | None:
         if not self.accepts(inputs):
@@ -135,8 +139,8 @@ class FusedDecode:
         for i, layer in enumerate(self.layers):
             qkv = linear(x, layer.qkv).contiguous()  # [T, (H + 2 Hkv) D]
             att = torch.empty(T, shape.H * shape.D, dtype=self.dtype)  # [T, H D]
-            if lib.fused_attention(ctypes.byref(shape), kv.k[i].data_ptr(), kv.v[i].data_ptr(), qkv.data_ptr(),
-                                   att.data_ptr(), io_bf16, *rows, torch.get_num_threads()):
+            if lib.fused_attention(ctypes.byref(shape), ctypes.byref(self._table[i]), qkv.data_ptr(), att.data_ptr(),
+                                   io_bf16, *rows, torch.get_num_threads()):
                 raise MemoryError(f"fused_attention: no memory for the scratch of a {T}-row step")
             x = add_norm(linear(att, layer.o), layer.post_norm)  # [T, E]
             gate_up = linear(x, layer.gate_up).contiguous()  # [T, 2 I]
@@ -149,12 +153,16 @@ class FusedDecode:
     def _layer_table(self, kv: KVCache) -> ctypes.Array:
         table = (_Layer * len(self.layers))()
         for i, layer in enumerate(self.layers):
-            panels = [_panels(getattr(layer, name)) for name in MATMULS]
-            if self.max_rows:
-                table[i] = _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
-                                  *(p.data.data_ptr() for p in panels), *(p.planes for p in panels),
-                                  kv.k[i].data_ptr(), kv.v[i].data_ptr())
+            panels = [_panels(getattr(layer, name)) for name in MATMULS]  # None: torch's linears run it
+            table[i] = _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
+                              *(p and p.data.data_ptr() for p in panels), *(p.planes if p else 0 for p in panels),
+                              kv.k[i].data_ptr(), kv.v[i].data_ptr(), *(_address(t) for t in self.switches[i]),
+                              self.windows[i])
         return table
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _row_tables(inputs: ModelInputs, T: int) -> torch.Tensor:
@@ -181,4 +189,7 @@ def fused_decode(model: LlamaModel) -> FusedDecode | None:
     if why_not_in_one_call(model) is None:  # past max_kernel_rows the linears' dense copies are faster
         first = model.layers[0].qkv
         max_rows = first.max_kernel_rows if first.dense is not None else 2**31
-    return FusedDecode(model.layers, c_shape, cos, sin, model.dtype, max_rows, blockdot.library())
+    switches = [tuple(None if t is None else t.float().contiguous() for t in (layer.qkv_bias, layer.q_norm, layer.k_norm))
+                for layer in model.layers]
+    windows = [config.sliding_window if i in model.sliding_layers else 0 for i in range(config.num_layers)]
+    return FusedDecode(model.layers, c_shape, cos, sin, model.dtype, max_rows, blockdot.library(), switches, windows)
