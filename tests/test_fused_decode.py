@@ -22,7 +22,7 @@ from nanoserve.model import blockdot
 from nanoserve.model.fused_decode import FusedDecode, why_not, why_not_in_one_call
 from nanoserve.model.quant import QuantLinear
 
-pytestmark = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
+needs_build = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
 
 # Lengths that cross block boundaries and differ enough that decode_group_min_rows=2 splits them.
 PROMPTS = [[5, 9, 13, 22, 7, 41, 3, 8, 60, 33, 21], [17, 4], [30 + i % 50 for i in range(40)], [11, 12, 13, 14, 15]]
@@ -64,6 +64,7 @@ def count_fused_steps(engine: Engine) -> list[int]:
     return rows
 
 
+@needs_build
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_fused_decode_logits_equal_transformers_on_the_same_weights(block_size):
     hf = make_hf_llama(seed=11)
@@ -78,6 +79,7 @@ def test_fused_decode_logits_equal_transformers_on_the_same_weights(block_size):
     assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
+@needs_build
 def test_fused_decode_with_a_bfloat16_cache_stays_within_bf16_precision():
     hf = make_hf_llama(seed=12)
     engine = fused_engine(hf, dtype="bfloat16")
@@ -106,6 +108,7 @@ def count_one_call_steps(engine: Engine) -> list[int]:
     return rows
 
 
+@needs_build
 def test_steps_wider_than_the_kernel_rows_take_torchs_linears_between_per_layer_calls():
     hf = make_hf_llama(seed=13)
     engine = fused_engine(hf, max_kernel_rows=2)  # four decoding requests: a step for the dense copies
@@ -120,6 +123,7 @@ def test_steps_wider_than_the_kernel_rows_take_torchs_linears_between_per_layer_
     assert one_call_rows == [2] * 5
 
 
+@needs_build
 @pytest.mark.parametrize("dtype, atol", [("float32", 1e-4), ("bfloat16", 0.03)])
 def test_a_dense_model_takes_the_per_layer_calls_at_every_width(dtype, atol):
     hf = make_hf_llama(seed=15)
@@ -143,6 +147,7 @@ FAMILIES = {
 }
 
 
+@needs_build
 @pytest.mark.parametrize("quantization", ["int4", None], ids=["one-call", "per-layer"])
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_family_switches_equal_transformers(name, quantization):
@@ -159,6 +164,7 @@ def test_family_switches_equal_transformers(name, quantization):
     engine.check_invariants()
 
 
+@needs_build
 def test_families_and_layouts_it_cannot_run_are_named():
     gemma = fused_engine(make_hf_model("gemma2", seed=14, sliding_window=6, query_pre_attn_scalar=12,
                                        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, head_dim=16))
@@ -173,3 +179,14 @@ def test_families_and_layouts_it_cannot_run_are_named():
     assert half.model.fused_layers is None and why_not(half.model) == "the model computes in torch.float16"
     with pytest.raises(ValueError, match="fused_decode='yes' must be True or False"):
         EngineConfig(fused_decode="yes")
+
+
+def test_without_a_build_steps_run_decoder_layer(monkeypatch):
+    monkeypatch.setattr(blockdot, "_library", None)
+    monkeypatch.setattr(blockdot, "_failure", "OSError: cc not found (faked)")
+    hf = make_hf_llama(seed=17)
+    engine = fused_engine(hf, quantization=None, kernels="auto")
+    assert engine.model.fused_layers is None
+    assert why_not(engine.model) == "fused_decode.c could not be built: OSError: cc not found (faked)"
+    captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=4)
+    assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 4
