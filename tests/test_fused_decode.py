@@ -190,3 +190,14 @@ def test_without_a_build_steps_run_decoder_layer(monkeypatch):
     assert why_not(engine.model) == "fused_decode.c could not be built: OSError: cc not found (faked)"
     captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=4)
     assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 4
+
+
+@needs_build
+def test_an_engine_over_another_engines_model_builds_its_own_fused_decode_or_none():
+    first = fused_engine(make_hf_llama(seed=18), quantization=None)
+    assert first.model.fused_layers is not None
+    off = Engine(first.model, None, EngineConfig(dtype="float32", quantization=None, fused_decode=False, pack_weights=False,
+                                           num_kv_blocks=16))
+    assert off.model.fused_layers is None and first.model.fused_layers is not None
+    on = Engine(first.model, None, EngineConfig(dtype="float32", quantization=None, pack_weights=False, num_kv_blocks=16))
+    assert on.model.fused_layers is not first.model.fused_layers and on.model.layers is first.model.layers

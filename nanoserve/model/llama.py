@@ -186,9 +186,9 @@ class LlamaModel:
         self.sliding_layers = frozenset(config.sliding_layers)  # layers that attend within config.sliding_window
         self.layer_fn = decoder_layer
         self.lm_head_weight = lm_head  # what the head's linear reads: lm_head, or its packed copy
-        # Every layer of a decode step in one call (nanoserve.model.fused_decode), set by prepare_model
-        # where the layout allows: h [T, E], inputs, kv -> h after the last layer, or None for a step
-        # it does not take (those run decoder_layer).
+        # A decode step's layers with their glue in C (nanoserve.model.fused_decode), set by
+        # prepare_model where the family allows: h [T, E], inputs, kv -> h after the last layer, or
+        # None for a step it does not take (those run decoder_layer).
         self.fused_layers: Callable[[torch.Tensor, ModelInputs, KVCache], torch.Tensor | None] | None = None
 
     @classmethod

@@ -82,6 +82,7 @@ def laid_out(model: LlamaModel, layout: Layout) -> LlamaModel:
         raise ValueError("lay a model out before compiling it: the compiled graph reads plain tensors")
     dtype = layout.dtype
     prepared = copy.copy(model)
+    prepared.fused_layers = None  # built over the given model's layers; prepare_model builds one for these
     prepared.layers = [_laid_out_layer(layer, layout) for layer in model.layers]
     prepared.embed = model.embed.to(dtype) if isinstance(model.embed, torch.Tensor) else model.embed
     prepared.lm_head = prepared.embed if model.lm_head is model.embed else model.lm_head
@@ -118,6 +119,7 @@ def compiled(model: LlamaModel) -> LlamaModel:
     if model.layer_fn is not decoder_layer:
         return model
     prepared = copy.copy(model)
+    prepared.fused_layers = None  # the compiled layer runs every step
     prepared.layer_fn = torch.compile(decoder_layer, dynamic=True)
     return prepared
 
@@ -144,7 +146,7 @@ def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype
                   kernels: str = "torch", fuse_decode: bool = False) -> LlamaModel:
     """The model an engine runs: laid out in `dtype` (default: the model's own) with the weights'
     quantization, then compiled, or `model` itself when nothing changes. fuse_decode: decode steps
-    run all their layers in one C call where the layout allows it (nanoserve.model.fused_decode)."""
+    run their glue in C where the family allows it (nanoserve.model.fused_decode)."""
     dtype = dtype or model.dtype
     # A checkpoint's matrices as stored always need a form (kernels, or dense when quantization is None).
     needs_layout = dtype != model.dtype or quantization is not None or is_quantized(model)
@@ -157,7 +159,7 @@ def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype
     else:
         prepared = laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights, kernels))
     fused = fused_decode(prepared) if fuse_decode else None  # None where why_not(prepared) says it cannot run
-    if fused is not None:
+    if fused is not None or prepared.fused_layers is not None:  # a given model's own is not this engine's
         prepared = copy.copy(prepared) if prepared is model else prepared
         prepared.fused_layers = fused
     return prepared
