@@ -20,6 +20,7 @@
  * fused_decode.py decides when this applies (no o bias, no sandwich norms, no softcap, SiLU).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -150,7 +151,8 @@ static void attend(const struct fused_shape *s, const float *q, const void *k_ca
    to the cache at its slot (an `omp for` over rows and kv heads), then each of its query heads
    attended over its context (the last W keys of it in a windowed layer) into att [T, H D] (an `omp
    for` over rows and query heads: nine tasks for one row of SmolLM, so two threads share them
-   evenly). scores: [T H, max_len] scratch, max_len the longest context. */
+   evenly). scores: [threads, max_len] scratch, one row per thread of the region, max_len the
+   step's longest context. */
 static void attention(const struct fused_shape *s, const struct fused_layer *w, float *qkv, float *att, int64_t T,
                       const int64_t *positions, const int64_t *slot_mapping, const int64_t *tables, int64_t nb,
                       const float *cos, const float *sin, float *scores, int64_t max_len) {
@@ -179,7 +181,7 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
     const int64_t r = task / H, h = task % H, L = positions[r] + 1;
     const int64_t first = w->window && L > w->window ? L - w->window : 0;
     attend(s, qkv + r * NQKV + h * D, w->k_cache, w->v_cache, tables + r * nb, first, L, h / group,
-           scores + task * max_len, att + r * H * D + h * D);
+           scores + omp_get_thread_num() * max_len, att + r * H * D + h * D);
   }
 }
 
@@ -199,7 +201,7 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
   const int64_t NQKV = (H + 2 * Hkv) * D, K_MAX = I > E ? (I > H * D ? I : H * D) : (E > H * D ? E : H * D);
   const int64_t max_len = longest(positions, T);
   const int64_t sizes[] = {T * K_MAX, blockdot_scratch_floats(T, K_MAX), T * NQKV, T * H * D, T * E, T * 2 * I,
-                           T * H * max_len};
+                           nthreads * max_len};
   int64_t total = 0;
   for (int i = 0; i < 7; i++) total += sizes[i];
   float *scratch = malloc(sizeof(float) * total);
@@ -266,7 +268,7 @@ int fused_attention(const struct fused_shape *s, const struct fused_layer *w, co
                     const float *cos, const float *sin, int nthreads) {
   const int64_t NQKV = (s->H + 2 * s->Hkv) * s->D, HD = s->H * s->D;
   const int64_t max_len = longest(positions, T);
-  float *scratch = malloc(sizeof(float) * T * (NQKV + HD + s->H * max_len));
+  float *scratch = malloc(sizeof(float) * (T * (NQKV + HD) + nthreads * max_len));
   if (!scratch) return -1;
   widen(qkv, scratch, T * NQKV, io_bf16);
   #pragma omp parallel num_threads(nthreads)
