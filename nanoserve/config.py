@@ -50,7 +50,7 @@ class EngineConfig:
     # Decode-only steps run their glue in C (nanoserve/model/fused_decode.c) for Llama, Mistral and
     # Qwen2/3 layers: every layer in one call up to max_kernel_rows rows where the quantized linears
     # are on blockdot, three calls a layer between torch's linears otherwise. False keeps them on
-    # llama.py's decoder_layer (to compare, or to profile per operation).
+    # llama.py's decoder_layer (to compare, or to profile per operation). Tensor-parallel ranks keep it.
     fused_decode: bool = True
     device: str = "cpu"
     seed: int = 0  # seeds the generator of requests that bring no seed of their own

@@ -80,7 +80,7 @@ class Engine:
         model = self.model = prepare_model(model, pack_weights=config.pack_weights, compile=config.compile,
                                            dtype=self.precision.torch_dtype, quantization=self.precision.quantization,
                                            max_kernel_rows=config.max_kernel_rows, kernels=self.precision.kernels,
-                                           fuse_decode=config.fused_decode)
+                                           fuse_decode=config.fused_decode and world_size == 1)
         num_positions = model.cos.shape[0]
         self.max_model_len = config.max_model_len or num_positions
         if self.max_model_len > num_positions:

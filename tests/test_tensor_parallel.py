@@ -232,6 +232,7 @@ def test_tp2_logits_equal_tp1(tmp_path, monkeypatch, case):
         want, want_outputs = run_and_capture(one, PROMPTS, max_tokens=6)
     with Engine.from_pretrained(path, tiny_config(2, **config)) as two:
         assert isinstance(two.model, TensorParallelModel) and len(worker_processes()) == 1
+        assert two.model.fused_layers is None  # every rank runs decoder_layer, as the workers do
         got, got_outputs = run_and_capture(two, PROMPTS, max_tokens=6)
         stats = two.model.group.stats
         # Each step: one plan, one all-reduce after o and one after down in every layer, one gather.

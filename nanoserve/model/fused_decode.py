@@ -60,10 +60,10 @@ def _panels(weight: object) -> blockdot.Panels | None:
 def why_not(model: LlamaModel) -> str | None:
     """Why the fused decode cannot run this laid-out model at all; None when it can."""
     config, shape = model.config, model.shape
-    if blockdot.library() is None:
-        return f"fused_decode.c could not be built: {blockdot.failure()}"
     if model.device.type != "cpu":
         return f"the model is on {model.device}"
+    if blockdot.library() is None:
+        return f"fused_decode.c could not be built: {blockdot.failure()}"
     if model.dtype not in (torch.float32, torch.bfloat16):
         return f"the model computes in {model.dtype}"
     switches = {"o_bias": config.o_bias, "sandwich_norms": config.sandwich_norms,
