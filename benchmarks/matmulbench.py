@@ -57,8 +57,6 @@ LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [N, K]: qkv
 HEAD_SHAPE = (49152, 576)
 LAYOUTS = ("linear", "skinny", "xWt", "packed")
 QUANT_LAYOUTS = ("int8", "int4", "blockdot", "dense")  # the last is the one the others are divided by
-BASE_FLAGS = ["-O2", "-fopenmp", "-shared", "-fPIC"]
-BLOCKDOT_BUILDS = {"native": blockdot.FLAGS, "avx2": [*BASE_FLAGS, "-mavx2", "-mfma", "-mf16c"], "plain": BASE_FLAGS}
 
 
 def prepare(weights: list[torch.Tensor], layout: str, dtype: torch.dtype = torch.bfloat16,
@@ -109,7 +107,7 @@ def main() -> None:
     parser.add_argument("--quant", action="store_true", help="int8 and int4 kernels against dense bf16")
     parser.add_argument("--activations", choices=["bfloat16", "float32"], default="bfloat16",
                         help="with --quant: the activations' dtype (and the dense reference's)")
-    parser.add_argument("--blockdot-build", choices=list(BLOCKDOT_BUILDS), default="native",
+    parser.add_argument("--blockdot-build", choices=list(blockdot.BUILDS), default="native",
                         help="with --quant: the blockdot build to run")
     parser.add_argument("--out", default="runs/matmulbench.csv")
     args = parser.parse_args()
@@ -125,7 +123,7 @@ def main() -> None:
     kernel = None
     if args.quant:
         try:
-            kernel = blockdot.load(BLOCKDOT_BUILDS[args.blockdot_build])
+            kernel = blockdot.load(blockdot.BUILDS[args.blockdot_build])
         except OSError as exc:  # no C compiler: torch's kernels alone
             print(f"blockdot not built ({exc}): its column is left out")
             layouts = tuple(name for name in layouts if name != "blockdot")

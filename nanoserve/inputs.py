@@ -73,7 +73,7 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
     whole_step = len(groups) == 1 and len(decoding) == num_seqs  # one group, in row order: no gather or scatter
 
     def metadata(window: int | None) -> AttentionMetadata:
-        decode_groups = [_decode_group([decoding[j] for j in g], None if whole_step else first_rows, block_tables,
+        decode_groups = [decode_group([decoding[j] for j in g], None if whole_step else first_rows, block_tables,
                                        context_lens, block_size, device, window) for g in groups if g]
         runs = [_prefill_run(first_rows[i], query_lens[i], context_lens[i], block_tables[i], block_size, device, window)
                 for i in range(num_seqs) if query_lens[i] > 1]
@@ -116,7 +116,7 @@ def split_by_length(num_blocks: list[int], max_groups: int = 4, min_saving: floa
     return [order[a:b] for a, b in reversed(bounds)]
 
 
-def _decode_group(rows: list[int], first_rows: list[int] | None, block_tables: list[list[int]],
+def decode_group(rows: list[int], first_rows: list[int] | None, block_tables: list[list[int]],
                   context_lens: list[int], block_size: int, device: torch.device,
                   window: int | None = None) -> DecodeGroup:
     """Sequences `rows`, one query each (at row first_rows[r] of T), attended as one batch;

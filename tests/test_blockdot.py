@@ -19,10 +19,8 @@ from nanoserve.model.gguf import BlockQuantized
 from nanoserve.model.prepare import Layout, laid_out
 from nanoserve.model.quant import quant_linear, quantize_int4
 
-BASE = ["-O2", "-fopenmp", "-shared", "-fPIC"]
 # Tests of this machine's own build; without a C compiler torch's kernels serve and they have nothing to run.
 needs_build = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
-BUILDS = {"native": blockdot.FLAGS, "avx2": [*BASE, "-mavx2", "-mfma", "-mf16c"], "plain C": BASE}
 
 
 def _cpu_has(flag: str) -> bool:
@@ -32,12 +30,12 @@ def _cpu_has(flag: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="module", params=list(BUILDS))
+@pytest.fixture(scope="module", params=list(blockdot.BUILDS))
 def kernel(request):
     if request.param == "avx2" and not _cpu_has("avx2"):
         pytest.skip("this CPU has no AVX2")
     try:
-        return request.param, blockdot.load(BUILDS[request.param])
+        return request.param, blockdot.load(blockdot.BUILDS[request.param])
     except OSError as exc:
         pytest.skip(f"no C compiler here: {exc}")
 
@@ -45,7 +43,7 @@ def kernel(request):
 def test_each_build_has_the_vector_width_its_flags_ask_for(kernel):
     name, built = kernel
     native = 512 if _cpu_has("avx512f") else 256 if _cpu_has("avx2") and _cpu_has("fma") else None
-    expected = {"avx2": 256, "plain C": 0, "native": native}[name]
+    expected = {"avx2": 256, "plain": 0, "native": native}[name]
     if expected is None:
         pytest.skip("neither AVX-512 nor AVX2 here: what -march=native gives is the compiler's to say")
     assert built.simd == expected

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.model.attention import AttentionMetadata, DecodeGroup, PrefillRun
+from nanoserve.inputs import decode_group
+from nanoserve.model.attention import AttentionMetadata, PrefillRun
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.llama import LlamaModel, ModelInputs
 
@@ -64,23 +65,16 @@ def teacher_forced_logits(model: LlamaModel, token_ids: Sequence[int], chunk: in
             end = min(start + chunk, num_tokens)
             positions = torch.arange(start, end, device=device)  # [Tq], also the slots: slot == position
             if chunk == 1:
-                attn = AttentionMetadata(positions, [_decode_group(start, device)], [], BLOCK_SIZE)
+                # the token at `start` as a decode step, one query over keys 0 .. start (a slot is its position)
+                table = [list(range(start // BLOCK_SIZE + 1))]
+                group = decode_group([0], None, table, [start + 1], BLOCK_SIZE, device)
+                attn = AttentionMetadata(positions, [group], [], BLOCK_SIZE)
             else:
                 attn = AttentionMetadata(positions, [], [_chunk_run(start, end, device)], BLOCK_SIZE)
             every_row = torch.arange(end - start, device=device)  # [Tq]: every position is scored
             inputs = ModelInputs(ids[start:end].to(device), positions, every_row, attn)
             logits[start:end] = model(inputs, kv).cpu()  # [Tq, V]
     return logits
-
-
-def _decode_group(position: int, device: torch.device) -> DecodeGroup:
-    """The token at `position` as a decode step: one query over keys 0 .. position."""
-    num_blocks = position // BLOCK_SIZE + 1
-    block_table = torch.arange(num_blocks, device=device)[None]  # [1, nb]
-    if (position + 1) % BLOCK_SIZE == 0:  # the last block is full: nothing to mask
-        return DecodeGroup(None, block_table, None)
-    visible = torch.arange(num_blocks * BLOCK_SIZE) <= position  # [L]
-    return DecodeGroup(None, block_table, visible[None, None, None].to(device))  # mask [1, 1, 1, L]
 
 
 def _chunk_run(start: int, end: int, device: torch.device) -> PrefillRun:

@@ -3,9 +3,9 @@
 torch's one-row int4 kernel rounds a GGUF file's fp16 scales to bf16, runs a Q8_0 matrix (the
 default model's embedding and tied head) as two int4 passes, and has no fast path on a CPU without
 AVX-512 bf16. blockdot reads the file's 4- and 8-bit codes and fp16 scales exactly and computes in
-float32, 16 output rows to a vector (AVX-512, AVX2, or plain C). The C source is compiled once per machine at
-first use (`cc -O3 -march=native -fopenmp`, cached under ~/.cache/nanoserve) and loaded with ctypes;
-where there is no compiler, or the build fails, `library()` is None and torch's kernels serve.
+float32, 16 output rows to a vector (AVX-512, AVX2, or plain C). The C source (with fused_decode.c, the
+decode step's glue that calls it) is compiled once per machine at first use (`cc -O3 -march=native
+-fopenmp`, cached under ~/.cache/nanoserve) and loaded with ctypes; where there is no compiler, or the build fails, `library()` is None and torch's kernels serve.
 Whether it is used is not assumed: nanoserve.model.precision times it against torch's kernel at
 start-up.
 
@@ -40,6 +40,10 @@ SOURCES = [SOURCE, SOURCE.with_name("fused_decode.c")]
 HEADERS = [SOURCE.with_name("blockdot.h")]
 PANEL = 16  # output rows a panel holds: one 16-lane vector
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# The builds a test or a benchmark can ask for besides this machine's: what an AVX2-only CPU, and a
+# compiler with no vector flags, would run.
+_BASE = ["-O2", "-fopenmp", "-shared", "-fPIC"]
+BUILDS = {"native": FLAGS, "avx2": [*_BASE, "-mavx2", "-mfma", "-mf16c"], "plain": _BASE}
 KINDS = ("Q4_0", "Q4_1", "Q8_0")  # what blockdot runs; anything else stays on torch's kernels
 DTYPES = (torch.float32, torch.bfloat16)  # the activations it takes
 
