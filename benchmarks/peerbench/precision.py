@@ -123,9 +123,8 @@ def gguf_files() -> dict[str, Path]:
 def nanoserve_rates(gguf: Path, dtype: str, quantization: str | None, pp: int, tg: int, threads: int,
                     slots: list[int], kernels: str = "auto", fused: bool = True) -> dict:
     proc = subprocess.run([sys.executable, "-c", CHILD, str(gguf), dtype, quantization or "none", kernels,
-                           "fused" if fused else "unfused", str(pp),
-                           str(tg), str(threads), *map(str, slots)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=1800)
+                           "fused" if fused else "unfused", str(pp), str(tg), str(threads), *map(str, slots)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"nanoserve child on {gguf.name} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
