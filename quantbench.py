@@ -46,15 +46,19 @@ from nanoserve.instruments.runners import decode_rate
 
 ROOT = Path(__file__).resolve().parent
 TEXT = ROOT / "data" / "quantbench.txt"
-# name -> (EngineConfig.dtype, EngineConfig.quantization, EngineConfig.kernels); "auto" dtype lets the
-# probe pick the activations, "auto" kernels the faster of blockdot and torch's at one row.
+# name -> the EngineConfig it runs (the rest at their defaults): "auto" dtype lets the probe pick the
+# activations, "auto" kernels the faster of blockdot and torch's at one row.
 PRECISIONS = {
-    "float32": ("float32", None, "auto"),
-    "bfloat16": ("bfloat16", None, "auto"),
-    "int8": ("auto", "int8", "auto"),
-    "int4": ("auto", "int4", "auto"),
-    "gguf-q4_1": ("auto", "auto", "auto"),  # the default: the file's own Q4_1 (and Q8_0 embedding) kept where it pays
-    "gguf-q4_1-torch": ("auto", "auto", "torch"),  # the same on torch's kernels (bf16 scales, Q8_0 as two int4 passes)
+    "float32": {"dtype": "float32", "quantization": None},
+    "bfloat16": {"dtype": "bfloat16", "quantization": None},
+    "int8": {"quantization": "int8"},
+    "int4": {"quantization": "int4"},
+    "gguf-q4_1": {},  # the default: the file's own Q4_1 (and Q8_0 head) kept where it pays
+    # the same with blockdot's activations rounded to int16 at every row count (the default's), and
+    # never (float32 activations)
+    "gguf-q4_1-int16": {"blockdot_int16_rows": 1},
+    "gguf-q4_1-float": {"blockdot_int16_rows": None},
+    "gguf-q4_1-torch": {"kernels": "torch"},  # on torch's kernels (bf16 scales, Q8_0 as two int4 passes)
 }
 PROMPTS = [
     "The capital of France is", "def fibonacci(n):", "Once upon a time", "The three laws of thermodynamics are",
@@ -64,9 +68,7 @@ PROMPTS = [
 
 
 def engine_for(name: str, **overrides) -> Engine:
-    dtype, quantization, kernels = PRECISIONS[name]
-    return Engine.from_pretrained(None, EngineConfig(dtype=dtype, quantization=quantization, kernels=kernels,
-                                                     **overrides))
+    return Engine.from_pretrained(None, EngineConfig(**PRECISIONS[name], **overrides))
 
 
 def child(name: str, slots_list: list[int], steps: int) -> None:

@@ -6,10 +6,12 @@ the change off (A) and on (B), alternating A B A B ... in one process, and repor
     python benchmarks/abbench.py --change compile    # torch.compile of the decoder layer against packed eager (warm-up apart)
     python benchmarks/abbench.py --change packed     # matmul weights packed for oneDNN against plain F.linear
     python benchmarks/abbench.py --change fused      # the decode glue in C (fused_decode) against decoder_layer
+    python benchmarks/abbench.py --change int16      # blockdot's int16 path against its float32 path
 
-Every change but fused runs the default model in float32, dense; fused runs it at the default
-precision (the GGUF's blocks on the kernels the probe picks, and their dense copies), both engines
-over the same laid-out weights.
+Every change but fused and int16 runs the default model in float32, dense; fused runs it at the
+default precision (the GGUF's blocks on the kernels the probe picks, and their dense copies), both
+engines over the same laid-out weights; int16 too, each engine laying the file's blocks out itself
+(EngineConfig.blockdot_int16_rows 1 against None).
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ import random
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.instruments.csv_writer import write_csv
+from nanoserve.model.weights import load_checkpoint
 
-CHANGES = ("groups", "deferred", "compile", "packed", "fused")
+CHANGES = ("groups", "deferred", "compile", "packed", "fused", "int16")
 
 
 def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
@@ -39,6 +43,10 @@ def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
         return Engine(base.model, base.tokenizer, EngineConfig(
             dtype=base.precision.dtype, quantization=None, max_num_seqs=slots, max_model_len=2048,
             max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, fused_decode=on))
+    if change == "int16":
+        return Engine(base.model, base.tokenizer, EngineConfig(
+            max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30,
+            enable_prefix_caching=False, blockdot_int16_rows=1 if on else None))
     packed = {"packed": on, "compile": not on}.get(change, True)
     config = EngineConfig(dtype="float32", quantization=None, max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192,
                           kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, pack_weights=packed,
@@ -79,6 +87,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.change == "fused":
         base = Engine.from_pretrained(args.model, EngineConfig(max_model_len=2048, fused_decode=False))
+    elif args.change == "int16":  # the checkpoint as loaded: each engine lays it out
+        model, tokenizer = load_checkpoint(args.model, "cpu", max_positions=2048)
+        base = SimpleNamespace(model=model, tokenizer=tokenizer)
     else:
         base = Engine.from_pretrained(args.model, EngineConfig(dtype="float32", quantization=None, max_model_len=2048,
                                                                pack_weights=False))

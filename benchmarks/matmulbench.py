@@ -21,6 +21,7 @@ beating dense is that crossover.
     int4      torch's _weight_int4pack_mm_for_cpu, int4 in groups of 32 (nanoserve's int4, GGUF Q4_1)
     blockdot  nanoserve's own kernel on the same int4 (nanoserve/model/blockdot.c), built for this
               machine or, with --blockdot-build avx2 / plain, as an AVX2-only or plain-C CPU would run it
+    blockdot-i16  the same panels on blockdot's int16 path (activations rounded to int16 per block of 32)
 
     python benchmarks/matmulbench.py            # M = 1 2 4 8 16 32 64, about 3 minutes
     python benchmarks/matmulbench.py --quick    # M = 1 16, 3 rounds
@@ -56,15 +57,16 @@ from nanoserve.model.quant import (
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [N, K]: qkv, o, gate_up, down
 HEAD_SHAPE = (49152, 576)
 LAYOUTS = ("linear", "skinny", "xWt", "packed")
-QUANT_LAYOUTS = ("int8", "int4", "blockdot", "dense")  # the last is the one the others are divided by
+QUANT_LAYOUTS = ("int8", "int4", "blockdot", "blockdot-i16", "dense")  # the last is the one the others are divided by
 
 
 def prepare(weights: list[torch.Tensor], layout: str, dtype: torch.dtype = torch.bfloat16,
             kernel: blockdot.Library | None = None) -> list:
     if layout == "dense":
         return [pack_linear_weight(w.to(dtype)) if can_pack(w.to(dtype)) else w.to(dtype) for w in weights]
-    if layout == "blockdot":
-        return [blockdot.pack(quantize_int4(w), kernel) for w in weights]
+    if layout in ("blockdot", "blockdot-i16"):
+        return [blockdot.pack(quantize_int4(w), kernel, int16_rows=1 if layout == "blockdot-i16" else None)
+                for w in weights]
     if layout in ("int8", "int4"):
         quantize = quantize_int8 if layout == "int8" else quantize_int4
         return [quant_linear(quantize(w), dtype, None, pack=False) for w in weights]
@@ -126,7 +128,7 @@ def main() -> None:
             kernel = blockdot.load(blockdot.BUILDS[args.blockdot_build])
         except OSError as exc:  # no C compiler: torch's kernels alone
             print(f"blockdot not built ({exc}): its column is left out")
-            layouts = tuple(name for name in layouts if name != "blockdot")
+            layouts = tuple(name for name in layouts if not name.startswith("blockdot"))
     stacks = {(part, layout): prepare(ws, layout, dtype, kernel) for part, ws in (("layers", plain), ("head", head))
               for layout in layouts}
     nbytes = {"layers": sum(w.numel() for w in plain) * 4, "head": head[0].numel() * 4}

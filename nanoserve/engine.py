@@ -80,6 +80,7 @@ class Engine:
         model = self.model = prepare_model(model, pack_weights=config.pack_weights, compile=config.compile,
                                            dtype=self.precision.torch_dtype, quantization=self.precision.quantization,
                                            max_kernel_rows=config.max_kernel_rows, kernels=self.precision.kernels,
+                                           int16_rows=config.blockdot_int16_rows,
                                            fuse_decode=config.fused_decode and world_size == 1)
         num_positions = model.cos.shape[0]
         self.max_model_len = config.max_model_len or num_positions

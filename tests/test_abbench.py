@@ -15,14 +15,15 @@ def base():
     return make_tiny_engine(hf_overrides={"max_position_embeddings": 2048}, pack_weights=False)
 
 
-# (pack_weights, compile, deferred_output, decode_group_min_rows, fused_decode) of A (off) and B (on),
-# from abbench's usage
+# (pack_weights, compile, deferred_output, decode_group_min_rows, fused_decode, blockdot_int16_rows) of
+# A (off) and B (on), from abbench's usage
 PAIRS = {
-    "groups": ((True, False, False, None, True), (True, False, False, 8, True)),
-    "deferred": ((True, False, False, 8, True), (True, False, True, 8, True)),
-    "compile": ((True, False, False, 8, True), (False, True, False, 8, True)),
-    "packed": ((False, False, False, 8, True), (True, False, False, 8, True)),
-    "fused": ((True, False, False, 8, False), (True, False, False, 8, True)),
+    "groups": ((True, False, False, None, True, 1), (True, False, False, 8, True, 1)),
+    "deferred": ((True, False, False, 8, True, 1), (True, False, True, 8, True, 1)),
+    "compile": ((True, False, False, 8, True, 1), (False, True, False, 8, True, 1)),
+    "packed": ((False, False, False, 8, True, 1), (True, False, False, 8, True, 1)),
+    "fused": ((True, False, False, 8, False, 1), (True, False, False, 8, True, 1)),
+    "int16": ((True, False, False, 8, True, None), (True, False, False, 8, True, 1)),
 }
 
 
@@ -34,8 +35,8 @@ def test_every_change_has_a_pair():
 def test_each_side_differs_only_in_its_change(base, change):
     for on, expected in zip((False, True), PAIRS[change], strict=True):
         c = make_engine(base, change, on, slots=2).config
-        assert (c.pack_weights, c.compile, c.deferred_output, c.decode_group_min_rows, c.fused_decode) == expected, \
-            (change, on)
+        assert (c.pack_weights, c.compile, c.deferred_output, c.decode_group_min_rows, c.fused_decode,
+                c.blockdot_int16_rows) == expected, (change, on)
         assert c.max_num_seqs == 2
 
 

@@ -5,7 +5,12 @@ gguf's arithmetic in test_gguf). Tolerances from the precision: the kernel's wei
 exact and its sums float32, so float32 activations land within 1e-5 of the output's scale (K
 products, each rounded at 2^-24); bf16 activations are exact inputs too, and only the bf16 output's
 rounding is added: within 2^-8 of the output's scale. Every build the probe could meet is run: this
-machine's (-march=native), AVX2 where the CPU has it, and plain C.
+machine's (-march=native), AVX-512 without VNNI and AVX2 where the CPU has them, and plain C.
+
+The int16 path (from int16_rows rows) rounds x to int16 per block of 32 first: its reference is
+that rounding done here by hand (q = round(x 32767 / amax) to nearest even, in float32 as the kernel
+does), then the same float64 matmul, and it is held to the same 1e-5; and against the unrounded
+product to the bound the rounding allows, sum over k of |w[n, k]| amax(k's block) / 65534.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ def _cpu_has(flag: str) -> bool:
 def kernel(request):
     if request.param == "avx2" and not _cpu_has("avx2"):
         pytest.skip("this CPU has no AVX2")
+    if request.param == "avx512" and not _cpu_has("avx512bw"):
+        pytest.skip("this CPU has no AVX-512 BW")
     try:
         return request.param, blockdot.load(blockdot.BUILDS[request.param])
     except OSError as exc:
@@ -43,7 +50,7 @@ def kernel(request):
 def test_each_build_has_the_vector_width_its_flags_ask_for(kernel):
     name, built = kernel
     native = 512 if _cpu_has("avx512f") else 256 if _cpu_has("avx2") and _cpu_has("fma") else None
-    expected = {"avx2": 256, "plain": 0, "native": native}[name]
+    expected = {"avx512": 512, "avx2": 256, "plain": 0, "native": native}[name]
     if expected is None:
         pytest.skip("neither AVX-512 nor AVX2 here: what -march=native gives is the compiler's to say")
     assert built.simd == expected
@@ -71,6 +78,68 @@ def test_equals_the_dequantized_matmul(kernel, kind, N, rows):
     out = panels(xb)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), expected, atol=2**-8 * expected.abs().max().item(), rtol=0)
+
+
+def int16_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the int16 path reads it, xd q per block of 32, in float64 (the rounding by hand)."""
+    M, K = x.shape
+    blocks = x.float().view(M, K // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))  # float32, as the kernel computes it
+    q = torch.round(blocks * inv)  # to nearest even
+    assert q.abs().max() <= 32767
+    return (q.double() * (amax / 32767).double()).view(M, K)
+
+
+def block_mins(stored: BlockQuantized) -> torch.Tensor:
+    """m of w = d q + m per (row, block): Q4_1's own, Q4_0's -8 d, Q8_0's -128 d (q + 128 in 0..255)."""
+    return {"Q4_1": stored.mins, "Q4_0": -8 * stored.scales, "Q8_0": -128 * stored.scales}[stored.kind].double()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("N", [40, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
+def test_the_int16_path_equals_its_rounding_done_by_hand(kernel, kind, N, rows):
+    _, kernel = kernel
+    K = 96
+    stored = random_stored(kind, N, K)
+    stored.scales = stored.scales.half().float()
+    if stored.mins is not None:
+        stored.mins = stored.mins.half().float()
+    panels = blockdot.pack(stored, kernel, int16_rows=1)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    x[0, 32:64] = 0  # a block of zeros: scale 0, codes 0
+    w = stored.dequantize().double()
+    # The kernel takes m sum(x), the m part, from x itself: only the d q part sees the rounding.
+    rounded = int16_rounded(x)
+    sums = lambda t: t.view(rows, K // 32, 32).sum(-1)  # noqa: E731
+    expected = rounded @ w.T + (sums(x.double()) - sums(rounded)) @ block_mins(stored).T
+    scale = expected.abs().max().item()
+    out = panels(x)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5 * scale, rtol=0)
+    # against the unrounded product: within what rounding each x by at most half a step allows
+    exact = x.double() @ w.T
+    amax = x.double().view(rows, K // 32, 32).abs().amax(-1)  # [rows, B]
+    bound = (w.abs().view(N, K // 32, 32).sum(-1) @ (amax / 65534).T).T  # [rows, N]
+    assert ((out.double() - exact).abs() <= bound + 1e-5 * scale).all()
+    assert (out.double() - exact).abs().max() > 1e-6 * scale  # it did round: this is not the float path
+    bf16 = panels(x.bfloat16())  # bf16 activations are widened exactly, then rounded alike
+    expected = int16_rounded(x.bfloat16().float()) @ w.T + (
+        sums(x.bfloat16().double()) - sums(int16_rounded(x.bfloat16().float()))) @ block_mins(stored).T
+    torch.testing.assert_close(bf16.double(), expected, atol=2**-8 * scale, rtol=0)
+
+
+@needs_build
+def test_the_int16_path_starts_at_int16_rows():
+    stored = quantize_int4(torch.randn(48, 64, generator=torch.Generator().manual_seed(2)))
+    panels = blockdot.pack(stored, int16_rows=4)
+    w = stored.dequantize().double()
+    for rows in (1, 3, 4, 6):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        exact = x.double() @ w.T
+        error = (panels(x).double() - exact).abs().max().item() / exact.abs().max().item()
+        assert (error > 1e-6) == (rows >= 4), (rows, error)
+    assert blockdot.pack(stored).int16_rows == 0  # the default: float32 at every row count
 
 
 @needs_build

@@ -8,6 +8,8 @@ rest with torch's linears between per-layer calls), and every logits row it samp
 with transformers' over the request's tokens. Tolerances from the precision: in float32 the fused step's sums are float32 in
 another order, so 1e-4 as every float32 logits test; with a bfloat16 K/V cache (and the prompt's
 forward in bfloat16) the error is bf16's, 2^-8 of the values, a few times over through the layers.
+These engines keep blockdot's activations in float32 (blockdot_int16_rows=None); the int16 path has a
+test of its own, against transformers whose linears do its rounding by hand.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CharTokenizer, make_hf_llama, make_hf_model, nanoserve_model_from_hf
+from test_blockdot import block_mins, int16_rounded
 from test_llama import assert_logits_match, run_and_capture
 
 from nanoserve import Engine, EngineConfig
 from nanoserve.model import blockdot
 from nanoserve.model.fused_decode import FusedDecode, why_not, why_not_in_one_call
-from nanoserve.model.quant import QuantLinear
+from nanoserve.model.quant import QuantLinear, quantize_int4, quantize_int8
 
 needs_build = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
 
@@ -31,7 +34,7 @@ PROMPTS = [[5, 9, 13, 22, 7, 41, 3, 8, 60, 33, 21], [17, 4], [30 + i % 50 for i 
 def fused_engine(hf, dtype: str = "float32", block_size: int = 4, **overrides) -> Engine:
     config = EngineConfig(**({"dtype": dtype, "quantization": "int4", "kernels": "blockdot", "pack_weights": False,
                               "block_size": block_size, "num_kv_blocks": 256 // block_size + 8, "max_num_seqs": 4,
-                              "decode_group_min_rows": 2} | overrides))
+                              "decode_group_min_rows": 2, "blockdot_int16_rows": None} | overrides))
     return Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), config)
 
 
@@ -75,6 +78,50 @@ def test_fused_decode_logits_equal_transformers_on_the_same_weights(block_size):
     captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=12)
     assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 12
     assert sum(fused_rows) == len(PROMPTS) * 11 and max(fused_rows) == 4  # every decode token went through C
+    engine.check_invariants()
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def do_int16_paths_arithmetic(hf) -> None:
+    """Each of hf's decoder linears becomes nanoserve's int4 of its weight (what the engine built
+    from the same model holds), computing blockdot's int16 path in float64: x rounded to int16 per
+    block of 32 (by hand, test_blockdot.int16_rounded) for the d q part, x itself for the m part."""
+    for layer in hf.model.layers:
+        for module in (*(getattr(layer.self_attn, f"{n}_proj") for n in "qkvo"), layer.mlp.gate_proj,
+                       layer.mlp.up_proj, layer.mlp.down_proj):
+            stored = quantize_int4(module.weight.detach())
+            w, mins = stored.dequantize().double(), block_mins(stored)
+
+            def forward(x, w=w, mins=mins):
+                flat = x.reshape(-1, x.shape[-1])
+                rounded = int16_rounded(flat)
+                sums = lambda t: t.double().view(t.shape[0], -1, 32).sum(-1)  # noqa: E731
+                y = rounded @ w.T + (sums(flat) - sums(rounded)) @ mins.T
+                return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+            module.forward = forward
+    with torch.no_grad():  # the head: int8 per channel on torch's kernel, exact in float32
+        hf.lm_head.weight.copy_(quantize_int8(hf.lm_head.weight).dequantize())
+
+
+@needs_build
+def test_the_int16_path_equals_transformers_doing_its_rounding():
+    hf = make_hf_llama(seed=19)
+    # No dense copies: every step's linears, prefill's too, on blockdot's int16 path (decode in one call).
+    engine = fused_engine(hf, blockdot_int16_rows=1, max_kernel_rows=None)
+    assert engine.model.fused_layers.shape.int16_rows == 1 and engine.model.layers[0].qkv.passes[0].int16_rows == 1
+    one_call_rows = count_one_call_steps(engine)
+    do_int16_paths_arithmetic(hf)
+    captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=8)
+    # float32 as every float32 logits test: where the engine's x and the reference's, a float32
+    # rounding apart, straddle a rounding boundary, a code moves by one step, amax / 32767 of its block.
+    assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 8
+    assert sum(one_call_rows) == len(PROMPTS) * 7
+    # ... and the rounding is there to see: the float path's logits differ by more than its own error
+    float_engine = fused_engine(make_hf_llama(seed=19), max_kernel_rows=None)
+    float_captured, float_outputs = run_and_capture(float_engine, PROMPTS, max_tokens=8)
+    ours, theirs = captured[outputs[0].request_id], float_captured[float_outputs[0].request_id]
+    assert max((a[1] - b[1]).abs().max().item() for a, b in zip(ours, theirs, strict=True)) > 1e-5
     engine.check_invariants()
     assert engine.allocator.num_free == engine.allocator.num_blocks
 

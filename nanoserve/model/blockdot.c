@@ -21,17 +21,24 @@
  * advance at once and no sum crosses lanes; g[n] = sum over the block of q[n, k] x[k] is then scaled
  * once: acc[n] += d[n] g[n] + m[n] sum_b(x). bf16 activations are widened to float32 first (exactly).
  *
- * One 16-lane vector type, vf, is what differs between machines: one __m512, two __m256 (AVX2, FMA,
- * F16C), or 16 floats in plain C (correct and slow: the probe then keeps torch's kernels). Output
+ * The int16 path (tile16; from `int16_rows` rows of x, EngineConfig.blockdot_int16_rows) rounds
+ * each block of x to int16 against its largest |x| first and sums codes times x in int32, two k a
+ * multiply-add (vpdpwssd with AVX-512 VNNI, vpmaddwd without): fewer instructions a code than
+ * widening every code to a float, for the same result within x's rounding.
+ *
+ * One 16-lane vector type, vf (and vi, its int32 twin), is what differs between machines: one
+ * __m512, two __m256 (AVX2, FMA, F16C), or 16 lanes in plain C (correct and slow: the probe then
+ * keeps torch's kernels). Output
  * rows are split over `nthreads` OpenMP threads, on the libgomp torch has already loaded.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "blockdot.h"
 
-#if defined(__AVX512F__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
 #define SIMD 512
 typedef __m512 vf;
@@ -48,6 +55,23 @@ static inline vf vcode(vi v, int shift) {
   return _mm512_permutexvar_ps(shift ? _mm512_srli_epi32(v, shift) : v, table);
 }
 static inline void prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T1); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
+static inline vi vizero(void) { return _mm512_setzero_si512(); }
+/* codes j and j + 4 of every lane as two int16 (16 times them where hi: the high plane) */
+static inline vi vpair(vi v, int j, int hi) {
+  const __m512i m = _mm512_set1_epi32(hi ? 0x00F000F0 : 0x000F000F);
+  const int shift = 4 * j - 4 * hi;
+  return _mm512_and_si512(shift > 0 ? _mm512_srli_epi32(v, shift) : shift < 0 ? _mm512_slli_epi32(v, -shift) : v, m);
+}
+/* acc + per lane the dot of its two int16 with the two of s */
+static inline vi vdot(vi acc, vi u, int32_t s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, u, _mm512_set1_epi32(s));
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(u, _mm512_set1_epi32(s)));
+#endif
+}
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -70,6 +94,20 @@ static inline vf vcode(vi v, int shift) {
               _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v.b, shift), m4))};
 }
 static inline void prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T1); }
+static inline vf vmul(vf x, vf y) { return (vf){_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+static inline vf vcvt(vi v) { return (vf){_mm256_cvtepi32_ps(v.a), _mm256_cvtepi32_ps(v.b)}; }
+static inline vi vizero(void) { return (vi){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline __m256i pair8(__m256i v, int shift, __m256i m) {
+  return _mm256_and_si256(shift > 0 ? _mm256_srli_epi32(v, shift) : shift < 0 ? _mm256_slli_epi32(v, -shift) : v, m);
+}
+static inline vi vpair(vi v, int j, int hi) {
+  const __m256i m = _mm256_set1_epi32(hi ? 0x00F000F0 : 0x000F000F);
+  return (vi){pair8(v.a, 4 * j - 4 * hi, m), pair8(v.b, 4 * j - 4 * hi, m)};
+}
+static inline vi vdot(vi acc, vi u, int32_t s) {
+  const __m256i sv = _mm256_set1_epi32(s);
+  return (vi){_mm256_add_epi32(acc.a, _mm256_madd_epi16(u.a, sv)), _mm256_add_epi32(acc.b, _mm256_madd_epi16(u.b, sv))};
+}
 
 #else
 #define SIMD 0
@@ -91,6 +129,19 @@ static inline vf vhalf(const uint16_t *p) { vf r; for (int j = 0; j < 16; j++) r
 static inline vi viload(const uint32_t *p) { vi r; memcpy(r.v, p, sizeof r.v); return r; }
 static inline vf vcode(vi v, int shift) { vf r; for (int j = 0; j < 16; j++) r.v[j] = (v.v[j] >> shift) & 15; return r; }
 static inline void prefetch(const void *p) { (void)p; }
+static inline vf vmul(vf x, vf y) { for (int j = 0; j < 16; j++) x.v[j] *= y.v[j]; return x; }
+static inline vf vcvt(vi v) { vf r; for (int j = 0; j < 16; j++) r.v[j] = (float)(int32_t)v.v[j]; return r; }
+static inline vi vizero(void) { vi r = {{0}}; return r; }
+static inline vi vpair(vi v, int j, int hi) {
+  for (int n = 0; n < 16; n++) v.v[n] = ((v.v[n] >> 4 * j) & 0x000F000Fu) << 4 * hi;
+  return v;
+}
+static inline vi vdot(vi acc, vi u, int32_t s) {
+  for (int n = 0; n < 16; n++)
+    acc.v[n] += (uint32_t)((int32_t)(int16_t)(u.v[n] & 0xffff) * (int16_t)((uint32_t)s & 0xffff) +
+                           (int32_t)(int16_t)(u.v[n] >> 16) * (int16_t)((uint32_t)s >> 16));
+  return acc;
+}
 #endif
 
 #define G 32        /* weights per block */
@@ -138,11 +189,48 @@ INLINE void tile(const struct xin *in, int64_t K, const uint8_t *w, int64_t B, i
   }
 }
 
+/* The same tile on the int16 path: per block, integer sums g of codes times x's int16 codes (two
+   codes of a lane against two of x at once: AVX-512 VNNI's vpdpwssd, or vpmaddwd and an add without
+   it; exact in int32), scaled once: acc[n] += d[n] xd g[n] + m[n] sum_b(x). A plane-1 code counts 16
+   times. Against the float path: a quarter of the multiply instructions a code; x's rounding, at
+   most amax / 65534 within its block, is over a hundred times finer than bf16's (notes/blockdot.md). */
+INLINE void tile16(const struct xin *in, const uint8_t *w, int64_t B, int planes, int64_t p0, int64_t r0,
+                  const int NP, const int MR, vf acc[8]) {
+  const int64_t bb = block_bytes(planes);
+  for (int a = 0; a < NP * MR; a++) acc[a] = vzero();
+  for (int64_t b = 0; b < B; b++) {
+    vi g[8];
+    for (int a = 0; a < NP * MR; a++) g[a] = vizero();
+    for (int p = 0; p < NP; p++)
+      for (int64_t l = 0; l < bb; l += 64) prefetch(w + ((p0 + p) * B + b + AHEAD) * bb + l);
+    for (int plane = 0; plane < planes; plane++)
+      for (int o = 0; o < 4; o++)
+        for (int p = 0; p < NP; p++) {
+          const vi codes = viload((const uint32_t *)(w + ((p0 + p) * B + b) * bb + sizeof(struct panel_head)) +
+                                  (plane * 4 + o) * P);
+          for (int j = 0; j < 4; j++) {
+            const vi pair = vpair(codes, j, plane);
+            for (int r = 0; r < MR; r++) g[p * MR + r] = vdot(g[p * MR + r], pair, in->xq[((r0 + r) * B + b) * 16 + 4 * o + j]);
+          }
+        }
+    for (int p = 0; p < NP; p++) {
+      const struct panel_head *h = (const struct panel_head *)(w + ((p0 + p) * B + b) * bb);
+      const vf d = vhalf(h->d), m = vhalf(h->m);
+      for (int r = 0; r < MR; r++) {
+        const int64_t rb = (r0 + r) * B + b;
+        acc[p * MR + r] = vfma(m, vset1(in->xsum[rb]), vfma(vmul(d, vset1(in->xd[rb])), vcvt(g[p * MR + r]),
+                                                             acc[p * MR + r]));
+      }
+    }
+  }
+}
+
 /* The tile's sums into y [M, N], past-N rows (a panel's padding) left out. */
 INLINE void tile_out(const struct xin *in, int64_t K, int64_t N, const uint8_t *w, int planes, int64_t p0,
                      int64_t r0, const int NP, const int MR, void *y, int y_bf16) {
   vf acc[8];
-  tile(in, K, w, K / G, planes, p0, r0, NP, MR, acc);
+  if (in->xq) tile16(in, w, K / G, planes, p0, r0, NP, MR, acc);
+  else tile(in, K, w, K / G, planes, p0, r0, NP, MR, acc);
   for (int p = 0; p < NP; p++)
     for (int r = 0; r < MR; r++) {
       float lanes[P];
@@ -174,22 +262,41 @@ static void task(const struct xin *in, int64_t M, int64_t K, int64_t N, const ui
   }
 }
 
-int64_t blockdot_scratch_floats(int64_t M, int64_t K) { return M * K + M * (K / G); }
+int64_t blockdot_scratch_floats(int64_t M, int64_t K) { return M * K + 2 * M * (K / G) + M * K / 2; }
 
-void blockdot_prepare(const float *x, int64_t M, int64_t K, int planes, float *scratch, struct xin *in) {
+void blockdot_prepare(const float *x, int64_t M, int64_t K, int planes, int q16, float *scratch, struct xin *in) {
   const int64_t B = K / G;
-  float *x16 = scratch, *xsum = scratch + M * K;
-  if (planes == 2)
+  float *x16 = scratch, *xsum = x16 + M * K, *xd = xsum + M * B;
+  int32_t *xq = (int32_t *)(xd + M * B);
+  if (planes == 2 && !q16)
     for (int64_t i = 0; i < M * K; i++) x16[i] = 16 * x[i];  /* exact: a power of two */
   for (int64_t r = 0; r < M; r++)
     for (int64_t b = 0; b < B; b++) {
-      float s = 0;
-      for (int j = 0; j < G; j++) s += x[r * K + b * G + j];
-      xsum[r * B + b] = s;
+      const float *xb = x + r * K + b * G;
+      float sum = 0, amax = 0;
+      #pragma omp simd reduction(+ : sum) reduction(max : amax)
+      for (int j = 0; j < G; j++) {
+        sum += xb[j];
+        amax = fmaxf(amax, fabsf(xb[j]));
+      }
+      xsum[r * B + b] = sum;
+      if (!q16) continue;
+      /* x ~ xd q, q = round(x / xd) in -32767..32767 (to nearest even: adding and taking away
+         1.5 2^23 leaves the integer nearest a float below 2^22, in vector instructions) */
+      const float inv = amax > 0 ? 32767 / amax : 0, magic = 12582912.0f;
+      xd[r * B + b] = amax / 32767;
+      int32_t t[G];
+      #pragma omp simd
+      for (int j = 0; j < G; j++) t[j] = (int32_t)((xb[j] * inv + magic) - magic);
+      uint32_t *q = (uint32_t *)(xq + (r * B + b) * 16);
+      for (int o = 0; o < 4; o++)
+        for (int j = 0; j < 4; j++) q[4 * o + j] = (uint16_t)t[8 * o + j] | (uint32_t)(uint16_t)t[8 * o + j + 4] << 16;
     }
   in->x[0] = x;
   in->x[1] = x16;
   in->xsum = xsum;
+  in->xq = q16 ? xq : NULL;
+  in->xd = xd;
 }
 
 void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,
@@ -207,10 +314,11 @@ void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const
 }
 
 /* y [M, N] = x [M, K] @ w^T, w in panels of `planes` planes ([ceil(N / 16), K / 32] blocks; rows
-   past N all zero). x and y are float32, or bf16 where x_bf16 / y_bf16. Returns 0, or -1 when out
-   of memory for the activations' float32 copies. */
+   past N all zero). x and y are float32, or bf16 where x_bf16 / y_bf16; from int16_rows rows of x (0:
+   never) x is rounded to int16 per block of 32 (the int16 path). Returns 0, or -1 when out of memory
+   for the activations' float32 copies. */
 int blockdot(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,
-             int y_bf16, int nthreads) {
+             int y_bf16, int nthreads, int64_t int16_rows) {
   float *scratch = malloc(sizeof(float) * ((x_bf16 ? M * K : 0) + blockdot_scratch_floats(M, K)));
   if (!scratch) return -1;
   const float *x32 = x;
@@ -219,7 +327,7 @@ int blockdot(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const u
     x32 = scratch;
   }
   struct xin in;
-  blockdot_prepare(x32, M, K, planes, scratch + (x_bf16 ? M * K : 0), &in);
+  blockdot_prepare(x32, M, K, planes, int16_rows > 0 && M >= int16_rows, scratch + (x_bf16 ? M * K : 0), &in);
   #pragma omp parallel num_threads(nthreads)
   blockdot_tasks(&in, M, K, N, w, planes, y, y_bf16);
   free(scratch);

@@ -6,18 +6,23 @@
 #include <stdint.h>
 #include <string.h>
 
-/* What the tiles read: per plane, x in float32 ([M, K]: plane 0's x, plane 1's 16 x), and per row
-   and block of 32 the sum of x ([M, K / 32]). */
+/* What the tiles read: per row and block of 32 the sum of x ([M, K / 32]), and either (float path)
+   per plane x in float32 ([M, K]: plane 0's x, plane 1's 16 x), or (int16 path, xq not NULL) x
+   rounded to int16 per row and block, x ~ xd q: per block 16 words, for each octet of 8 k the
+   pairs of k = (0, 4), (1, 5), (2, 6), (3, 7) ([M, K / 2] int32), and the scales xd ([M, K / 32]). */
 struct xin {
   const float *x[2];
   const float *xsum;
+  const int32_t *xq;
+  const float *xd;
 };
 
 /* Floats of scratch blockdot_prepare needs for x [M, K]. */
 int64_t blockdot_scratch_floats(int64_t M, int64_t K);
 
-/* Fills `in` for x [M, K] float32 (kept, not copied) against a matrix of `planes` planes; serial. */
-void blockdot_prepare(const float *x, int64_t M, int64_t K, int planes, float *scratch, struct xin *in);
+/* Fills `in` for x [M, K] float32 (kept, not copied) against a matrix of `planes` planes, for the
+   int16 path where q16 (x rounded to int16 per block of 32), else the float path; serial. */
+void blockdot_prepare(const float *x, int64_t M, int64_t K, int planes, int q16, float *scratch, struct xin *in);
 
 /* y [M, N] (float32, or bf16 where y_bf16) = x @ w^T for w in panels: an orphaned `omp for` over
    the panels, so it splits the work among the threads of an enclosing parallel region (and ends

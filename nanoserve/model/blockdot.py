@@ -40,10 +40,12 @@ SOURCES = [SOURCE, SOURCE.with_name("fused_decode.c")]
 HEADERS = [SOURCE.with_name("blockdot.h")]
 PANEL = 16  # output rows a panel holds: one 16-lane vector
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-# The builds a test or a benchmark can ask for besides this machine's: what an AVX2-only CPU, and a
-# compiler with no vector flags, would run.
+# The builds a test or a benchmark can ask for besides this machine's: what an AVX-512 CPU without
+# VNNI (its int16 path on vpmaddwd), an AVX2-only CPU, and a compiler with no vector flags
+# would run.
 _BASE = ["-O2", "-fopenmp", "-shared", "-fPIC"]
-BUILDS = {"native": FLAGS, "avx2": [*_BASE, "-mavx2", "-mfma", "-mf16c"], "plain": _BASE}
+BUILDS = {"native": FLAGS, "avx512": [*_BASE, "-mavx512f", "-mavx512bw", "-mfma", "-mf16c"],
+          "avx2": [*_BASE, "-mavx2", "-mfma", "-mf16c"], "plain": _BASE}
 KINDS = ("Q4_0", "Q4_1", "Q8_0")  # what blockdot runs; anything else stays on torch's kernels
 DTYPES = (torch.float32, torch.bfloat16)  # the activations it takes
 
@@ -125,7 +127,7 @@ def _load(path: Path) -> Library:
     # OpenMP thread pool in the process, not two spinning against each other.
     lib = ctypes.CDLL(str(path))
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.blockdot.argtypes = [p, i32, i64, i64, i64, p, i32, p, i32, i32]
+    lib.blockdot.argtypes = [p, i32, i64, i64, i64, p, i32, p, i32, i32, i64]
     lib.blockdot.restype = i32
     lib.blockdot_simd.restype = i32
     # fused_decode.c's entry (nanoserve.model.fused_decode): shape, layers, num_layers, h, T, positions,
@@ -165,6 +167,7 @@ class Panels:
     planes: int  # 1 (Q4_0, Q4_1) or 2 (Q8_0: its low and high nibbles)
     shape: tuple[int, int]  # (N, K)
     kernel: Library  # the build that runs it
+    int16_rows: int = 0  # from this many rows of x on, the int16 path (x rounded to int16 per block); 0: never
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in DTYPES:
@@ -174,7 +177,7 @@ class Panels:
         y = torch.empty(M, self.shape[0], dtype=x.dtype)
         bf16 = int(x.dtype == torch.bfloat16)
         if self.kernel.lib.blockdot(x.data_ptr(), bf16, M, K, self.shape[0], self.data.data_ptr(), self.planes,
-                                    y.data_ptr(), bf16, torch.get_num_threads()):
+                                    y.data_ptr(), bf16, torch.get_num_threads(), self.int16_rows):
             raise MemoryError(f"blockdot: no memory for float32 copies of [{M}, {K}] activations")
         return y
 
@@ -202,9 +205,10 @@ def _octets(codes: torch.Tensor) -> torch.Tensor:
     return words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(panels, B, 256)
 
 
-def pack(w: BlockQuantized, kernel: Library | None = None) -> Panels:
+def pack(w: BlockQuantized, kernel: Library | None = None, int16_rows: int | None = None) -> Panels:
     """The blockdot form of a stored matrix (see `supports`): codes regrouped, scales as stored, run
-    by `kernel` (None: this machine's build, `library()`).
+    by `kernel` (None: this machine's build, `library()`), on the int16 path from int16_rows rows of x
+    (None: never).
 
     Raises:
         ValueError: a matrix `supports` refuses, or no build to run it (failure() says why).
@@ -228,4 +232,4 @@ def pack(w: BlockQuantized, kernel: Library | None = None) -> Panels:
     panels, B = (N + pad) // PANEL, K // BLOCK
     head = [_half_bytes(t.view(panels, PANEL, B).transpose(1, 2)) for t in (scales, mins)]  # [panels, B, 32] x 2
     body = [_octets(F.pad(c, (0, 0, 0, pad))) for c in planes]
-    return Panels(torch.cat([*head, *body], dim=-1).contiguous(), len(planes), (N, K), kernel)
+    return Panels(torch.cat([*head, *body], dim=-1).contiguous(), len(planes), (N, K), kernel, int16_rows or 0)

@@ -39,6 +39,7 @@ struct fused_layer {  /* one layer's weights and cache, as fused_decode.py lays 
 
 struct fused_shape {
   int64_t E, H, Hkv, D, I, block_size, kv_bf16;
+  int64_t int16_rows;  /* from this many rows the matmuls take blockdot's int16 path (0: never) */
   float eps, scale;
 };
 
@@ -209,6 +210,7 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
   float *x = scratch, *prep = x + sizes[0], *qkv = prep + sizes[1], *att = qkv + sizes[2], *out = att + sizes[3],
         *gu = out + sizes[4], *scores = gu + sizes[5];
   struct xin in;  /* shared: written in `single`, read by every thread after its barrier */
+  const int q16 = s->int16_rows > 0 && T >= s->int16_rows;
 
   #pragma omp parallel num_threads(nthreads)
   for (int64_t l = 0; l < num_layers; l++) {
@@ -216,18 +218,18 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
     #pragma omp single
     {
       for (int64_t r = 0; r < T; r++) rms_norm(h + r * E, w->input_norm, x + r * E, E, s->eps);
-      blockdot_prepare(x, T, E, (int)w->qkv_planes, prep, &in);
+      blockdot_prepare(x, T, E, (int)w->qkv_planes, q16, prep, &in);
     }
     blockdot_tasks(&in, T, E, NQKV, w->qkv, (int)w->qkv_planes, qkv, 0);
     attention(s, w, qkv, att, T, positions, slot_mapping, tables, nb, cos, sin, scores, max_len);
     #pragma omp single
-    blockdot_prepare(att, T, H * D, (int)w->o_planes, prep, &in);
+    blockdot_prepare(att, T, H * D, (int)w->o_planes, q16, prep, &in);
     blockdot_tasks(&in, T, H * D, E, w->o, (int)w->o_planes, out, 0);
     #pragma omp single
     {
       for (int64_t i = 0; i < T * E; i++) h[i] += out[i];
       for (int64_t r = 0; r < T; r++) rms_norm(h + r * E, w->post_norm, x + r * E, E, s->eps);
-      blockdot_prepare(x, T, E, (int)w->gate_up_planes, prep, &in);
+      blockdot_prepare(x, T, E, (int)w->gate_up_planes, q16, prep, &in);
     }
     blockdot_tasks(&in, T, E, 2 * I, w->gate_up, (int)w->gate_up_planes, gu, 0);
     #pragma omp single
@@ -237,7 +239,7 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
           const float gate = gu[r * 2 * I + i], up = gu[r * 2 * I + I + i];
           x[r * I + i] = gate / (1.0f + expf(-gate)) * up;
         }
-      blockdot_prepare(x, T, I, (int)w->down_planes, prep, &in);
+      blockdot_prepare(x, T, I, (int)w->down_planes, q16, prep, &in);
     }
     blockdot_tasks(&in, T, I, E, w->down, (int)w->down_planes, out, 0);
     #pragma omp single

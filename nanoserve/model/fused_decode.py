@@ -38,7 +38,7 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 class _Shape(ctypes.Structure):  # struct fused_shape
-    _fields_ = [(name, _i64) for name in ("E", "H", "Hkv", "D", "I", "block_size", "kv_bf16")] + [
+    _fields_ = [(name, _i64) for name in ("E", "H", "Hkv", "D", "I", "block_size", "kv_bf16", "int16_rows")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -183,12 +183,13 @@ def fused_decode(model: LlamaModel) -> FusedDecode | None:
     config, shape = model.config, model.shape
     scale = shape.attn_scale if shape.attn_scale is not None else shape.head_dim ** -0.5
     c_shape = _Shape(config.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                     config.intermediate_size, 0, int(model.dtype == torch.bfloat16), shape.eps, scale)
+                     config.intermediate_size, 0, int(model.dtype == torch.bfloat16), 0, shape.eps, scale)
     cos, sin = rope_table(config, model.cos.shape[0], torch.float32, model.device)
     max_rows = 0
     if why_not_in_one_call(model) is None:  # past max_kernel_rows the linears' dense copies are faster
         first = model.layers[0].qkv
         max_rows = first.max_kernel_rows if first.dense is not None else 2**31
+        c_shape.int16_rows = _panels(first).int16_rows  # the panels' int16 path, from as many rows as theirs
     switches = [tuple(None if t is None else t.float().contiguous() for t in (layer.qkv_bias, layer.q_norm, layer.k_norm))
                 for layer in model.layers]
     windows = [config.sliding_window if i in model.sliding_layers else 0 for i in range(config.num_layers)]

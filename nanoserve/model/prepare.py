@@ -41,6 +41,7 @@ class Layout:
         dense).
     max_kernel_rows: past this many rows a quantized linear reads a dense copy; None: no copy.
     kernels: "torch" or "blockdot", who runs the quantized linears' few-row passes (quant_linear).
+    int16_rows: from this many rows blockdot rounds the activations to int16 (None: never).
     """
 
     dtype: torch.dtype
@@ -48,6 +49,7 @@ class Layout:
     max_kernel_rows: int | None = None
     pack_weights: bool = True
     kernels: str = "torch"
+    int16_rows: int | None = None
 
 
 def _linear_weight(w: Weight, layout: Layout, head: bool) -> Weight:
@@ -63,7 +65,8 @@ def _linear_weight(w: Weight, layout: Layout, head: bool) -> Weight:
     elif layout.quantization == "int4":
         stored = quantize_int4(dense_of(w))
     if stored is not None:
-        return quant_linear(stored, layout.dtype, layout.max_kernel_rows, layout.pack_weights, layout.kernels)
+        return quant_linear(stored, layout.dtype, layout.max_kernel_rows, layout.pack_weights, layout.kernels,
+                            layout.int16_rows)
     dense = dense_of(w).to(layout.dtype)
     return pack_linear_weight(dense) if layout.pack_weights and can_pack(dense) else dense
 
@@ -143,7 +146,7 @@ def is_quantized(model: LlamaModel) -> bool:
 
 def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype: torch.dtype | None = None,
                   quantization: str | None = None, max_kernel_rows: int | None = None,
-                  kernels: str = "torch", fuse_decode: bool = False) -> LlamaModel:
+                  kernels: str = "torch", int16_rows: int | None = None, fuse_decode: bool = False) -> LlamaModel:
     """The model an engine runs: laid out in `dtype` (default: the model's own) with the weights'
     quantization, then compiled, or `model` itself when nothing changes. fuse_decode: decode steps
     run their glue in C where the family allows it (nanoserve.model.fused_decode)."""
@@ -157,7 +160,7 @@ def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype
     if not needs_layout:
         prepared = packed(model) if pack_weights else model
     else:
-        prepared = laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights, kernels))
+        prepared = laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights, kernels, int16_rows))
     fused = fused_decode(prepared) if fuse_decode else None  # None where why_not(prepared) says it cannot run
     if fused is not None or prepared.fused_layers is not None:  # a given model's own is not this engine's
         prepared = copy.copy(prepared) if prepared is model else prepared

@@ -227,10 +227,11 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pack: bool,
-                 kernels: str = "torch") -> QuantLinear:
+                 kernels: str = "torch", int16_rows: int | None = None) -> QuantLinear:
     """The kernel form of a stored quantized matrix, with a dense copy for more than
     max_kernel_rows rows (None: no copy, the kernels take every row count). kernels "blockdot" runs
-    the matrices blockdot supports on it (the rest, and "torch", on torch's kernels)."""
+    the matrices blockdot supports on it (the rest, and "torch", on torch's kernels), on its int8
+    path from int16_rows rows (None: never)."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r} is not one of {KERNELS}")
     dense = None
@@ -239,7 +240,7 @@ def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pac
         if pack and can_pack(dense):
             dense = pack_linear_weight(dense)
     if kernels == "blockdot" and blockdot.supports(w, dtype):
-        passes = [blockdot.pack(w)]
+        passes = [blockdot.pack(w, int16_rows=int16_rows)]
     else:
         passes = kernel_passes(w, dtype)
     return QuantLinear(passes, dense, max_kernel_rows or 0, w.shape)
