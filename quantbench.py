@@ -153,7 +153,7 @@ def main() -> None:
     print(f"\n{'precision':<16}{'dtype':<10}{'ppl':>8}{'Δppl':>8}{'top1':>8}{'KL':>9}{'prefix':>8}"
           + "".join(f"{'tok/s@' + str(s):>11}" for s in args.slots) + f"{'RSS MB':>9}{'weights MB':>12}")
     for r in rows:
-        weights = sum(r.get(f"{k}_mb", 0) for k in ("dense", "quantized", "dense_copies", "stored"))
+        weights = sum(r.get(f"{k}_mb", 0) for k in ("dense", "quantized", "dense_copies", "stored", "fused_copies"))
         flag = "  (>2% worse)" if r["worse_than_2pct"] else ""
         print(f"{r['precision']:<16}{r['dtype']:<10}{r['perplexity']:>8.3f}{r['perplexity_change']:>+8.2%}"
               f"{r['top1_agreement']:>8.2%}{r['mean_kl']:>9.5f}{r.get('greedy_mean_prefix', float('nan')):>8.1f}"

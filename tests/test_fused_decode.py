@@ -22,7 +22,14 @@ from test_llama import assert_logits_match, run_and_capture
 
 from nanoserve import Engine, EngineConfig
 from nanoserve.model import blockdot
-from nanoserve.model.fused_decode import FusedDecode, why_not, why_not_in_one_call
+from nanoserve.model.fused_decode import (
+    DENSE_BF16,
+    DENSE_F32,
+    DENSE_ONE_CALL_ROWS,
+    FusedDecode,
+    why_not,
+    why_not_in_one_call,
+)
 from nanoserve.model.quant import QuantLinear, quantize_int4, quantize_int8
 
 needs_build = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
@@ -171,16 +178,27 @@ def test_steps_wider_than_the_kernel_rows_take_torchs_linears_between_per_layer_
 
 
 @needs_build
+@pytest.mark.parametrize("pack_weights", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("dtype, atol", [("float32", 1e-4), ("bfloat16", 0.03)])
-def test_a_dense_model_takes_the_per_layer_calls_at_every_width(dtype, atol):
+def test_a_dense_model_runs_narrow_steps_in_one_call_and_wide_ones_per_layer(dtype, atol, pack_weights):
     hf = make_hf_llama(seed=15)
-    engine = fused_engine(hf, dtype=dtype, quantization=None)
-    assert engine.model.fused_layers.max_rows == 0
-    assert why_not_in_one_call(engine.model) == "layer 0's qkv is not on blockdot's panels"
+    engine = fused_engine(hf, dtype=dtype, quantization=None, pack_weights=pack_weights)
+    fused = engine.model.fused_layers
+    assert fused.max_rows == DENSE_ONE_CALL_ROWS and why_not_in_one_call(engine.model) is None
+    assert {planes for forms in fused.forms for _, planes in forms} == {DENSE_BF16 if dtype == "bfloat16" else DENSE_F32}
+    packed = engine.model.packed  # oneDNN present: the one call reads plain copies, counted in memory()
+    assert (fused.copy_bytes > 0) == packed and engine.memory()["fused_copies"] == fused.copy_bytes
+    if packed:
+        layer = engine.model.layers[0]
+        torch.testing.assert_close(fused.forms[0][0][0], layer.qkv.to_dense(), atol=0, rtol=0)
+    one_call_rows = count_one_call_steps(engine)
     fused_rows = count_fused_steps(engine)
-    captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=8)
+    captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=8)  # four rows a step: per layer
     assert assert_logits_match(hf, captured, outputs, atol=atol) == len(PROMPTS) * 8
-    assert sum(fused_rows) == len(PROMPTS) * 7
+    assert sum(fused_rows) == len(PROMPTS) * 7 and one_call_rows == []
+    captured, outputs = run_and_capture(engine, PROMPTS[:2], max_tokens=8)  # two rows: one call
+    assert assert_logits_match(hf, captured, outputs, atol=atol) == 2 * 8
+    assert one_call_rows == [2] * 7
     engine.check_invariants()
     assert engine.allocator.num_free == engine.allocator.num_blocks
 
@@ -201,7 +219,7 @@ def test_family_switches_equal_transformers(name, quantization):
     family, overrides = FAMILIES[name]
     hf = make_hf_model(family, seed=16, **overrides)
     engine = fused_engine(hf, quantization=quantization)
-    assert (engine.model.fused_layers.max_rows > 0) == (quantization is not None)
+    assert engine.model.fused_layers.max_rows > 0 and why_not_in_one_call(engine.model) is None
     if quantization:
         load_engine_weights_into(hf, engine)
     fused_rows = count_fused_steps(engine)
@@ -219,7 +237,8 @@ def test_families_and_layouts_it_cannot_run_are_named():
     assert why_not(gemma.model) == "the family's ['sandwich_norms', 'attn_logit_softcap', 'activation'] are not in fused_decode.c"
     torch_kernels = fused_engine(make_hf_llama(seed=14), kernels="torch")
     assert torch_kernels.model.fused_layers.max_rows == 0
-    assert why_not_in_one_call(torch_kernels.model) == "layer 0's qkv is not on blockdot's panels"
+    assert why_not_in_one_call(torch_kernels.model) == ("layer 0's qkv is neither on blockdot's panels nor dense "
+                                                        "float32 or bf16 rows (K a multiple of 16)")
     off = fused_engine(make_hf_llama(seed=14), fused_decode=False)
     assert off.model.fused_layers is None and isinstance(off.model.layers[0].qkv, QuantLinear)
     half = fused_engine(make_hf_llama(seed=14), dtype="float16", quantization=None)
@@ -251,17 +270,21 @@ def test_an_engine_over_another_engines_model_builds_its_own_fused_decode_or_non
 
 
 @needs_build
-@pytest.mark.parametrize("build", ["avx2", "plain"])
-def test_the_other_builds_fused_decode_equals_transformers(build):
+@pytest.mark.parametrize("quantization", ["int4", None], ids=["panels", "dense"])
+@pytest.mark.parametrize("build", ["avx512", "avx2", "plain"])
+def test_the_other_builds_fused_decode_equals_transformers(build, quantization):
     # What a CPU without AVX-512 (or a compiler without -march=native) would run: the same C built
     # with test_blockdot's flags, both the one-call and the per-layer entries.
     from test_blockdot import _cpu_has
 
     if build == "avx2" and not _cpu_has("avx2"):
         pytest.skip("this CPU has no AVX2")
+    if build == "avx512" and not _cpu_has("avx512bw"):
+        pytest.skip("this CPU has no AVX-512 BW")
     hf = make_hf_llama(seed=19)
-    engine = fused_engine(hf, max_kernel_rows=2)
-    load_engine_weights_into(hf, engine)
+    engine = fused_engine(hf, max_kernel_rows=2, quantization=quantization)
+    if quantization:
+        load_engine_weights_into(hf, engine)
     engine.model.fused_layers.kernel = blockdot.load(blockdot.BUILDS[build])
     captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=6)  # four rows: per layer; then fewer
     assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 6

@@ -48,6 +48,11 @@ static inline vf vset1(float a) { return _mm512_set1_ps(a); }
 static inline void vstore(float *p, vf a) { _mm512_storeu_ps(p, a); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vhalf(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf vbf16(const uint16_t *p) {  /* 16 bf16 widened exactly */
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline vi viload(const uint32_t *p) { return _mm512_loadu_si512(p); }
 /* the code at bit `shift` of every lane, as a float: a 16-entry table lookup reads an index's low 4 bits */
 static inline vf vcode(vi v, int shift) {
@@ -88,6 +93,16 @@ static inline vf vhalf(const uint16_t *p) {
 static inline vi viload(const uint32_t *p) {
   return (vi){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 8))};
 }
+static inline vf vload(const float *p) { return (vf){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline __m256 bf16x8(const uint16_t *p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vf vbf16(const uint16_t *p) { return (vf){bf16x8(p), bf16x8(p + 8)}; }
+static inline float vsum(vf x) {
+  float lanes[8];
+  _mm256_storeu_ps(lanes, _mm256_add_ps(x.a, x.b));
+  return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
 static inline vf vcode(vi v, int shift) {
   const __m256i m4 = _mm256_set1_epi32(15);
   return (vf){_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v.a, shift), m4)),
@@ -126,6 +141,9 @@ static inline float half(uint16_t h) {  /* IEEE binary16 -> float32, exact */
   return f;
 }
 static inline vf vhalf(const uint16_t *p) { vf r; for (int j = 0; j < 16; j++) r.v[j] = half(p[j]); return r; }
+static inline vf vload(const float *p) { vf r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline vf vbf16(const uint16_t *p) { vf r; for (int j = 0; j < 16; j++) r.v[j] = bf16_to_f32(p[j]); return r; }
+static inline float vsum(vf x) { float s = 0; for (int j = 0; j < 16; j++) s += x.v[j]; return s; }
 static inline vi viload(const uint32_t *p) { vi r; memcpy(r.v, p, sizeof r.v); return r; }
 static inline vf vcode(vi v, int shift) { vf r; for (int j = 0; j < 16; j++) r.v[j] = (v.v[j] >> shift) & 15; return r; }
 static inline void prefetch(const void *p) { (void)p; }
@@ -310,6 +328,46 @@ void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const
   for (int64_t t = 0; t < tasks; t++) {
     if ((t + 1) * NP <= panels) task(in, M, K, N, w, planes, t * NP, NP, y, y_bf16);
     else for (int64_t p = t * NP; p < panels; p++) task(in, M, K, N, w, planes, p, 1, y, y_bf16);
+  }
+}
+
+/* Dense rows: NR consecutive rows of a dense w [N, K] (float32, or bf16 where bf16) against MR rows
+   of x, 16 k a step, each sum a vector until the end. NR, MR and bf16 are constants once inlined. */
+INLINE void dense_tile(const float *x, int64_t K, const void *w, const int bf16, int64_t n0, int64_t r0, const int NR,
+                       const int MR, float *y, int64_t N) {
+  vf acc[8];
+  for (int a = 0; a < NR * MR; a++) acc[a] = vzero();
+  for (int64_t k = 0; k < K; k += 16)
+    for (int i = 0; i < NR; i++) {
+      const vf wv = bf16 ? vbf16((const uint16_t *)w + (n0 + i) * K + k) : vload((const float *)w + (n0 + i) * K + k);
+      for (int r = 0; r < MR; r++) acc[i * MR + r] = vfma(wv, vload(x + (r0 + r) * K + k), acc[i * MR + r]);
+    }
+  for (int i = 0; i < NR; i++)
+    for (int r = 0; r < MR; r++) y[(r0 + r) * N + n0 + i] = vsum(acc[i * MR + r]);
+}
+
+INLINE void dense_group(const float *x, int64_t M, int64_t K, const void *w, const int bf16, int64_t n0, int64_t N,
+                        float *y) {
+  for (int64_t r0 = 0; r0 < M; r0 += 2) {
+    const int two = M - r0 >= 2;
+    if (n0 + 4 <= N) {
+      if (two) dense_tile(x, K, w, bf16, n0, r0, 4, 2, y, N);
+      else dense_tile(x, K, w, bf16, n0, r0, 4, 1, y, N);
+    } else {
+      for (int64_t n = n0; n < N; n++) {
+        if (two) dense_tile(x, K, w, bf16, n, r0, 1, 2, y, N);
+        else dense_tile(x, K, w, bf16, n, r0, 1, 1, y, N);
+      }
+    }
+  }
+}
+
+void dense_tasks(const float *x, int64_t M, int64_t K, int64_t N, const void *w, int w_bf16, float *y) {
+  const int64_t groups = (N + 3) / 4;  /* a task: 4 rows of w against every row of x, two at a time */
+  #pragma omp for schedule(static)
+  for (int64_t g = 0; g < groups; g++) {
+    if (w_bf16) dense_group(x, M, K, w, 1, 4 * g, N, y);
+    else dense_group(x, M, K, w, 0, 4 * g, N, y);
   }
 }
 

@@ -30,6 +30,10 @@ void blockdot_prepare(const float *x, int64_t M, int64_t K, int planes, int q16,
 void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,
                     int y_bf16);
 
+/* y [M, N] float32 = x [M, K] float32 @ w^T for a dense w [N, K] in rows (float32, or bf16 where
+   w_bf16; K a multiple of 16): an orphaned `omp for` over groups of 4 rows of w, as blockdot_tasks. */
+void dense_tasks(const float *x, int64_t M, int64_t K, int64_t N, const void *w, int w_bf16, float *y);
+
 static inline float bf16_to_f32(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does; NaN stays NaN */
   uint32_t u;

@@ -1,7 +1,8 @@
 /* fused_decode.c: every decoder layer of a decode step (one query per sequence, a few sequences) in
  * one call, inside one OpenMP parallel region, for a Llama-family model whose four matmuls per layer
- * are in blockdot's panels (blockdot.c); and the same glue in three calls a layer for steps whose
- * matmuls torch runs (fused_attention, fused_add_norm, fused_silu_mul).
+ * are in blockdot's panels (blockdot.c) or dense rows of float32 or bf16 (blockdot.c's dense_tasks);
+ * and the same glue in three calls a layer for steps whose matmuls torch runs (fused_attention,
+ * fused_add_norm, fused_silu_mul).
  *
  * Why: at one sequence the linears of the default model take 8-10 ms a step when called back to back,
  * but 15 ms when each follows the Python glue between them (norms, rope, the cache write, attention:
@@ -28,8 +29,8 @@
 
 struct fused_layer {  /* one layer's weights and cache, as fused_decode.py lays them out */
   const float *input_norm, *post_norm;           /* [E] float32 */
-  const uint8_t *qkv, *o, *gate_up, *down;       /* blockdot panels (NULL where the step's linears are torch's) */
-  int64_t qkv_planes, o_planes, gate_up_planes, down_planes;
+  const uint8_t *qkv, *o, *gate_up, *down;       /* blockdot panels or dense rows (NULL where torch's linears run) */
+  int64_t qkv_planes, o_planes, gate_up_planes, down_planes;  /* panels: 1 or 2 planes; dense: DENSE_F32, DENSE_BF16 */
   void *k_cache, *v_cache;                       /* [slots, Hkv, D] float32, or bf16 where kv_bf16 */
   /* the family's switches, NULL or 0 where it has none */
   const float *qkv_bias;                         /* [(H + 2 Hkv) D] float32 (Qwen2) */
@@ -69,6 +70,19 @@ static void store_kv(void *cache, int64_t at, const float *x, int64_t D, int bf1
 }
 
 #define INLINE static inline __attribute__((always_inline))
+
+/* A layer's matmul y = x @ w^T on blockdot's panels (`planes` 1 or 2: blockdot_prepare once, serial,
+   then blockdot_tasks), or on dense rows [N, K] of float32 or bf16 (dense_tasks). */
+#define DENSE_F32 (-1)
+#define DENSE_BF16 (-2)
+static void prepare(const float *x, int64_t T, int64_t K, int64_t planes, int q16, float *prep, struct xin *in) {
+  if (planes > 0) blockdot_prepare(x, T, K, (int)planes, q16, prep, in);
+}
+static void matmul(const struct xin *in, const float *x, int64_t T, int64_t K, int64_t N, const uint8_t *w,
+                   int64_t planes, float *y) {
+  if (planes > 0) blockdot_tasks(in, T, K, N, w, (int)planes, y, 0);
+  else dense_tasks(x, T, K, N, w, planes == DENSE_BF16, y);
+}
 
 /* element i of a cache, float32 or bf16: `bf16` is a constant wherever this is inlined, so each
    loop below is compiled once per cache dtype */
@@ -218,20 +232,20 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
     #pragma omp single
     {
       for (int64_t r = 0; r < T; r++) rms_norm(h + r * E, w->input_norm, x + r * E, E, s->eps);
-      blockdot_prepare(x, T, E, (int)w->qkv_planes, q16, prep, &in);
+      prepare(x, T, E, w->qkv_planes, q16, prep, &in);
     }
-    blockdot_tasks(&in, T, E, NQKV, w->qkv, (int)w->qkv_planes, qkv, 0);
+    matmul(&in, x, T, E, NQKV, w->qkv, w->qkv_planes, qkv);
     attention(s, w, qkv, att, T, positions, slot_mapping, tables, nb, cos, sin, scores, max_len);
     #pragma omp single
-    blockdot_prepare(att, T, H * D, (int)w->o_planes, q16, prep, &in);
-    blockdot_tasks(&in, T, H * D, E, w->o, (int)w->o_planes, out, 0);
+    prepare(att, T, H * D, w->o_planes, q16, prep, &in);
+    matmul(&in, att, T, H * D, E, w->o, w->o_planes, out);
     #pragma omp single
     {
       for (int64_t i = 0; i < T * E; i++) h[i] += out[i];
       for (int64_t r = 0; r < T; r++) rms_norm(h + r * E, w->post_norm, x + r * E, E, s->eps);
-      blockdot_prepare(x, T, E, (int)w->gate_up_planes, q16, prep, &in);
+      prepare(x, T, E, w->gate_up_planes, q16, prep, &in);
     }
-    blockdot_tasks(&in, T, E, 2 * I, w->gate_up, (int)w->gate_up_planes, gu, 0);
+    matmul(&in, x, T, E, 2 * I, w->gate_up, w->gate_up_planes, gu);
     #pragma omp single
     {
       for (int64_t r = 0; r < T; r++)
@@ -239,9 +253,9 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
           const float gate = gu[r * 2 * I + i], up = gu[r * 2 * I + I + i];
           x[r * I + i] = gate / (1.0f + expf(-gate)) * up;
         }
-      blockdot_prepare(x, T, I, (int)w->down_planes, q16, prep, &in);
+      prepare(x, T, I, w->down_planes, q16, prep, &in);
     }
-    blockdot_tasks(&in, T, I, E, w->down, (int)w->down_planes, out, 0);
+    matmul(&in, x, T, I, E, w->down, w->down_planes, out);
     #pragma omp single
     for (int64_t i = 0; i < T * E; i++) h[i] += out[i];
   }

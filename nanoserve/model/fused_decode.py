@@ -51,10 +51,36 @@ class _Layer(ctypes.Structure):  # struct fused_layer
 MATMULS = ("qkv", "o", "gate_up", "down")
 
 
+# fused_decode.c's forms of a dense matmul (a struct fused_layer's *_planes; blockdot's panels are 1 or 2)
+DENSE_F32, DENSE_BF16 = -1, -2
+# A dense model's narrow steps run in one call up to this many rows; wider ones take oneDNN's packed
+# linears, which read their weights once for every row (notes/fused_decode.md, the crossover).
+DENSE_ONE_CALL_ROWS = 2
+
+
 def _panels(weight: object) -> blockdot.Panels | None:
     if isinstance(weight, QuantLinear) and len(weight.passes) == 1 and isinstance(weight.passes[0], blockdot.Panels):
         return weight.passes[0]
     return None
+
+
+def _is_dense_rows(weight: object) -> bool:
+    """A dense matrix fused_decode.c reads as rows: float32 or bf16 on the CPU, K a multiple of 16."""
+    return (isinstance(weight, torch.Tensor) and weight.dtype in (torch.float32, torch.bfloat16)
+            and weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[1] % 16 == 0)
+
+
+def _one_call_form(weight: object) -> tuple[torch.Tensor, int] | None:
+    """What fused_decode.c reads for a matmul: (blockdot's panels, their planes), or (its dense rows,
+    DENSE_F32 or DENSE_BF16) with a oneDNN-packed matrix reordered back into a plain copy; None
+    where it reads neither (torch's quantized kernels)."""
+    panels = _panels(weight)
+    if panels is not None:
+        return panels.data, panels.planes
+    if not _is_dense_rows(weight):
+        return None
+    plain = weight.to_dense() if weight.is_mkldnn else weight.contiguous()
+    return plain, DENSE_BF16 if weight.dtype == torch.bfloat16 else DENSE_F32
 
 
 def why_not(model: LlamaModel) -> str | None:
@@ -77,8 +103,10 @@ def why_not_in_one_call(model: LlamaModel) -> str | None:
     """Why a narrow step cannot run in one C call (it then takes the per-layer calls); None when it can."""
     for i, layer in enumerate(model.layers):
         for name in MATMULS:
-            if _panels(getattr(layer, name)) is None:
-                return f"layer {i}'s {name} is not on blockdot's panels"
+            weight = getattr(layer, name)
+            if _panels(weight) is None and not _is_dense_rows(weight):
+                return (f"layer {i}'s {name} is neither on blockdot's panels nor dense float32 or bf16 rows "
+                        "(K a multiple of 16)")
     return None
 
 
@@ -92,10 +120,13 @@ class FusedDecode:
     cos: torch.Tensor  # [P, D] float32
     sin: torch.Tensor  # [P, D] float32
     dtype: torch.dtype  # the linears' (and the K/V cache's): float32 or bfloat16
-    max_rows: int  # steps of up to this many rows run in one call; 0: none (some matmul is not on panels)
+    max_rows: int  # steps of up to this many rows run in one call; 0: none (some matmul has no form for it)
     kernel: blockdot.Library
     switches: list[tuple[torch.Tensor | None, ...]]  # per layer: qkv_bias, q_norm, k_norm in float32, or None
     windows: list[int]  # per layer: its sliding window W, 0 for none
+    # per layer, its MATMULS as the one call reads them (_one_call_form); empty where there is no one call
+    forms: list[list[tuple[torch.Tensor, int]]]
+    copy_bytes: int = 0  # the plain copies of oneDNN-packed dense matrices among them
     _table: ctypes.Array | None = None  # the layers' structs, for the cache they were built against
     _cache: KVCache | None = None
 
@@ -153,9 +184,9 @@ class FusedDecode:
     def _layer_table(self, kv: KVCache) -> ctypes.Array:
         table = (_Layer * len(self.layers))()
         for i, layer in enumerate(self.layers):
-            panels = [_panels(getattr(layer, name)) for name in MATMULS]  # None: torch's linears run it
+            forms = self.forms[i] if self.forms else [(None, 0)] * len(MATMULS)  # none: torch's linears run them
             table[i] = _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
-                              *(p and p.data.data_ptr() for p in panels), *(p.planes if p else 0 for p in panels),
+                              *(_address(t) for t, _ in forms), *(planes for _, planes in forms),
                               kv.k[i].data_ptr(), kv.v[i].data_ptr(), *(_address(t) for t in self.switches[i]),
                               self.windows[i])
         return table
@@ -185,12 +216,22 @@ def fused_decode(model: LlamaModel) -> FusedDecode | None:
     c_shape = _Shape(config.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
                      config.intermediate_size, 0, int(model.dtype == torch.bfloat16), 0, shape.eps, scale)
     cos, sin = rope_table(config, model.cos.shape[0], torch.float32, model.device)
-    max_rows = 0
-    if why_not_in_one_call(model) is None:  # past max_kernel_rows the linears' dense copies are faster
-        first = model.layers[0].qkv
-        max_rows = first.max_kernel_rows if first.dense is not None else 2**31
-        c_shape.int16_rows = _panels(first).int16_rows  # the panels' int16 path, from as many rows as theirs
+    max_rows, forms = 0, []
+    if why_not_in_one_call(model) is None:
+        weights = [getattr(layer, name) for layer in model.layers for name in MATMULS]
+        panels = [p for p in map(_panels, weights) if p is not None]
+        # past max_kernel_rows the quantized linears' dense copies are faster; past DENSE_ONE_CALL_ROWS
+        # oneDNN's packed dense linears
+        max_rows = min([DENSE_ONE_CALL_ROWS] * (len(panels) < len(weights))
+                       + [w.max_kernel_rows for w in weights if isinstance(w, QuantLinear) and w.dense is not None]
+                       + [2**31])
+        c_shape.int16_rows = panels[0].int16_rows if panels else 0  # the panels' int16 path, from as many rows
+        forms = [[_one_call_form(getattr(layer, name)) for name in MATMULS] for layer in model.layers]
     switches = [tuple(None if t is None else t.float().contiguous() for t in (layer.qkv_bias, layer.q_norm, layer.k_norm))
                 for layer in model.layers]
     windows = [config.sliding_window if i in model.sliding_layers else 0 for i in range(config.num_layers)]
-    return FusedDecode(model.layers, c_shape, cos, sin, model.dtype, max_rows, blockdot.library(), switches, windows)
+    packed = [getattr(layer, name) for layer in model.layers for name in MATMULS]
+    copy_bytes = sum(t.nbytes for (t, _), w in zip((f for fs in forms for f in fs), packed, strict=False)
+                     if isinstance(w, torch.Tensor) and w.is_mkldnn)
+    return FusedDecode(model.layers, c_shape, cos, sin, model.dtype, max_rows, blockdot.library(), switches, windows,
+                       forms, copy_bytes)

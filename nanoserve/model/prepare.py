@@ -181,9 +181,11 @@ def _nbytes(w: Weight) -> dict[str, int]:
 
 def weight_bytes(model: LlamaModel) -> dict[str, int]:
     """Bytes the model's weights hold, by form: dense (plain or oneDNN-packed), quantized (the
-    kernels' layouts), dense_copies (what quantized linears read past max_kernel_rows) and stored
-    (quantized matrices as loaded, such as a GGUF embedding that lookups dequantize by row)."""
-    total = {"dense": 0, "quantized": 0, "dense_copies": 0, "stored": 0}
+    kernels' layouts), dense_copies (what quantized linears read past max_kernel_rows), stored
+    (quantized matrices as loaded, such as a GGUF embedding that lookups dequantize by row) and
+    fused_copies (plain copies of oneDNN-packed matrices, what a dense model's one-call decode reads)."""
+    total = {"dense": 0, "quantized": 0, "dense_copies": 0, "stored": 0,
+             "fused_copies": getattr(model.fused_layers, "copy_bytes", 0)}
     weights: list[Weight] = [model.embed, model.norm]
     if model.lm_head_weight is not model.embed:
         weights.append(model.lm_head_weight)
