@@ -180,11 +180,12 @@ def test_steps_wider_than_the_kernel_rows_take_torchs_linears_between_per_layer_
 @needs_build
 @pytest.mark.parametrize("pack_weights", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("dtype, atol", [("float32", 1e-4), ("bfloat16", 0.03)])
-def test_a_dense_model_runs_narrow_steps_in_one_call_and_wide_ones_per_layer(dtype, atol, pack_weights):
+def test_a_dense_model_runs_decode_steps_in_one_call_up_to_its_dtypes_rows(dtype, atol, pack_weights):
     hf = make_hf_llama(seed=15)
     engine = fused_engine(hf, dtype=dtype, quantization=None, pack_weights=pack_weights)
     fused = engine.model.fused_layers
-    assert fused.max_rows == DENSE_ONE_CALL_ROWS and why_not_in_one_call(engine.model) is None
+    limit = DENSE_ONE_CALL_ROWS[engine.model.dtype]
+    assert fused.max_rows == limit and why_not_in_one_call(engine.model) is None
     assert {planes for forms in fused.forms for _, planes in forms} == {DENSE_BF16 if dtype == "bfloat16" else DENSE_F32}
     packed = engine.model.packed  # oneDNN present: the one call reads plain copies, counted in memory()
     assert (fused.copy_bytes > 0) == packed and engine.memory()["fused_copies"] == fused.copy_bytes
@@ -193,9 +194,10 @@ def test_a_dense_model_runs_narrow_steps_in_one_call_and_wide_ones_per_layer(dty
         torch.testing.assert_close(fused.forms[0][0][0], layer.qkv.to_dense(), atol=0, rtol=0)
     one_call_rows = count_one_call_steps(engine)
     fused_rows = count_fused_steps(engine)
-    captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=8)  # four rows a step: per layer
+    captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=8)  # four rows a step: per layer in bf16
     assert assert_logits_match(hf, captured, outputs, atol=atol) == len(PROMPTS) * 8
-    assert sum(fused_rows) == len(PROMPTS) * 7 and one_call_rows == []
+    assert sum(fused_rows) == len(PROMPTS) * 7 and one_call_rows == ([4] * 7 if limit >= 4 else [])
+    one_call_rows.clear()
     captured, outputs = run_and_capture(engine, PROMPTS[:2], max_tokens=8)  # two rows: one call
     assert assert_logits_match(hf, captured, outputs, atol=atol) == 2 * 8
     assert one_call_rows == [2] * 7
@@ -212,20 +214,27 @@ FAMILIES = {
 }
 
 
+# (EngineConfig overrides, whether its four-row decode steps run in one call)
+LAYOUTS = {"one-call": ({"quantization": "int4"}, True), "dense-one-call": ({"quantization": None}, True),
+           "per-layer": ({"quantization": "int4", "max_kernel_rows": 2}, False)}
+
+
 @needs_build
-@pytest.mark.parametrize("quantization", ["int4", None], ids=["one-call", "per-layer"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_family_switches_equal_transformers(name, quantization):
+def test_family_switches_equal_transformers(name, layout):
     family, overrides = FAMILIES[name]
+    config, in_one_call = LAYOUTS[layout]
     hf = make_hf_model(family, seed=16, **overrides)
-    engine = fused_engine(hf, quantization=quantization)
-    assert engine.model.fused_layers.max_rows > 0 and why_not_in_one_call(engine.model) is None
-    if quantization:
+    engine = fused_engine(hf, **config)
+    assert why_not_in_one_call(engine.model) is None
+    if config["quantization"]:
         load_engine_weights_into(hf, engine)
+    one_call_rows = count_one_call_steps(engine)
     fused_rows = count_fused_steps(engine)
     captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=8)  # 40 tokens: past every window
     assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 8
-    assert sum(fused_rows) == len(PROMPTS) * 7
+    assert sum(fused_rows) == len(PROMPTS) * 7 and one_call_rows == ([4] * 7 if in_one_call else [])
     engine.check_invariants()
 
 

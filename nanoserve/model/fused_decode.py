@@ -53,9 +53,10 @@ MATMULS = ("qkv", "o", "gate_up", "down")
 
 # fused_decode.c's forms of a dense matmul (a struct fused_layer's *_planes; blockdot's panels are 1 or 2)
 DENSE_F32, DENSE_BF16 = -1, -2
-# A dense model's narrow steps run in one call up to this many rows; wider ones take oneDNN's packed
-# linears, which read their weights once for every row (notes/fused_decode.md, the crossover).
-DENSE_ONE_CALL_ROWS = 2
+# A dense model's decode steps run in one call up to this many rows, by its dtype; wider ones take
+# oneDNN's packed linears. Measured (notes/fused_decode.md): in float32 the one call was faster at
+# every width tried (1-32 rows); in bf16 only up to 2 rows, past which oneDNN's bf16 (AMX) wins.
+DENSE_ONE_CALL_ROWS = {torch.float32: 2**31, torch.bfloat16: 2}
 
 
 def _panels(weight: object) -> blockdot.Panels | None:
@@ -222,7 +223,7 @@ def fused_decode(model: LlamaModel) -> FusedDecode | None:
         panels = [p for p in map(_panels, weights) if p is not None]
         # past max_kernel_rows the quantized linears' dense copies are faster; past DENSE_ONE_CALL_ROWS
         # oneDNN's packed dense linears
-        max_rows = min([DENSE_ONE_CALL_ROWS] * (len(panels) < len(weights))
+        max_rows = min([DENSE_ONE_CALL_ROWS[model.dtype]] * (len(panels) < len(weights))
                        + [w.max_kernel_rows for w in weights if isinstance(w, QuantLinear) and w.dense is not None]
                        + [2**31])
         c_shape.int16_rows = panels[0].int16_rows if panels else 0  # the panels' int16 path, from as many rows
