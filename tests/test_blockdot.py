@@ -142,6 +142,21 @@ def test_the_int16_path_starts_at_int16_rows():
     assert blockdot.pack(stored).int16_rows == 0  # the default: float32 at every row count
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [4, 7, 40])  # 7: a group of 4 rows and 3 alone
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9])  # every tile of x's rows and their tails
+def test_dense_rows_equal_the_matmul(kernel, dtype, N, rows):
+    # the fused decode's dense matmul, called alone (outside a parallel region its `omp for` runs here)
+    _, kernel = kernel
+    K = 48
+    gen = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(N, K, generator=gen).to(dtype), torch.randn(rows, K, generator=gen)
+    y = torch.full((rows, N), float("nan"))
+    kernel.lib.dense_tasks(x.data_ptr(), rows, K, N, w.data_ptr(), int(dtype == torch.bfloat16), y.data_ptr())
+    expected = x.double() @ w.double().T  # bf16 weights are widened exactly
+    torch.testing.assert_close(y.double(), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+
+
 @needs_build
 def test_a_hand_built_block():
     # One row of Q4_1 with d = 0.5, m = -1, codes 0..15 then 15..0: w[k] = 0.5 q[k] - 1. A one-hot x

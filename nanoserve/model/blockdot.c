@@ -332,38 +332,42 @@ void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const
 }
 
 /* Dense rows: NR consecutive rows of a dense w [N, K] (float32, or bf16 where bf16) against MR rows
-   of x, 16 k a step, each sum a vector until the end. NR, MR and bf16 are constants once inlined. */
+   of x, 16 k a step: the MR x vectors loaded once a step, each w vector used for all MR of them, each
+   sum a vector until the end. NR, MR and bf16 are constants once inlined (NR * MR <= 16). */
 INLINE void dense_tile(const float *x, int64_t K, const void *w, const int bf16, int64_t n0, int64_t r0, const int NR,
                        const int MR, float *y, int64_t N) {
-  vf acc[8];
+  vf acc[16];
   for (int a = 0; a < NR * MR; a++) acc[a] = vzero();
-  for (int64_t k = 0; k < K; k += 16)
+  for (int64_t k = 0; k < K; k += 16) {
+    vf xv[4];
+    for (int r = 0; r < MR; r++) xv[r] = vload(x + (r0 + r) * K + k);
     for (int i = 0; i < NR; i++) {
       const vf wv = bf16 ? vbf16((const uint16_t *)w + (n0 + i) * K + k) : vload((const float *)w + (n0 + i) * K + k);
-      for (int r = 0; r < MR; r++) acc[i * MR + r] = vfma(wv, vload(x + (r0 + r) * K + k), acc[i * MR + r]);
+      for (int r = 0; r < MR; r++) acc[i * MR + r] = vfma(wv, xv[r], acc[i * MR + r]);
     }
+  }
   for (int i = 0; i < NR; i++)
     for (int r = 0; r < MR; r++) y[(r0 + r) * N + n0 + i] = vsum(acc[i * MR + r]);
 }
 
+/* Rows of x four at a time (two with AVX2's 16 registers), then the rest. */
+#define DENSE_MR (SIMD == 512 ? 4 : 2)
+INLINE void dense_rows(const float *x, int64_t M, int64_t K, const void *w, const int bf16, int64_t n0, const int NR,
+                       float *y, int64_t N) {
+  int64_t r0 = 0;
+  for (; r0 + DENSE_MR <= M; r0 += DENSE_MR) dense_tile(x, K, w, bf16, n0, r0, NR, DENSE_MR, y, N);
+  if (DENSE_MR == 4 && r0 + 2 <= M) { dense_tile(x, K, w, bf16, n0, r0, NR, 2, y, N); r0 += 2; }
+  if (r0 < M) dense_tile(x, K, w, bf16, n0, r0, NR, 1, y, N);
+}
+
 INLINE void dense_group(const float *x, int64_t M, int64_t K, const void *w, const int bf16, int64_t n0, int64_t N,
                         float *y) {
-  for (int64_t r0 = 0; r0 < M; r0 += 2) {
-    const int two = M - r0 >= 2;
-    if (n0 + 4 <= N) {
-      if (two) dense_tile(x, K, w, bf16, n0, r0, 4, 2, y, N);
-      else dense_tile(x, K, w, bf16, n0, r0, 4, 1, y, N);
-    } else {
-      for (int64_t n = n0; n < N; n++) {
-        if (two) dense_tile(x, K, w, bf16, n, r0, 1, 2, y, N);
-        else dense_tile(x, K, w, bf16, n, r0, 1, 1, y, N);
-      }
-    }
-  }
+  if (n0 + 4 <= N) dense_rows(x, M, K, w, bf16, n0, 4, y, N);
+  else for (int64_t n = n0; n < N; n++) dense_rows(x, M, K, w, bf16, n, 1, y, N);
 }
 
 void dense_tasks(const float *x, int64_t M, int64_t K, int64_t N, const void *w, int w_bf16, float *y) {
-  const int64_t groups = (N + 3) / 4;  /* a task: 4 rows of w against every row of x, two at a time */
+  const int64_t groups = (N + 3) / 4;  /* a task: 4 rows of w against every row of x */
   #pragma omp for schedule(static)
   for (int64_t g = 0; g < groups; g++) {
     if (w_bf16) dense_group(x, M, K, w, 1, 4 * g, N, y);

@@ -130,6 +130,9 @@ def _load(path: Path) -> Library:
     lib.blockdot.argtypes = [p, i32, i64, i64, i64, p, i32, p, i32, i32, i64]
     lib.blockdot.restype = i32
     lib.blockdot_simd.restype = i32
+    # dense rows for the fused decode's one call (x, M, K, N, w, w_bf16, y); called from C, bound for the tests
+    lib.dense_tasks.argtypes = [p, i64, i64, i64, p, i32, p]
+    lib.dense_tasks.restype = None
     # fused_decode.c's entry (nanoserve.model.fused_decode): shape, layers, num_layers, h, T, positions,
     # slot_mapping, tables, nb, cos, sin, nthreads
     lib.fused_decode.argtypes = [p, p, i64, p, i64, p, p, p, i64, p, p, i32]
