@@ -97,10 +97,11 @@ def test_an_empty_step_records_only_the_schedule_and_no_rows():
 
 def test_a_real_engine_profile_passes_the_gates_a_cpu_can_pass_and_is_serial():
     recorder = StepRecorder()
-    # Eight layers, not two: the recorder's own cost is a fixed ~30 us a step, which on a 1.5 ms
-    # two-layer step came to 2.0-2.2% and crossed check_accounted's 2% about one run in three on a
-    # slow machine; a real step is far longer than either.
-    engine = make_tiny_engine(hf_overrides={"num_hidden_layers": 8})
+    # Eight layers through decoder_layer, not two, nor the one C call: the recorder's own cost is a
+    # fixed 10-30 us a step, which crossed check_accounted's 2% on short steps (a two-layer step of
+    # 1.5 ms one run in three; 128 layers in one fused call, 1.1 ms, came to 1.4-1.6%); a real step
+    # is far longer than either.
+    engine = make_tiny_engine(hf_overrides={"num_hidden_layers": 8}, fused_decode=False)
     engine.recorder = recorder
     # 2 prompts x 12 tokens: 1 prefill step + 11 decode steps, all with 2 rows.
     engine.generate([PROMPT_A, PROMPT_B], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
