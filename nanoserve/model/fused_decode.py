@@ -55,7 +55,7 @@ MATMULS = ("qkv", "o", "gate_up", "down")
 DENSE_F32, DENSE_BF16 = -1, -2
 # A dense model's decode steps run in one call up to this many rows, by its dtype; wider ones take
 # oneDNN's packed linears. Measured (notes/fused_decode.md): in float32 the one call was faster at
-# every width tried (1-32 rows); in bf16 only up to 2 rows, past which oneDNN's bf16 (AMX) wins.
+# every width tried (1-16 rows); in bf16 only up to 2 rows, past which oneDNN's bf16 (AMX) wins.
 DENSE_ONE_CALL_ROWS = {torch.float32: 2**31, torch.bfloat16: 2}
 
 
