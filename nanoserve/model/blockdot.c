@@ -173,6 +173,19 @@ static inline int64_t block_bytes(int planes) { return (int64_t)sizeof(struct pa
 
 int blockdot_simd(void) { return SIMD; }
 
+/* Block (p, b) of panels w with bb bytes a block: its head, and plane `plane`'s octet o. */
+static inline const struct panel_head *head_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, int64_t bb) {
+  return (const struct panel_head *)(w + (p * B + b) * bb);
+}
+static inline const uint32_t *octet_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, int64_t bb, int plane, int o) {
+  return (const uint32_t *)(w + (p * B + b) * bb + sizeof(struct panel_head)) + (plane * 4 + o) * P;
+}
+/* AHEAD blocks past block b of each of panels p0 .. p0 + NP - 1, on their way to L2 */
+static inline void prefetch_ahead(const uint8_t *w, int64_t p0, int NP, int64_t B, int64_t b, int64_t bb) {
+  for (int p = 0; p < NP; p++)
+    for (int64_t l = 0; l < bb; l += 64) prefetch(w + ((p0 + p) * B + b + AHEAD) * bb + l);
+}
+
 
 /* NP consecutive panels (16 NP output rows) against MR rows of x: acc[p * MR + r]. NP, MR are
    constants once inlined, so the sums stay in registers (NP * MR <= 8). */
@@ -183,13 +196,11 @@ INLINE void tile(const struct xin *in, int64_t K, const uint8_t *w, int64_t B, i
   for (int64_t b = 0; b < B; b++) {
     vf g[8];
     for (int a = 0; a < NP * MR; a++) g[a] = vzero();
-    for (int p = 0; p < NP; p++)
-      for (int64_t l = 0; l < bb; l += 64) prefetch(w + ((p0 + p) * B + b + AHEAD) * bb + l);
+    prefetch_ahead(w, p0, NP, B, b, bb);
     for (int plane = 0; plane < planes; plane++) {
       for (int o = 0; o < 4; o++) {
         vi codes[4];
-        for (int p = 0; p < NP; p++)
-          codes[p] = viload((const uint32_t *)(w + ((p0 + p) * B + b) * bb + sizeof(struct panel_head)) + (plane * 4 + o) * P);
+        for (int p = 0; p < NP; p++) codes[p] = viload(octet_at(w, p0 + p, B, b, bb, plane, o));
         const int64_t k = b * G + o * 8;
         for (int i = 0; i < 8; i++)
           for (int p = 0; p < NP; p++) {
@@ -199,7 +210,7 @@ INLINE void tile(const struct xin *in, int64_t K, const uint8_t *w, int64_t B, i
       }
     }
     for (int p = 0; p < NP; p++) {
-      const struct panel_head *h = (const struct panel_head *)(w + ((p0 + p) * B + b) * bb);
+      const struct panel_head *h = head_at(w, p0 + p, B, b, bb);
       const vf d = vhalf(h->d), m = vhalf(h->m);
       for (int r = 0; r < MR; r++)
         acc[p * MR + r] = vfma(m, vset1(in->xsum[(r0 + r) * B + b]), vfma(d, g[p * MR + r], acc[p * MR + r]));
@@ -213,26 +224,24 @@ INLINE void tile(const struct xin *in, int64_t K, const uint8_t *w, int64_t B, i
    times. Against the float path: a quarter of the multiply instructions a code; x's rounding, at
    most amax / 65534 within its block, is over a hundred times finer than bf16's (notes/blockdot.md). */
 INLINE void tile16(const struct xin *in, const uint8_t *w, int64_t B, int planes, int64_t p0, int64_t r0,
-                  const int NP, const int MR, vf acc[8]) {
+                   const int NP, const int MR, vf acc[8]) {
   const int64_t bb = block_bytes(planes);
   for (int a = 0; a < NP * MR; a++) acc[a] = vzero();
   for (int64_t b = 0; b < B; b++) {
     vi g[8];
     for (int a = 0; a < NP * MR; a++) g[a] = vizero();
-    for (int p = 0; p < NP; p++)
-      for (int64_t l = 0; l < bb; l += 64) prefetch(w + ((p0 + p) * B + b + AHEAD) * bb + l);
+    prefetch_ahead(w, p0, NP, B, b, bb);
     for (int plane = 0; plane < planes; plane++)
       for (int o = 0; o < 4; o++)
         for (int p = 0; p < NP; p++) {
-          const vi codes = viload((const uint32_t *)(w + ((p0 + p) * B + b) * bb + sizeof(struct panel_head)) +
-                                  (plane * 4 + o) * P);
+          const vi codes = viload(octet_at(w, p0 + p, B, b, bb, plane, o));
           for (int j = 0; j < 4; j++) {
             const vi pair = vpair(codes, j, plane);
             for (int r = 0; r < MR; r++) g[p * MR + r] = vdot(g[p * MR + r], pair, in->xq[((r0 + r) * B + b) * 16 + 4 * o + j]);
           }
         }
     for (int p = 0; p < NP; p++) {
-      const struct panel_head *h = (const struct panel_head *)(w + ((p0 + p) * B + b) * bb);
+      const struct panel_head *h = head_at(w, p0 + p, B, b, bb);
       const vf d = vhalf(h->d), m = vhalf(h->m);
       for (int r = 0; r < MR; r++) {
         const int64_t rb = (r0 + r) * B + b;
