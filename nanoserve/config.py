@@ -54,7 +54,8 @@ class EngineConfig:
     blockdot_int16_rows: int | None = 1
     # Decode-only steps run their glue in C (nanoserve/model/fused_decode.c) for Llama, Mistral and
     # Qwen2/3 layers: every layer in one call up to max_kernel_rows rows where the quantized linears
-    # are on blockdot, three calls a layer between torch's linears otherwise. False keeps them on
+    # are on blockdot (a dense model's too, float32 at every width, bf16 up to 2 rows, from plain copies
+    # of its packed matrices), three calls a layer between torch's linears otherwise. False keeps them on
     # llama.py's decoder_layer (to compare, or to profile per operation). Tensor-parallel ranks keep it.
     fused_decode: bool = True
     device: str = "cpu"

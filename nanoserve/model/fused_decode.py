@@ -1,18 +1,21 @@
 """A decode step's layers with the glue in C (fused_decode.c): all of it in one call where every
-matmul runs on blockdot, or a few calls a layer between torch's linears elsewhere.
+matmul runs in C (blockdot's panels, or dense rows), or a few calls a layer between torch's linears
+elsewhere.
 
 At one sequence the default model's linears take 8-10 ms a step back to back, but 15 ms when each
 follows ~25 small torch operations of glue (notes/blockdot.md: a call after a gap runs slower).
 For a step whose every row is one decoding sequence:
 
-- narrow steps (at most max_rows rows; every matmul of every layer on blockdot's panels): the whole
-  stack of decoder layers in one C call, inside one OpenMP parallel region, activations in float32
-  (fused_decode.c's fused_decode);
-- wider steps, or weights in other forms (dense, or quantized past max_kernel_rows, where the dense
-  copies are faster): torch's linears as in decoder_layer, and between them three C calls a layer
-  in place of ~25 torch operations: rope, the K/V write and attention (fused_attention), the
-  residual add with the next norm (fused_add_norm), and the gate (fused_silu_mul), in the linears'
-  dtype at their edges and float32 inside.
+- narrow steps (at most max_rows rows; every matmul of every layer on blockdot's panels, or dense
+  float32 or bf16, read as plain rows: a oneDNN-packed matrix through a plain copy made once): the
+  whole stack of decoder layers in one C call, inside one OpenMP parallel region, activations in
+  float32 (fused_decode.c's fused_decode);
+- wider steps (quantized past max_kernel_rows, where the dense copies are faster; bf16 dense past
+  DENSE_ONE_CALL_ROWS), or weights in other forms (torch's quantized kernels): torch's linears as in
+  decoder_layer, and between them three C calls a layer in place of ~25 torch operations: rope,
+  the K/V write and attention (fused_attention), the residual add with the next norm
+  (fused_add_norm), and the gate (fused_silu_mul), in the linears' dtype at their edges and float32
+  inside.
 
 Either way the embedding, the final norm and the head stay in llama.py's forward, and so does
 every step with a prompt or chunk in it. It applies to the Llama family's switches that SmolLM,
@@ -217,7 +220,7 @@ def fused_decode(model: LlamaModel) -> FusedDecode | None:
     c_shape = _Shape(config.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
                      config.intermediate_size, 0, int(model.dtype == torch.bfloat16), 0, shape.eps, scale)
     cos, sin = rope_table(config, model.cos.shape[0], torch.float32, model.device)
-    max_rows, forms = 0, []
+    max_rows, forms, copy_bytes = 0, [], 0
     if why_not_in_one_call(model) is None:
         weights = [getattr(layer, name) for layer in model.layers for name in MATMULS]
         panels = [p for p in map(_panels, weights) if p is not None]
@@ -228,11 +231,10 @@ def fused_decode(model: LlamaModel) -> FusedDecode | None:
                        + [2**31])
         c_shape.int16_rows = panels[0].int16_rows if panels else 0  # the panels' int16 path, from as many rows
         forms = [[_one_call_form(getattr(layer, name)) for name in MATMULS] for layer in model.layers]
+        copy_bytes = sum(t.nbytes for w, (t, _) in zip(weights, (f for fs in forms for f in fs), strict=True)
+                         if isinstance(w, torch.Tensor) and w.is_mkldnn)
     switches = [tuple(None if t is None else t.float().contiguous() for t in (layer.qkv_bias, layer.q_norm, layer.k_norm))
                 for layer in model.layers]
     windows = [config.sliding_window if i in model.sliding_layers else 0 for i in range(config.num_layers)]
-    packed = [getattr(layer, name) for layer in model.layers for name in MATMULS]
-    copy_bytes = sum(t.nbytes for (t, _), w in zip((f for fs in forms for f in fs), packed, strict=False)
-                     if isinstance(w, torch.Tensor) and w.is_mkldnn)
     return FusedDecode(model.layers, c_shape, cos, sin, model.dtype, max_rows, blockdot.library(), switches, windows,
                        forms, copy_bytes)

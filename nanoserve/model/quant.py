@@ -230,7 +230,7 @@ def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pac
                  kernels: str = "torch", int16_rows: int | None = None) -> QuantLinear:
     """The kernel form of a stored quantized matrix, with a dense copy for more than
     max_kernel_rows rows (None: no copy, the kernels take every row count). kernels "blockdot" runs
-    the matrices blockdot supports on it (the rest, and "torch", on torch's kernels), on its int8
+    the matrices blockdot supports on it (the rest, and "torch", on torch's kernels), on its int16
     path from int16_rows rows (None: never)."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r} is not one of {KERNELS}")
