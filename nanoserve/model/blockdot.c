@@ -1,5 +1,5 @@
 /* blockdot.c: y = x @ w^T for a few rows of x, w in blocks of 32 weights with fp16 scales (GGUF's
- * Q4_0, Q4_1 and Q8_0), the codes and scales exact and the arithmetic float32.
+ * Q4_0, Q4_1 and Q8_0), the codes and scales exact, x in float32 or rounded to int16 per block.
  *
  * Built at first use by nanoserve/model/blockdot.py (cc -O3 -march=native -fopenmp) and used in place
  * of torch's kernels only where a start-up probe measures it faster. Why it exists: torch's one-row
