@@ -10,9 +10,10 @@
  * Here the glue is a few microseconds of C between the matmuls and the threads never leave.
  *
  * The arithmetic is llama.py's decoder_layer, with the activations in float32 throughout (the
- * matmuls read the blocks' codes and fp16 scales exactly, as blockdot does), and the K/V written to
+ * matmuls read the blocks' codes and fp16 scales exactly, as blockdot does, rounding x to int16 per
+ * block where the shape's int16_rows says; dense rows are read as stored), and the K/V written to
  * and read from the paged cache in its own dtype (float32 or bf16, rounded to nearest even as torch
- * rounds). Softmax is the one-pass (online) form. Per layer, for rows r of T:
+ * rounds). Softmax is two-pass, over a per-thread scratch of the scores. Per layer, for rows r of T:
  *   x = rms_norm(h) * input_norm;  q, k, v = x @ qkv^T (+ qkv_bias);  q, k heads normed (q_norm,
  *   k_norm) and rotated (rotate-half, cos/sin of r's position);  k, v written to the cache at
  *   slot_mapping[r];  a = softmax(scale q . K^T) V over r's context (positions 0 .. position[r], the
