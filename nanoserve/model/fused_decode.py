@@ -58,7 +58,10 @@ MATMULS = ("qkv", "o", "gate_up", "down")
 DENSE_F32, DENSE_BF16 = -1, -2
 # A dense model's decode steps run in one call up to this many rows, by its dtype; wider ones take
 # oneDNN's packed linears. Measured (notes/fused_decode.md): in float32 the one call was faster at
-# every width tried (1-16 rows); in bf16 only up to 2 rows, past which oneDNN's bf16 (AMX) wins.
+# every width tried (1-16 rows); in bf16 only up to 2 rows on the Xeon, past which oneDNN's bf16
+# (AMX) wins, but up to 8 on the Zen 5 (no AMX: 1.45x at 4 rows, 1.29x at 8, 0.81x at 16). A constant,
+# not probed: a one-thread probe on an in-cache matrix put the Zen 5's crossover at 2-4 rows, run to
+# run, where whole decode steps put it at 8-16.
 DENSE_ONE_CALL_ROWS = {torch.float32: 2**31, torch.bfloat16: 2}
 
 
