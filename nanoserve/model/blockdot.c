@@ -299,13 +299,25 @@ static void task(const struct xin *in, int64_t M, int64_t K, int64_t N, const ui
 
 int64_t blockdot_scratch_floats(int64_t M, int64_t K) { return M * K + 2 * M * (K / G) + M * K / 2; }
 
-void blockdot_prepare(const float *x, int64_t M, int64_t K, int planes, int q16, float *scratch, struct xin *in) {
+void blockdot_inputs(const float *x, int64_t M, int64_t K, int q16, float *scratch, struct xin *in) {
   const int64_t B = K / G;
   float *x16 = scratch, *xsum = x16 + M * K, *xd = xsum + M * B;
-  int32_t *xq = (int32_t *)(xd + M * B);
-  if (planes == 2 && !q16)
-    for (int64_t i = 0; i < M * K; i++) x16[i] = 16 * x[i];  /* exact: a power of two */
-  for (int64_t r = 0; r < M; r++)
+  in->x[0] = x;
+  in->x[1] = x16;
+  in->xsum = xsum;
+  in->xq = q16 ? (const int32_t *)(xd + M * B) : NULL;
+  in->xd = xd;
+}
+
+void blockdot_prepare_rows(const struct xin *in, int64_t K, int planes, int64_t r0, int64_t r1) {
+  const int64_t B = K / G;
+  const float *x = in->x[0];
+  /* the scratch blockdot_inputs laid out, written here a row at a time */
+  float *x16 = (float *)in->x[1], *xsum = (float *)in->xsum, *xd = (float *)in->xd;
+  int32_t *xq = (int32_t *)in->xq;
+  if (planes == 2 && !xq)
+    for (int64_t i = r0 * K; i < r1 * K; i++) x16[i] = 16 * x[i];  /* exact: a power of two */
+  for (int64_t r = r0; r < r1; r++)
     for (int64_t b = 0; b < B; b++) {
       const float *xb = x + r * K + b * G;
       float sum = 0, amax = 0;
@@ -315,7 +327,7 @@ void blockdot_prepare(const float *x, int64_t M, int64_t K, int planes, int q16,
         amax = fmaxf(amax, fabsf(xb[j]));
       }
       xsum[r * B + b] = sum;
-      if (!q16) continue;
+      if (!xq) continue;
       /* x ~ xd q, q = round(x / xd) in -32767..32767 (to nearest even: adding and taking away
          1.5 2^23 leaves the integer nearest a float below 2^22, in vector instructions) */
       const float inv = amax > 0 ? 32767 / amax : 0, magic = 12582912.0f;
@@ -327,11 +339,11 @@ void blockdot_prepare(const float *x, int64_t M, int64_t K, int planes, int q16,
       for (int o = 0; o < 4; o++)
         for (int j = 0; j < 4; j++) q[4 * o + j] = (uint16_t)t[8 * o + j] | (uint32_t)(uint16_t)t[8 * o + j + 4] << 16;
     }
-  in->x[0] = x;
-  in->x[1] = x16;
-  in->xsum = xsum;
-  in->xq = q16 ? xq : NULL;
-  in->xd = xd;
+}
+
+void blockdot_prepare(const float *x, int64_t M, int64_t K, int planes, int q16, float *scratch, struct xin *in) {
+  blockdot_inputs(x, M, K, q16, scratch, in);
+  blockdot_prepare_rows(in, K, planes, 0, M);
 }
 
 void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,

@@ -23,6 +23,11 @@ int64_t blockdot_scratch_floats(int64_t M, int64_t K);
 /* Fills `in` for x [M, K] float32 (kept, not copied) against a matrix of `planes` planes, for the
    int16 path where q16 (x rounded to int16 per block of 32), else the float path; serial. */
 void blockdot_prepare(const float *x, int64_t M, int64_t K, int planes, int q16, float *scratch, struct xin *in);
+/* The same in two halves: blockdot_inputs lays out in's pointers into scratch (no work, the same
+   for every caller: each thread of a team can hold its own copy), blockdot_prepare_rows fills them
+   for rows r0 .. r1 - 1 of x (so a team can split the rows). */
+void blockdot_inputs(const float *x, int64_t M, int64_t K, int q16, float *scratch, struct xin *in);
+void blockdot_prepare_rows(const struct xin *in, int64_t K, int planes, int64_t r0, int64_t r1);
 
 /* y [M, N] (float32, or bf16 where y_bf16) = x @ w^T for w in panels: an orphaned `omp for` over
    the panels, so it splits the work among the threads of an enclosing parallel region (and ends
