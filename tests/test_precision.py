@@ -51,13 +51,18 @@ def test_explicit_values_are_taken_without_a_probe():
     assert (chosen.dtype, chosen.quantization, chosen.probe, chosen.kernels) == ("float32", "int4", None, "torch")
 
 
-def test_auto_kernels_take_blockdot_only_where_the_probe_times_it_faster():
+def test_auto_kernels_keep_blockdot_unless_the_probe_times_torch_clearly_faster():
     # The dtype and quantization given, the probe is still asked, for the kernels alone, in that dtype.
     fast = resolve("bfloat16", "int4", CPU, False, probe=fake(0.2, 0.05, int4_ms=0.06, blockdot_ms=0.03))
     assert fast.kernels == "blockdot" and "kernels blockdot: 2.00x torch's" in fast.reason
     assert fast.probe.kernel_dtype == "bfloat16"
     slow = resolve("bfloat16", "int4", CPU, False, probe=fake(0.2, 0.05, int4_ms=0.03, blockdot_ms=0.06))
     assert slow.kernels == "torch" and "blockdot 0.50x" in slow.reason
+    # within the margin blockdot stays (its one-call decode is worth more than the probe's matmul shows)
+    near = resolve("bfloat16", "int4", CPU, False, probe=fake(0.2, 0.05, int4_ms=0.05, blockdot_ms=0.06))
+    assert near.kernels == "blockdot" and "kernels blockdot: 0.83x" in near.reason
+    past = resolve("bfloat16", "int4", CPU, False, probe=fake(0.2, 0.05, int4_ms=0.04, blockdot_ms=0.06))
+    assert past.kernels == "torch" and "blockdot 0.67x" in past.reason
     missing = resolve("bfloat16", "int4", CPU, False, probe=fake(0.2, 0.05))
     assert missing.kernels == "torch" and "not built (faked)" in missing.reason
     dense = resolve("bfloat16", None, CPU, False, probe=fake(0.2, 0.05, blockdot_ms=0.01))

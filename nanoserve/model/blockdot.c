@@ -2,7 +2,7 @@
  * Q4_0, Q4_1 and Q8_0), the codes and scales exact, x in float32 or rounded to int16 per block.
  *
  * Built at first use by nanoserve/model/blockdot.py (cc -O3 -march=native -fopenmp) and used in place
- * of torch's kernels only where a start-up probe measures it faster. Why it exists: torch's one-row
+ * of torch's kernels unless a start-up probe measures theirs clearly faster. Why it exists: torch's one-row
  * int4 kernel rounds a GGUF file's fp16 scales to bf16 (8 of their 11 bits), its int8 Q8_0 head needs
  * two int4 passes, and on a CPU without AVX-512 bf16 it has no fast path at all.
  *

@@ -22,6 +22,12 @@ from nanoserve.model import blockdot
 from nanoserve.model.quant import KERNELS, int4_pass, quantize_int4
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# kernels="auto" keeps blockdot unless torch's int4 kernel times this much faster at one row: blockdot
+# also runs a decode step's layers in one C call (fused_decode), which torch's kernels cannot, and
+# that was worth 1.33x at one slot on a Zen 5 (181.6 against 136.9 tok/s, peerbench --kernels torch
+# blockdot) and 1.42x on a Xeon (notes/fused_decode.md), where the one-row timings alone were within
+# noise of each other on the Zen 5 (blockdot 0.84-1.49x torch's, run to run).
+BLOCKDOT_MARGIN = 1.3
 
 
 @dataclass(frozen=True)
@@ -128,8 +134,8 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
     times it faster than float32; float32 otherwise. quantization "auto": a checkpoint's own
     quantized matrices are kept in kernel form when the probe times the int4 kernel faster than
     the dense matmul at one row (where it is not, as with float32 activations on a CPU, they are
-    dequantized into dense); a dense checkpoint stays dense. kernels "auto": blockdot where the probe
-    times it faster than torch's int4 kernel at one row, torch's kernels otherwise; "blockdot" asks
+    dequantized into dense); a dense checkpoint stays dense. kernels "auto": blockdot unless the
+    probe times torch's int4 kernel BLOCKDOT_MARGIN times faster at one row, torch's kernels then; "blockdot" asks
     for it (a ValueError where it cannot be built), "torch" for torch's.
     """
     probe = probe or probe_cpu  # looked up at call time, so a test can stand in for it
@@ -178,13 +184,13 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
     elif kernels == "auto" and quantization is not None and device.type == "cpu":
         if figures is None or figures.kernel_dtype != dtype:
             figures = probe(kernel_dtype=dtype)
-        if figures.blockdot_ms is not None and figures.blockdot_ms < figures.int4_ms:
+        if figures.blockdot_ms is not None and figures.blockdot_ms < figures.int4_ms * BLOCKDOT_MARGIN:
             chosen = "blockdot"
             reasons.append(f"kernels blockdot: {figures.int4_ms / figures.blockdot_ms:.2f}x torch's int4 kernel's "
-                           "speed at one row")
+                           f"speed at one row (kept above 1/{BLOCKDOT_MARGIN}x: it also runs the one-call decode)")
         elif figures.blockdot_ms is not None:
             reasons.append(f"kernels torch: blockdot {figures.int4_ms / figures.blockdot_ms:.2f}x torch's int4 "
-                           "kernel's speed at one row")
+                           f"kernel's speed at one row (below 1/{BLOCKDOT_MARGIN}x)")
         else:
             reasons.append(f"kernels torch: blockdot not timed ({figures.blockdot_note or 'no figure'})")
     elif kernels not in ("auto", *KERNELS):
