@@ -140,12 +140,13 @@ def _load(path: Path) -> Library:
     lib.fused_decode.argtypes = [p, p, i64, p, i64, p, p, p, i64, p, p, i32]
     lib.fused_decode.restype = i32
     # ... and its pieces for steps whose matmuls torch runs: shape, layer, qkv, att, io_bf16, T, positions,
-    # slot_mapping, tables, nb, cos, sin, nthreads; h, add, w, x, io_bf16, T, E, eps; gu, out, io_bf16, T, I
+    # slot_mapping, tables, nb, cos, sin, nthreads; h, add, w, x, io_bf16, T, E, eps, nthreads; gu, out, io_bf16, T, I,
+    # nthreads
     lib.fused_attention.argtypes = [p, p, p, p, i32, i64, p, p, p, i64, p, p, i32]
     lib.fused_attention.restype = i32
-    lib.fused_add_norm.argtypes = [p, p, p, p, i32, i64, i64, ctypes.c_float]
+    lib.fused_add_norm.argtypes = [p, p, p, p, i32, i64, i64, ctypes.c_float, i32]
     lib.fused_add_norm.restype = None
-    lib.fused_silu_mul.argtypes = [p, p, i32, i64, i64]
+    lib.fused_silu_mul.argtypes = [p, p, i32, i64, i64, i32]
     lib.fused_silu_mul.restype = None
     return Library(lib, lib.blockdot_simd(), path)
 

@@ -304,10 +304,12 @@ int fused_attention(const struct fused_shape *s, const struct fused_layer *w, co
 }
 
 /* h [T, E] float32 += add (float32 or bf16; NULL: nothing), then x = rms_norm(h) * w in float32
-   or bf16 (w NULL: no norm, x untouched). */
-void fused_add_norm(float *h, const void *add, const float *w, void *x, int io_bf16, int64_t T, int64_t E, float eps) {
-  float normed[E];
+   or bf16 (w NULL: no norm, x untouched); the rows split over nthreads threads. */
+void fused_add_norm(float *h, const void *add, const float *w, void *x, int io_bf16, int64_t T, int64_t E, float eps,
+                    int nthreads) {
+  #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 1)
   for (int64_t r = 0; r < T; r++) {
+    float normed[E];
     float *row = h + r * E;
     if (add)
       for (int64_t i = 0; i < E; i++)
@@ -318,8 +320,10 @@ void fused_add_norm(float *h, const void *add, const float *w, void *x, int io_b
   }
 }
 
-/* gu [T, 2 I] (gate, then up) -> out [T, I] = silu(gate) up, in float32 or bf16. */
-void fused_silu_mul(const void *gu, void *out, int io_bf16, int64_t T, int64_t I) {
+/* gu [T, 2 I] (gate, then up) -> out [T, I] = silu(gate) up, in float32 or bf16; the rows split over
+   nthreads threads (at 16 rows, 24,576 expf a layer: ~150 us on one thread on the Zen 5). */
+void fused_silu_mul(const void *gu, void *out, int io_bf16, int64_t T, int64_t I, int nthreads) {
+  #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 1)
   for (int64_t r = 0; r < T; r++)
     for (int64_t i = 0; i < I; i++) {
       float gate, up;

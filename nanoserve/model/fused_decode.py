@@ -170,7 +170,7 @@ class FusedDecode:
             x = None if norm is None else torch.empty(T, shape.E, dtype=self.dtype)  # [T, E]
             lib.fused_add_norm(h.data_ptr(), None if add is None else add.contiguous().data_ptr(),
                                None if norm is None else norm.data_ptr(), None if x is None else x.data_ptr(), io_bf16,
-                               T, shape.E, shape.eps)
+                               T, shape.E, shape.eps, torch.get_num_threads())
             return x
 
         x = add_norm(None, self.layers[0].input_norm)
@@ -183,7 +183,7 @@ class FusedDecode:
             x = add_norm(linear(att, layer.o), layer.post_norm)  # [T, E]
             gate_up = linear(x, layer.gate_up).contiguous()  # [T, 2 I]
             act = torch.empty(T, shape.I, dtype=self.dtype)  # [T, I]
-            lib.fused_silu_mul(gate_up.data_ptr(), act.data_ptr(), io_bf16, T, shape.I)
+            lib.fused_silu_mul(gate_up.data_ptr(), act.data_ptr(), io_bf16, T, shape.I, torch.get_num_threads())
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
             x = add_norm(linear(act, layer.down), following)
         return h
