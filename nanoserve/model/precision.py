@@ -135,8 +135,8 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
     quantized matrices are kept in kernel form when the probe times the int4 kernel faster than
     the dense matmul at one row (where it is not, as with float32 activations on a CPU, they are
     dequantized into dense); a dense checkpoint stays dense. kernels "auto": blockdot unless the
-    probe times torch's int4 kernel BLOCKDOT_MARGIN times faster at one row, torch's kernels then; "blockdot" asks
-    for it (a ValueError where it cannot be built), "torch" for torch's.
+    probe times torch's int4 kernel BLOCKDOT_MARGIN times faster at one row, torch's kernels then;
+    "blockdot" asks for it (a ValueError where it cannot be built), "torch" for torch's.
     """
     probe = probe or probe_cpu  # looked up at call time, so a test can stand in for it
     figures: Probe | None = None
@@ -187,10 +187,11 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
         if figures.blockdot_ms is not None and figures.blockdot_ms < figures.int4_ms * BLOCKDOT_MARGIN:
             chosen = "blockdot"
             reasons.append(f"kernels blockdot: {figures.int4_ms / figures.blockdot_ms:.2f}x torch's int4 kernel's "
-                           f"speed at one row (kept above 1/{BLOCKDOT_MARGIN}x: it also runs the one-call decode)")
+                           f"speed at one row (kept unless torch's is {BLOCKDOT_MARGIN}x faster: it also runs the one-call "
+                           "decode)")
         elif figures.blockdot_ms is not None:
             reasons.append(f"kernels torch: blockdot {figures.int4_ms / figures.blockdot_ms:.2f}x torch's int4 "
-                           f"kernel's speed at one row (below 1/{BLOCKDOT_MARGIN}x)")
+                           f"kernel's speed at one row (torch's {BLOCKDOT_MARGIN}x faster or more)")
         else:
             reasons.append(f"kernels torch: blockdot not timed ({figures.blockdot_note or 'no figure'})")
     elif kernels not in ("auto", *KERNELS):
