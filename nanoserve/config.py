@@ -45,7 +45,8 @@ class EngineConfig:
     # Who runs those few-row passes on a CPU: "torch" (its weight-only kernels), "blockdot"
     # (nanoserve's own, nanoserve/model/blockdot.c, compiled at first use: GGUF's Q4_0, Q4_1 and Q8_0
     # and nanoserve's int4 with fp16 scales, read exactly), or "auto": blockdot unless the start-up
-    # probe times torch's int4 kernel 1.3x faster at one row (precision.BLOCKDOT_MARGIN). Tensor-parallel ranks use torch's.
+    # probe times torch's int4 kernel 1.3x faster at one row (precision.BLOCKDOT_MARGIN).
+    # Tensor-parallel ranks use torch's.
     kernels: str = "auto"
     # From this many rows of a step, blockdot rounds each block of 32 activations to int16 against
     # its largest value and sums in integers (AVX-512 VNNI's vpdpwssd, or vpmaddwd): 1.1-1.5x the

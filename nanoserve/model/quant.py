@@ -7,8 +7,8 @@ Two forms of a quantized matrix [N, K] (N output rows, K input columns, G = 32 p
   output channel, w = s[n] q). Both dequantize exactly to float32, the reference every test uses;
 - as run: `QuantLinear`, one or two kernel passes summed, in the activations' dtype: torch's
   kernels (below), or nanoserve's own blockdot (nanoserve.model.blockdot: one pass for Q4_0, Q4_1 and
-  Q8_0, fp16 scales exact, x in float32 or rounded to int16 per block) where the start-up probe times
-  it faster.
+  Q8_0, fp16 scales exact, x in float32 or rounded to int16 per block) unless the start-up probe
+  times torch's kernel clearly faster (precision.BLOCKDOT_MARGIN).
 
 The kernels: `_weight_int4pack_mm_for_cpu` reads 4-bit codes in groups of 32 with a scale and a
 zero per group, w = (q - 8) s + z; `_weight_int8pack_mm` reads int8 with one scale per output
