@@ -38,10 +38,11 @@ class EngineConfig:
     # 32, scale and zero; the head in int8), "auto" (a checkpoint's own quantization kept where its
     # kernel outruns the dense matmul, dense otherwise).
     quantization: str | None = "auto"
-    # A quantized linear runs torch's weight-only kernels up to this many rows and a dense copy in
-    # the dtype above it (the kernels are shaped for few rows: benchmarks/matmulbench.py --quant);
-    # None keeps no dense copy (less memory, slow prefill).
-    max_kernel_rows: int | None = 8
+    # A quantized linear runs its kernels up to this many rows and a dense copy in the dtype above
+    # it (the kernels are shaped for few rows: benchmarks/matmulbench.py --quant); None keeps no
+    # dense copy (less memory, slow prefill); "auto": 16, or 8 where the start-up probe times the
+    # dense matmul clearly faster than blockdot at 16 rows (precision.KERNEL_ROWS_MARGIN).
+    max_kernel_rows: int | str | None = "auto"
     # Who runs those few-row passes on a CPU: "torch" (its weight-only kernels), "blockdot"
     # (nanoserve's own, nanoserve/model/blockdot.c, compiled at first use: GGUF's Q4_0, Q4_1 and Q8_0
     # and nanoserve's int4 with fp16 scales, read exactly), or "auto": blockdot unless the start-up
@@ -87,8 +88,9 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r} is not one of {list(_QUANTIZATIONS)}")
         if self.kernels not in _KERNELS:
             raise ValueError(f"kernels={self.kernels!r} is not one of {list(_KERNELS)}")
-        if self.max_kernel_rows is not None and (not isinstance(self.max_kernel_rows, int) or self.max_kernel_rows < 1):
-            raise ValueError(f"max_kernel_rows={self.max_kernel_rows!r} must be None or an integer >= 1")
+        if self.max_kernel_rows not in (None, "auto") and (not isinstance(self.max_kernel_rows, int)
+                                                           or self.max_kernel_rows < 1):
+            raise ValueError(f"max_kernel_rows={self.max_kernel_rows!r} must be None, 'auto' or an integer >= 1")
         if self.blockdot_int16_rows is not None and (not isinstance(self.blockdot_int16_rows, int)
                                                     or self.blockdot_int16_rows < 1):
             raise ValueError(f"blockdot_int16_rows={self.blockdot_int16_rows!r} must be None or an integer >= 1")

@@ -73,15 +73,17 @@ class Engine:
         # The precision is chosen once (dtype and quantization "auto" by a probe) and the model laid
         # out for it: a new model, the one given is left as it was.
         self.precision = resolve(config.dtype, config.quantization, self.device, is_quantized(model),
-                                 kernels="torch" if world_size > 1 else config.kernels)
+                                 kernels="torch" if world_size > 1 else config.kernels,
+                                 max_kernel_rows=config.max_kernel_rows)
         logger.info("nanoserve: computing in %s, quantization %s (%s)%s", self.precision.dtype,
                     self.precision.quantization, self.precision.reason,
                     f"; probe {self.precision.probe.describe()}" if self.precision.probe else "")
         model = self.model = prepare_model(model, pack_weights=config.pack_weights, compile=config.compile,
                                            dtype=self.precision.torch_dtype, quantization=self.precision.quantization,
-                                           max_kernel_rows=config.max_kernel_rows, kernels=self.precision.kernels,
+                                           max_kernel_rows=self.precision.max_kernel_rows, kernels=self.precision.kernels,
                                            int16_rows=config.blockdot_int16_rows,
-                                           fuse_decode=config.fused_decode and world_size == 1)
+                                           fuse_decode=config.fused_decode and world_size == 1,
+                                           bf16_one_call_rows=self.precision.bf16_one_call_rows)
         num_positions = model.cos.shape[0]
         self.max_model_len = config.max_model_len or num_positions
         if self.max_model_len > num_positions:
@@ -98,7 +100,7 @@ class Engine:
         )
         self.kv = KVCache(model.config, num_blocks, config.block_size, model.dtype, self.device)
         if isinstance(model, TensorParallelModel):  # each worker lays its shard out alike, with as many blocks
-            start(model, self.precision.dtype, self.precision.quantization, config.max_kernel_rows,
+            start(model, self.precision.dtype, self.precision.quantization, self.precision.max_kernel_rows,
                   config.pack_weights, num_blocks, config.block_size)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,

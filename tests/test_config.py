@@ -37,7 +37,7 @@ def test_invalid_engine_config_is_refused_by_name(overrides, message):
     ({"kv_cache_memory_bytes": -1}, "kv_cache_memory_bytes=-1 must be >= 1"),
     ({"dtype": "fp32"}, r"dtype='fp32' is not one of \['auto', 'float32', 'bfloat16', 'float16'\]"),
     ({"quantization": "int3"}, r"quantization='int3' is not one of \['auto', 'int8', 'int4', None\]"),
-    ({"max_kernel_rows": 0}, "max_kernel_rows=0 must be None or an integer >= 1"),
+    ({"max_kernel_rows": 0}, "max_kernel_rows=0 must be None, 'auto' or an integer >= 1"),
     ({"kernels": "mkl"}, r"kernels='mkl' is not one of \['auto', 'torch', 'blockdot'\]"),
     ({"kernels": "blockdot", "tensor_parallel_size": 2}, "kernels='blockdot' with tensor_parallel_size=2"),
 ])
@@ -66,7 +66,7 @@ def test_defaults():
     assert (config.enable_chunked_prefill, config.enable_prefix_caching, config.deferred_output) == (True, True, False)
     assert (config.pack_weights, config.decode_group_min_rows, config.compile) == (True, 8, False)
     assert (config.dtype, config.device, config.seed) == ("auto", "cpu", 0)
-    assert (config.quantization, config.max_kernel_rows) == ("auto", 8)
+    assert (config.quantization, config.max_kernel_rows) == ("auto", "auto")
 
 
 def test_frozen():

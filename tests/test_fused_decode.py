@@ -19,9 +19,10 @@ import torch
 from conftest import CharTokenizer, make_hf_llama, make_hf_model, nanoserve_model_from_hf
 from test_blockdot import block_mins, int16_rounded
 from test_llama import assert_logits_match, run_and_capture
+from test_precision import fake as fake_probe
 
 from nanoserve import Engine, EngineConfig
-from nanoserve.model import blockdot
+from nanoserve.model import blockdot, precision
 from nanoserve.model.fused_decode import (
     DENSE_BF16,
     DENSE_F32,
@@ -200,7 +201,7 @@ def test_a_dense_model_runs_decode_steps_in_one_call_up_to_its_dtypes_rows(dtype
     hf = make_hf_llama(seed=15)
     engine = fused_engine(hf, dtype=dtype, quantization=None, pack_weights=pack_weights)
     fused = engine.model.fused_layers
-    limit = DENSE_ONE_CALL_ROWS[engine.model.dtype]
+    limit = engine.precision.bf16_one_call_rows if dtype == "bfloat16" else DENSE_ONE_CALL_ROWS[torch.float32]
     assert fused.max_rows == limit and why_not_in_one_call(engine.model) is None
     assert {planes for forms in fused.forms for _, planes in forms} == {DENSE_BF16 if dtype == "bfloat16" else DENSE_F32}
     packed = engine.model.packed  # oneDNN present: the one call reads plain copies, counted in memory()
@@ -219,6 +220,20 @@ def test_a_dense_model_runs_decode_steps_in_one_call_up_to_its_dtypes_rows(dtype
     assert one_call_rows == [2] * 7
     engine.check_invariants()
     assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+@needs_build
+@pytest.mark.parametrize("bf16_faster", [True, False], ids=["bf16-native", "bf16-emulated"])
+def test_a_bf16_model_takes_the_one_call_at_every_width_where_the_probe_times_bf16_slower(monkeypatch, bf16_faster):
+    # The probe faked both ways, so each side runs on every CPU: an AVX2-only one times bf16 slower.
+    monkeypatch.setattr(precision, "probe_cpu", fake_probe(0.2, 0.05 if bf16_faster else 14.0))
+    hf = make_hf_llama(seed=15)
+    engine = fused_engine(hf, dtype="bfloat16", quantization=None)
+    assert engine.model.fused_layers.max_rows == (DENSE_ONE_CALL_ROWS[torch.bfloat16] if bf16_faster else 2**31)
+    one_call_rows = count_one_call_steps(engine)
+    captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=6)  # four rows a step
+    assert assert_logits_match(hf, captured, outputs, atol=0.03) == len(PROMPTS) * 6
+    assert one_call_rows == ([] if bf16_faster else [4] * 5)
 
 
 # Each family switch the fused decode runs, at tiny shapes whose matmuls quantize to int4 (K a multiple of 32).

@@ -15,11 +15,11 @@ from nanoserve.model.precision import Probe, probe_cpu, resolve
 CPU = torch.device("cpu")
 
 
-def fake(float32_ms, bfloat16_ms, int4_ms=1.0, dense_ms=2.0, blockdot_ms=None):
+def fake(float32_ms, bfloat16_ms, int4_ms=1.0, dense_ms=2.0, blockdot_ms=None, wide_ms=(None, None)):
     def probe(kernel_dtype=None):
         chosen = kernel_dtype or ("bfloat16" if bfloat16_ms < float32_ms else "float32")
         return Probe(float32_ms, bfloat16_ms, int4_ms, dense_ms, chosen, (16, 512, 1024), blockdot_ms,
-                     "" if blockdot_ms else "not built (faked)")
+                     "" if blockdot_ms else "not built (faked)", *wide_ms)
     return probe
 
 
@@ -73,6 +73,33 @@ def test_auto_kernels_keep_blockdot_unless_the_probe_times_torch_clearly_faster(
     # torch's kernel alone loses to the dense matmul (an AVX2 CPU: float32 activations)
     kept = resolve("auto", "auto", CPU, True, probe=fake(0.2, 14.0, int4_ms=0.45, dense_ms=0.02, blockdot_ms=0.01))
     assert (kept.dtype, kept.quantization, kept.kernels) == ("float32", "keep", "blockdot")
+
+
+def test_auto_kernel_rows_follow_the_probes_wide_timing():
+    # blockdot faster than dense at the probe's 16 rows (an AVX2 Zen 3): the kernels up to 16 rows
+    wide = resolve("auto", "auto", CPU, True, probe=fake(0.2, 14.0, dense_ms=0.02, blockdot_ms=0.01, wide_ms=(0.3, 0.4)))
+    assert wide.max_kernel_rows == 16 and "kernels up to 16 rows: blockdot 1.33x" in wide.reason
+    narrow = resolve("auto", "auto", CPU, True, probe=fake(0.16, 0.05, int4_ms=0.02, dense_ms=0.05, blockdot_ms=0.01,
+                                                       wide_ms=(0.4, 0.1)))
+    assert narrow.max_kernel_rows == precision.DEFAULT_KERNEL_ROWS == 8 and "kernels up to 8 rows: blockdot 0.25x" in narrow.reason
+    # within the margin (the probe's matrix is in cache, where dense's larger reads cost nothing)
+    near = resolve("auto", "auto", CPU, True, probe=fake(0.2, 14.0, dense_ms=0.02, blockdot_ms=0.01, wide_ms=(0.6, 0.5)))
+    assert near.max_kernel_rows == 16
+    past = resolve("auto", "auto", CPU, True, probe=fake(0.2, 14.0, dense_ms=0.02, blockdot_ms=0.01, wide_ms=(0.65, 0.5)))
+    assert past.max_kernel_rows == 8
+    given = resolve("auto", "auto", CPU, True, probe=fake(0.2, 14.0, dense_ms=0.02, blockdot_ms=0.01, wide_ms=(0.3, 0.4)),
+                    max_kernel_rows=4)
+    assert given.max_kernel_rows == 4
+    torch_kernels = resolve("bfloat16", "int4", CPU, False, probe=fake(0.2, 0.05, blockdot_ms=0.01, wide_ms=(0.3, 0.4)),
+                            kernels="torch")
+    assert torch_kernels.max_kernel_rows == 8  # the probe's wide timing is blockdot's
+
+
+def test_bf16_decode_steps_run_in_one_call_at_every_width_where_bf16_is_slower():
+    emulated = resolve("bfloat16", None, CPU, False, probe=fake(0.2, 14.0))
+    assert emulated.bf16_one_call_rows == 2**31 and "one call at every width: bfloat16 0.01x" in emulated.reason
+    native = resolve("bfloat16", None, CPU, False, probe=fake(0.2, 0.05))
+    assert native.bf16_one_call_rows == 2 and "one call" not in native.reason
 
 
 def test_quantization_off_the_cpu_is_refused_by_name():

@@ -284,6 +284,9 @@ static void task(const struct xin *in, int64_t M, int64_t K, int64_t N, const ui
   for (int64_t r0 = 0; r0 < M;) {
     const int64_t left = M - r0;
     int MR = 1;
+#if SIMD == 256
+    if (NP == 1 && left >= 4) { r0 += 4; tile_out(in, K, N, w, planes, p0, r0 - 4, 1, 4, y, y_bf16); continue; }
+#endif
     if (NP == 4 && left >= 2) { MR = 2; tile_out(in, K, N, w, planes, p0, r0, 4, 2, y, y_bf16); }
     else if (NP == 4) tile_out(in, K, N, w, planes, p0, r0, 4, 1, y, y_bf16);
     else if (NP == 2 && left >= 4) { MR = 4; tile_out(in, K, N, w, planes, p0, r0, 2, 4, y, y_bf16); }
@@ -351,7 +354,7 @@ void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const
   const int64_t panels = (N + P - 1) / P;
   /* A task is NP panels (16 NP output rows) against every row of x, in tiles of NP panels by MR
      rows with NP * MR <= 8: four panels for one or two rows of x, fewer as the rows grow. */
-  const int NP = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  const int NP = SIMD == 256 ? (M <= 1 ? 4 : M <= 2 ? 2 : 1) : M <= 2 ? 4 : M <= 4 ? 2 : 1;
   const int64_t tasks = (panels + NP - 1) / NP;
   #pragma omp for schedule(static)
   for (int64_t t = 0; t < tasks; t++) {

@@ -61,7 +61,8 @@ DENSE_F32, DENSE_BF16 = -1, -2
 # every width tried (1-16 rows); in bf16 only up to 2 rows on the Xeon, past which oneDNN's bf16
 # (AMX) wins, but up to 8 on the Zen 5 (no AMX: 1.45x at 4 rows, 1.29x at 8, 0.81x at 16). A constant,
 # not probed: a one-thread probe on an in-cache matrix put the Zen 5's crossover at 2-4 rows, run to
-# run, where whole decode steps put it at 8-16.
+# run, where whole decode steps put it at 8-16. Where the start-up probe times bf16 slower than
+# float32 (an AVX2-only CPU: oneDNN emulates bf16), every width (Precision.bf16_one_call_rows).
 DENSE_ONE_CALL_ROWS = {torch.float32: 2**31, torch.bfloat16: 2}
 
 
@@ -214,8 +215,9 @@ def _row_tables(inputs: ModelInputs, T: int) -> torch.Tensor:
     return tables
 
 
-def fused_decode(model: LlamaModel) -> FusedDecode | None:
-    """The fused decode of a laid-out model, or None where why_not(model) says it cannot run."""
+def fused_decode(model: LlamaModel, bf16_one_call_rows: int | None = None) -> FusedDecode | None:
+    """The fused decode of a laid-out model, or None where why_not(model) says it cannot run.
+    bf16_one_call_rows: in place of DENSE_ONE_CALL_ROWS[torch.bfloat16]."""
     if why_not(model) is not None:
         return None
     config, shape = model.config, model.shape
@@ -229,7 +231,8 @@ def fused_decode(model: LlamaModel) -> FusedDecode | None:
         panels = [p for p in map(_panels, weights) if p is not None]
         # past max_kernel_rows the quantized linears' dense copies are faster; past DENSE_ONE_CALL_ROWS
         # oneDNN's packed dense linears
-        max_rows = min([DENSE_ONE_CALL_ROWS[model.dtype]] * (len(panels) < len(weights))
+        dense_rows = DENSE_ONE_CALL_ROWS | ({torch.bfloat16: bf16_one_call_rows} if bf16_one_call_rows else {})
+        max_rows = min([dense_rows[model.dtype]] * (len(panels) < len(weights))
                        + [w.max_kernel_rows for w in weights if isinstance(w, QuantLinear) and w.dense is not None]
                        + [2**31])
         c_shape.int16_rows = panels[0].int16_rows if panels else 0  # the panels' int16 path, from as many rows

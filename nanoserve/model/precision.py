@@ -28,6 +28,15 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # blockdot) and 1.42x on a Xeon (notes/fused_decode.md), where the one-row timings alone were within
 # noise of each other on the Zen 5 (blockdot 0.84-1.49x torch's, run to run).
 BLOCKDOT_MARGIN = 1.3
+# max_kernel_rows="auto": the kernels up to this many rows, or up to the probe's row count (16) unless
+# it times the dense matmul KERNEL_ROWS_MARGIN times faster than blockdot's int16 path there. 8 is the
+# Xeon's crossover (AMX's bf16 dense linears). The margin: the probe's matrix sits in cache, where
+# dense reads its 7x more bytes for free. On an AVX2 Zen 3 the probe put blockdot at 0.92-1.04x
+# dense's speed at 16 rows, run to run, where over the model's 30 streamed layers it took 0.72x
+# dense float32's time (benchmarks/matmulbench.py --quant --activations float32) and the engine
+# decoded 16 slots 1.4x faster in one call (202.4 against 145.0 tok/s, three alternating rounds).
+DEFAULT_KERNEL_ROWS = 8
+KERNEL_ROWS_MARGIN = 1.25
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,9 @@ class Probe:
     shape: tuple[int, int, int]  # (rows, K, N) of the matmul pair
     blockdot_ms: float | None = None  # blockdot on the same int4 matrix at one row; None: unavailable
     blockdot_note: str = ""  # why blockdot_ms is None
+    # blockdot (int16 path) and the dense matmul at `rows` rows, in kernel_dtype; None: blockdot unavailable
+    blockdot_wide_ms: float | None = None
+    dense_wide_ms: float | None = None
 
     @property
     def quantized_ms(self) -> float:
@@ -51,9 +63,11 @@ class Probe:
     def describe(self) -> str:
         rows, K, N = self.shape
         blockdot_text = f"{self.blockdot_ms:.3f} ms" if self.blockdot_ms is not None else self.blockdot_note
+        wide = (f"; {rows} rows: blockdot {self.blockdot_wide_ms:.3f} ms, dense {self.dense_wide_ms:.3f} ms"
+                if self.blockdot_wide_ms is not None else "")
         return (f"[{rows}x{K}]@[{K}x{N}]: float32 {self.float32_ms:.3f} ms, bfloat16 {self.bfloat16_ms:.3f} ms; "
                 f"one row in {self.kernel_dtype}: int4 kernel {self.int4_ms:.3f} ms, blockdot {blockdot_text}, "
-                f"dense {self.dense_ms:.3f} ms")
+                f"dense {self.dense_ms:.3f} ms{wide}")
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,10 @@ class Precision:
     reason: str
     probe: Probe | None = None
     kernels: str = "torch"  # who runs quantized linears at few rows: "torch" or "blockdot"
+    max_kernel_rows: int | None = DEFAULT_KERNEL_ROWS  # quantized kernels up to this many rows, dense copies above
+    # A dense bf16 model's decode steps in one C call up to this many rows (fused_decode.c widens bf16
+    # to float32), oneDNN's bf16 linears above; every width where the probe times bf16 below float32.
+    bf16_one_call_rows: int = 2
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -123,11 +141,17 @@ def _probe(kernel_dtype: str | None, rows: int, K: int, N: int) -> Probe:
         else:
             packed = blockdot.pack(stored)
             blockdot_ms, _ = _best_ms(lambda: packed(one), lambda: kernel(one))
+            wide, wide_dense = blockdot.pack(stored, int16_rows=1), w.to(dtype)
+            xs = x.to(dtype)
+            blockdot_wide_ms, dense_wide_ms = _best_ms(lambda: wide(xs), lambda: torch.nn.functional.linear(xs, wide_dense))
+            return Probe(fp32, bf16, int4, dense_ms, str(dtype).removeprefix("torch."), (rows, K, N), blockdot_ms, note,
+                         blockdot_wide_ms, dense_wide_ms)
     return Probe(fp32, bf16, int4, dense_ms, str(dtype).removeprefix("torch."), (rows, K, N), blockdot_ms, note)
 
 
 def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoint_quantized: bool,
-            probe: Callable[..., Probe] | None = None, kernels: str = "auto") -> Precision:
+            probe: Callable[..., Probe] | None = None, kernels: str = "auto",
+            max_kernel_rows: int | str | None = "auto") -> Precision:
     """Turns the config's "auto" values into a Precision.
 
     dtype "auto": bfloat16 on a CUDA device that supports it; on a CPU, bfloat16 when the probe
@@ -137,6 +161,9 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
     dequantized into dense); a dense checkpoint stays dense. kernels "auto": blockdot unless the
     probe times torch's int4 kernel BLOCKDOT_MARGIN times faster at one row, torch's kernels then;
     "blockdot" asks for it (a ValueError where it cannot be built), "torch" for torch's.
+    max_kernel_rows "auto": the probe's row count unless it times the dense matmul KERNEL_ROWS_MARGIN
+    times faster than blockdot's int16 path there, DEFAULT_KERNEL_ROWS then. A bf16 engine on a CPU whose probe times
+    bf16 slower than float32 runs its dense decode steps in one call at every width.
     """
     probe = probe or probe_cpu  # looked up at call time, so a test can stand in for it
     figures: Probe | None = None
@@ -196,4 +223,22 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
             reasons.append(f"kernels torch: blockdot not timed ({figures.blockdot_note or 'no figure'})")
     elif kernels not in ("auto", *KERNELS):
         raise ValueError(f"kernels={kernels!r} is not one of {['auto', *KERNELS]}")
-    return Precision(dtype, quantization, "; ".join(reasons), figures, chosen)
+    if max_kernel_rows == "auto":
+        max_kernel_rows = DEFAULT_KERNEL_ROWS
+        if chosen == "blockdot" and quantization is not None and device.type == "cpu":
+            if figures is None or figures.kernel_dtype != dtype:
+                figures = probe(kernel_dtype=dtype)
+            if figures.blockdot_wide_ms is not None and figures.blockdot_wide_ms < figures.dense_wide_ms * KERNEL_ROWS_MARGIN:
+                max_kernel_rows = figures.shape[0]
+            if figures.blockdot_wide_ms is not None:
+                reasons.append(f"kernels up to {max_kernel_rows} rows: blockdot {figures.dense_wide_ms / figures.blockdot_wide_ms:.2f}x "
+                               f"the dense matmul's speed at {figures.shape[0]} rows")
+    bf16_one_call_rows = 2
+    if dtype == "bfloat16" and device.type == "cpu":
+        if figures is None:
+            figures = probe()
+        if figures.bfloat16_ms > figures.float32_ms:
+            bf16_one_call_rows = 2**31
+            reasons.append(f"bf16 decode steps in one call at every width: bfloat16 {figures.float32_ms / figures.bfloat16_ms:.2f}x "
+                           "float32's speed")
+    return Precision(dtype, quantization, "; ".join(reasons), figures, chosen, max_kernel_rows, bf16_one_call_rows)

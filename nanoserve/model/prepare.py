@@ -146,10 +146,12 @@ def is_quantized(model: LlamaModel) -> bool:
 
 def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype: torch.dtype | None = None,
                   quantization: str | None = None, max_kernel_rows: int | None = None,
-                  kernels: str = "torch", int16_rows: int | None = None, fuse_decode: bool = False) -> LlamaModel:
+                  kernels: str = "torch", int16_rows: int | None = None, fuse_decode: bool = False,
+                  bf16_one_call_rows: int | None = None) -> LlamaModel:
     """The model an engine runs: laid out in `dtype` (default: the model's own) with the weights'
     quantization, then compiled, or `model` itself when nothing changes. fuse_decode: decode steps
-    run their glue in C where the family allows it (nanoserve.model.fused_decode)."""
+    run their glue in C where the family allows it (nanoserve.model.fused_decode; bf16_one_call_rows:
+    a bf16 model's one-call width, None for its default)."""
     dtype = dtype or model.dtype
     # A checkpoint's matrices as stored always need a form (kernels, or dense when quantization is None).
     needs_layout = dtype != model.dtype or quantization is not None or is_quantized(model)
@@ -161,7 +163,7 @@ def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype
         prepared = packed(model) if pack_weights else model
     else:
         prepared = laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights, kernels, int16_rows))
-    fused = fused_decode(prepared) if fuse_decode else None  # None where why_not(prepared) says it cannot run
+    fused = fused_decode(prepared, bf16_one_call_rows) if fuse_decode else None  # None where why_not(prepared) says it cannot run
     if fused is not None or prepared.fused_layers is not None:  # a given model's own is not this engine's
         prepared = copy.copy(prepared) if prepared is model else prepared
         prepared.fused_layers = fused
