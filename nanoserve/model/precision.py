@@ -162,8 +162,8 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
     probe times torch's int4 kernel BLOCKDOT_MARGIN times faster at one row, torch's kernels then;
     "blockdot" asks for it (a ValueError where it cannot be built), "torch" for torch's.
     max_kernel_rows "auto": the probe's row count unless it times the dense matmul KERNEL_ROWS_MARGIN
-    times faster than blockdot's int16 path there, DEFAULT_KERNEL_ROWS then. A bf16 engine on a CPU whose probe times
-    bf16 slower than float32 runs its dense decode steps in one call at every width.
+    times faster than blockdot's int16 path there, DEFAULT_KERNEL_ROWS then. A bf16 engine on a CPU
+    whose probe times bf16 slower than float32 runs its dense decode steps in one call at every width.
     """
     probe = probe or probe_cpu  # looked up at call time, so a test can stand in for it
     figures: Probe | None = None
