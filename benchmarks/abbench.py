@@ -7,11 +7,16 @@ the change off (A) and on (B), alternating A B A B ... in one process, and repor
     python benchmarks/abbench.py --change packed     # matmul weights packed for oneDNN against plain F.linear
     python benchmarks/abbench.py --change fused      # the decode glue in C (fused_decode) against decoder_layer
     python benchmarks/abbench.py --change int16      # blockdot's int16 path against its float32 path
+    python benchmarks/abbench.py --change dequantize # wide steps on panels dequantized per call against dense copies
+
+--phase prefill times the steps that prefill the prompts (each slot's whole prompt, several
+prompts a step) in place of the decode steps that follow.
 
 Every change but fused and int16 runs the default model in float32, dense; fused runs it at the
 default precision (the GGUF's blocks on the kernels the probe picks, and their dense copies), both
 engines over the same laid-out weights; int16 too, each engine laying the file's blocks out itself
-(EngineConfig.blockdot_int16_rows 1 against None).
+(EngineConfig.blockdot_int16_rows 1 against None); dequantize the same way (EngineConfig.dense_copies
+False against True).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.instruments.csv_writer import write_csv
 from nanoserve.model.weights import load_checkpoint
 
-CHANGES = ("groups", "deferred", "compile", "packed", "fused", "int16")
+CHANGES = ("groups", "deferred", "compile", "packed", "fused", "int16", "dequantize")
 
 
 def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
@@ -43,10 +48,11 @@ def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
         return Engine(base.model, base.tokenizer, EngineConfig(
             dtype=base.precision.dtype, quantization=None, max_num_seqs=slots, max_model_len=2048,
             max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, fused_decode=on))
-    if change == "int16":
+    if change in ("int16", "dequantize"):
+        setting = {"blockdot_int16_rows": 1 if on else None} if change == "int16" else {"dense_copies": not on}
         return Engine(base.model, base.tokenizer, EngineConfig(
             max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30,
-            enable_prefix_caching=False, blockdot_int16_rows=1 if on else None))
+            enable_prefix_caching=False, **setting))
     packed = {"packed": on, "compile": not on}.get(change, True)
     config = EngineConfig(dtype="float32", quantization=None, max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192,
                           kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, pack_weights=packed,
@@ -56,15 +62,20 @@ def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
     return Engine(base.model, base.tokenizer, config)
 
 
-def decode_step_times(engine: Engine, prompts: list[list[int]], steps: int) -> list[float]:
-    """Admits every prompt, finishes the prefills, then times `steps` decode steps."""
+def step_times(engine: Engine, prompts: list[list[int]], steps: int, phase: str = "decode") -> list[float]:
+    """Admits every prompt and times the steps that prefill them (phase "prefill"), or finishes the
+    prefills and times `steps` decode steps."""
     for p in prompts:
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
-    engine.step()
     times = []
-    for _ in range(steps):
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    if phase == "decode":
+        times = []
+        engine.step()
+    for _ in range(steps if phase == "decode" else 0):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
@@ -82,12 +93,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=[32, 512])
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.change == "fused":
         base = Engine.from_pretrained(args.model, EngineConfig(max_model_len=2048, fused_decode=False))
-    elif args.change == "int16":  # the checkpoint as loaded: each engine lays it out
+    elif args.change in ("int16", "dequantize"):  # the checkpoint as loaded: each engine lays it out
         model, tokenizer = load_checkpoint(args.model, "cpu", max_positions=2048)
         base = SimpleNamespace(model=model, tokenizer=tokenizer)
     else:
@@ -96,7 +108,7 @@ def main() -> None:
     rng = random.Random(0)
     vocab = base.model.config.vocab_size
     rows = []
-    print(f"abbench --change {args.change}: decode steps, ragged prompts {args.prompt_range}, "
+    print(f"abbench --change {args.change}: {args.phase} steps, ragged prompts {args.prompt_range}, "
           f"{args.rounds} rounds of A B, {args.steps} steps each, median per step")
     print(f"{'slots':>5}{'A (off) ms':>12}{'B (on) ms':>11}{'B / A':>8}{'warm-up B s':>13}")
     for slots in args.slots:
@@ -106,12 +118,12 @@ def main() -> None:
         samples: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(args.rounds):
             for on in (False, True):
-                samples[on] += decode_step_times(engines[on], prompts, args.steps)
+                samples[on] += step_times(engines[on], prompts, args.steps, args.phase)
         a, b = statistics.median(samples[False]), statistics.median(samples[True])
-        rows.append({"change": args.change, "slots": slots, "a_step_ms": a * 1e3, "b_step_ms": b * 1e3,
+        rows.append({"change": args.change, "phase": args.phase, "slots": slots, "a_step_ms": a * 1e3, "b_step_ms": b * 1e3,
                      "b_over_a": b / a, "b_warmup_s": warmup[True]})
         print(f"{slots:>5}{a * 1e3:>12.1f}{b * 1e3:>11.1f}{b / a:>7.2f}x{warmup[True]:>13.1f}")
-    out = Path(args.out or f"runs/abbench-{args.change}.csv")
+    out = Path(args.out or f"runs/abbench-{args.change}{'-prefill' if args.phase == 'prefill' else ''}.csv")
     write_csv(out, rows)
     print(f"wrote {out}")
 

@@ -38,11 +38,16 @@ class EngineConfig:
     # 32, scale and zero; the head in int8), "auto" (a checkpoint's own quantization kept where its
     # kernel outruns the dense matmul, dense otherwise).
     quantization: str | None = "auto"
-    # A quantized linear runs its kernels up to this many rows and a dense copy in the dtype above
-    # it (the kernels are shaped for few rows: benchmarks/matmulbench.py --quant); None keeps no
-    # dense copy (less memory, slow prefill); "auto": 16, or 8 where the start-up probe times the
-    # dense matmul clearly faster than blockdot at 16 rows (precision.KERNEL_ROWS_MARGIN).
+    # A quantized linear runs its kernels up to this many rows and the dense matrix in the dtype
+    # above it (the kernels are shaped for few rows: benchmarks/matmulbench.py --quant); None: the
+    # kernels at every width (slow prefill); "auto": the widest of 16, 32, 64 the start-up probe
+    # times blockdot no slower than the dense path at, 8 where it loses at 16 (precision.WIDE_ROWS).
     max_kernel_rows: int | str | None = "auto"
+    # Past max_kernel_rows, a quantized linear on blockdot multiplies by its matrix dequantized for
+    # that call (in C, bit for bit; a pass over the weights per wide step); True keeps a dense copy
+    # of every quantized matrix for the model's life instead (4 bytes a weight in float32, 2 in
+    # bf16: Engine.memory()'s dense_copies). Linears on torch's kernels always keep theirs.
+    dense_copies: bool = False
     # Who runs those few-row passes on a CPU: "torch" (its weight-only kernels), "blockdot"
     # (nanoserve's own, nanoserve/model/blockdot.c, compiled at first use: GGUF's Q4_0, Q4_1 and Q8_0
     # and nanoserve's int4 with fp16 scales, read exactly), or "auto": blockdot unless the start-up
@@ -91,6 +96,8 @@ class EngineConfig:
         if self.max_kernel_rows not in (None, "auto") and (not isinstance(self.max_kernel_rows, int)
                                                            or self.max_kernel_rows < 1):
             raise ValueError(f"max_kernel_rows={self.max_kernel_rows!r} must be None, 'auto' or an integer >= 1")
+        if not isinstance(self.dense_copies, bool):
+            raise ValueError(f"dense_copies={self.dense_copies!r} must be True or False")
         if self.blockdot_int16_rows is not None and (not isinstance(self.blockdot_int16_rows, int)
                                                     or self.blockdot_int16_rows < 1):
             raise ValueError(f"blockdot_int16_rows={self.blockdot_int16_rows!r} must be None or an integer >= 1")

@@ -6,7 +6,7 @@ import pytest
 from conftest import make_tiny_engine
 
 import nanoserve.inputs
-from benchmarks.abbench import CHANGES, decode_step_times, make_engine
+from benchmarks.abbench import CHANGES, make_engine, step_times
 
 
 @pytest.fixture(scope="module")
@@ -15,15 +15,16 @@ def base():
     return make_tiny_engine(hf_overrides={"max_position_embeddings": 2048}, pack_weights=False)
 
 
-# (pack_weights, compile, deferred_output, decode_group_min_rows, fused_decode, blockdot_int16_rows) of
-# A (off) and B (on), from abbench's usage
+# (pack_weights, compile, deferred_output, decode_group_min_rows, fused_decode, blockdot_int16_rows,
+# dense_copies) of A (off) and B (on), from abbench's usage
 PAIRS = {
-    "groups": ((True, False, False, None, True, 1), (True, False, False, 8, True, 1)),
-    "deferred": ((True, False, False, 8, True, 1), (True, False, True, 8, True, 1)),
-    "compile": ((True, False, False, 8, True, 1), (False, True, False, 8, True, 1)),
-    "packed": ((False, False, False, 8, True, 1), (True, False, False, 8, True, 1)),
-    "fused": ((True, False, False, 8, False, 1), (True, False, False, 8, True, 1)),
-    "int16": ((True, False, False, 8, True, None), (True, False, False, 8, True, 1)),
+    "groups": ((True, False, False, None, True, 1, False), (True, False, False, 8, True, 1, False)),
+    "deferred": ((True, False, False, 8, True, 1, False), (True, False, True, 8, True, 1, False)),
+    "compile": ((True, False, False, 8, True, 1, False), (False, True, False, 8, True, 1, False)),
+    "packed": ((False, False, False, 8, True, 1, False), (True, False, False, 8, True, 1, False)),
+    "fused": ((True, False, False, 8, False, 1, False), (True, False, False, 8, True, 1, False)),
+    "int16": ((True, False, False, 8, True, None, False), (True, False, False, 8, True, 1, False)),
+    "dequantize": ((True, False, False, 8, True, 1, True), (True, False, False, 8, True, 1, False)),
 }
 
 
@@ -36,7 +37,7 @@ def test_each_side_differs_only_in_its_change(base, change):
     for on, expected in zip((False, True), PAIRS[change], strict=True):
         c = make_engine(base, change, on, slots=2).config
         assert (c.pack_weights, c.compile, c.deferred_output, c.decode_group_min_rows, c.fused_decode,
-                c.blockdot_int16_rows) == expected, (change, on)
+                c.blockdot_int16_rows, c.dense_copies) == expected, (change, on)
         assert c.max_num_seqs == 2
 
 
@@ -65,8 +66,17 @@ def test_groups_off_never_splits_decode_rows(base, monkeypatch, on, expected_spl
     monkeypatch.setattr(nanoserve.inputs, "split_by_length", spy)
     engine = make_engine(base, "groups", on, slots=8)
     prompts = [[5] * n for n in range(3, 11)]  # 8 ragged prompts: 8 decode rows, the default threshold
-    times = decode_step_times(engine, prompts, steps=2)
+    times = step_times(engine, prompts, steps=2)
     assert len(times) == 2
     assert engine.requests == {}  # every request aborted after the timed steps
     # B: the untimed first decode step and the 2 timed ones each split their 8 rows; A: never
     assert calls == [8] * expected_splits
+
+
+def test_the_prefill_phase_times_the_steps_that_prefill(base):
+    engine = make_engine(base, "groups", True, slots=4)
+    prompts = [[5] * n for n in (3, 40, 7, 12)]
+    times = step_times(engine, prompts, steps=5, phase="prefill")
+    # 62 prompt tokens fit one step's 8192: that step alone is timed, no decode step follows
+    assert len(times) == engine.num_steps == 1
+    assert engine.requests == {}

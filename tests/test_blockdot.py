@@ -22,7 +22,7 @@ from test_quant import random_stored
 from nanoserve.model import blockdot, precision
 from nanoserve.model.gguf import BlockQuantized
 from nanoserve.model.prepare import Layout, laid_out
-from nanoserve.model.quant import quant_linear, quantize_int4
+from nanoserve.model.quant import QuantLinear, quant_linear, quantize_int4
 
 # Tests of this machine's own build; without a C compiler torch's kernels serve and they have nothing to run.
 needs_build = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
@@ -217,6 +217,43 @@ def test_quant_linear_takes_blockdot_when_asked_and_keeps_the_dense_copy_above()
     assert torch.equal(linear(wide), torch_linear(wide))
     with pytest.raises(ValueError, match="kernels='cuda' is not one of"):
         quant_linear(stored, torch.bfloat16, 8, pack=False, kernels="cuda")
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("N", [48, 40, 200])
+def test_panels_dequantize_bit_for_bit_as_stored(kernel, kind, N):
+    _, kernel = kernel
+    stored = random_stored(kind, N, 96)
+    stored.scales = stored.scales.half().float()
+    if stored.mins is not None:
+        stored.mins = stored.mins.half().float()
+    panels = blockdot.pack(stored, kernel)
+    reference = stored.dequantize()  # gguf.quants.dequantize's arithmetic (test_gguf)
+    assert torch.equal(panels.dequantize(), reference)
+    assert torch.equal(panels.dequantize(torch.bfloat16), reference.bfloat16())
+    with pytest.raises(ValueError, match="dequantizes to"):
+        panels.dequantize(torch.float16)
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_without_a_dense_copy_wide_rows_multiply_by_the_panels_dequantized(dtype):
+    stored = random_stored("Q4_1", 40, 64)
+    stored.scales, stored.mins = stored.scales.half().float(), stored.mins.half().float()
+    linear = quant_linear(stored, dtype, 4, pack=False, kernels="blockdot", int16_rows=1, dense_copy=False)
+    copied = quant_linear(stored, dtype, 4, pack=False, kernels="blockdot", int16_rows=1)
+    assert linear.dense is None and linear.dense_bytes == 0 and linear.dequantizes
+    assert copied.dense_bytes == 40 * 64 * dtype.itemsize and not copied.dequantizes
+    for rows in (5, 64):  # past max_kernel_rows: the same matmul as the dense copy's, exactly
+        x = torch.randn(rows, 64).to(dtype)
+        assert torch.equal(linear(x), torch.nn.functional.linear(x, stored.dequantize().to(dtype)))
+        assert torch.equal(linear(x), copied(x))
+    narrow = torch.randn(4, 64).to(dtype)
+    assert torch.equal(linear(narrow), copied.passes[0](narrow))  # up to it: the kernel, int16 path
+    # torch's kernels have no dequantizing of their own: they keep the copy whatever is asked
+    assert quant_linear(stored, dtype, 4, pack=False, kernels="torch", dense_copy=False).dense is not None
+    with pytest.raises(ValueError, match="needs a dense copy unless it runs on blockdot's panels alone"):
+        QuantLinear(copied.passes * 2, None, 4, (40, 64))
 
 
 @needs_build

@@ -46,19 +46,24 @@ def fused_engine(hf, dtype: str = "float32", block_size: int = 4, **overrides) -
     return Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), config)
 
 
+def dense(w) -> torch.Tensor:
+    """A quantized linear's dense matrix: its copy, or its panels dequantized (what wide steps read)."""
+    return (w.dense if w.dense is not None else w.passes[0].dequantize()).float()
+
+
 def load_engine_weights_into(hf, engine: Engine) -> None:
-    """hf's linears become the engine's quantized matrices, dequantized (their dense copies)."""
+    """hf's linears become the engine's quantized matrices, dequantized."""
     config = engine.model.config
     H, Hkv, D, I = config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
     with torch.no_grad():
         for ours, theirs in zip(engine.model.layers, hf.model.layers, strict=True):
-            q, k, v = ours.qkv.dense.float().split([H * D, Hkv * D, Hkv * D])
-            gate, up = ours.gate_up.dense.float().split([I, I])
+            q, k, v = dense(ours.qkv).split([H * D, Hkv * D, Hkv * D])
+            gate, up = dense(ours.gate_up).split([I, I])
             attn, mlp = theirs.self_attn, theirs.mlp
-            for module, weight in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v), (attn.o_proj, ours.o.dense),
-                                   (mlp.gate_proj, gate), (mlp.up_proj, up), (mlp.down_proj, ours.down.dense)):
+            for module, weight in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v), (attn.o_proj, dense(ours.o)),
+                                   (mlp.gate_proj, gate), (mlp.up_proj, up), (mlp.down_proj, dense(ours.down))):
                 module.weight.copy_(weight.float())
-        hf.lm_head.weight.copy_(engine.model.lm_head_weight.dense.float())
+        hf.lm_head.weight.copy_(dense(engine.model.lm_head_weight))
 
 
 def count_fused_steps(engine: Engine) -> list[int]:

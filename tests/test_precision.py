@@ -15,11 +15,19 @@ from nanoserve.model.precision import Probe, probe_cpu, resolve
 CPU = torch.device("cpu")
 
 
-def fake(float32_ms, bfloat16_ms, int4_ms=1.0, dense_ms=2.0, blockdot_ms=None, wide_ms=(None, None)):
+def fake(float32_ms, bfloat16_ms, int4_ms=1.0, dense_ms=2.0, blockdot_ms=None, wide_ms=(None, None), quantized_ms=None,
+         dequantized_rows=()):
+    """A probe's figures as given; the streamed one-row quantized time, unless given, the in-cache
+    time of the kernel kernels="auto" picks."""
+    if quantized_ms is None:
+        quantized_ms = blockdot_ms if precision.auto_kernel(int4_ms, blockdot_ms) == "blockdot" else int4_ms
+
     def probe(kernel_dtype=None):
         chosen = kernel_dtype or ("bfloat16" if bfloat16_ms < float32_ms else "float32")
-        return Probe(float32_ms, bfloat16_ms, int4_ms, dense_ms, chosen, (16, 512, 1024), blockdot_ms,
-                     "" if blockdot_ms else "not built (faked)", *wide_ms)
+        return Probe(float32_ms=float32_ms, bfloat16_ms=bfloat16_ms, int4_ms=int4_ms, kernel_dtype=chosen,
+                     shape=(16, 512, 1024), blockdot_ms=blockdot_ms, blockdot_note="" if blockdot_ms else "not built (faked)",
+                     quantized_ms=quantized_ms, dense_ms=dense_ms, blockdot_wide_ms=wide_ms[0], dense_wide_ms=wide_ms[1],
+                     stream_mb=64.0, dequantized_rows=dequantized_rows)
     return probe
 
 
@@ -42,6 +50,18 @@ def test_auto_quantization_keeps_the_checkpoints_blocks_only_where_the_kernel_is
     assert (slow.dtype, slow.quantization) == ("float32", None) and "dequantized" in slow.reason
     dense = resolve("auto", "auto", CPU, False, probe=fake(0.16, 0.05))
     assert dense.quantization is None and "not quantized" in dense.reason
+
+
+def test_keeping_the_blocks_follows_the_streamed_timing_not_the_one_in_cache():
+    # An AVX2 Zen 3's figures (one thread): in cache blockdot 0.055 ms against dense float32 0.054 (a
+    # tie that once dequantized the default model); streamed from 64 MB, 0.060 against 0.141.
+    kept = resolve("auto", "auto", CPU, True, probe=fake(0.31, 1.7, int4_ms=1.02, blockdot_ms=0.055, quantized_ms=0.060,
+                                                     dense_ms=0.141))
+    assert (kept.dtype, kept.quantization, kept.kernels) == ("float32", "keep", "blockdot")
+    assert "blockdot's int4 2.35x the dense matmul's speed at one row, streamed" in kept.reason
+    lost = resolve("auto", "auto", CPU, True, probe=fake(0.31, 1.7, int4_ms=1.02, blockdot_ms=0.01, quantized_ms=0.2,
+                                                     dense_ms=0.14))
+    assert lost.quantization is None and "dequantized: blockdot's int4 0.70x" in lost.reason
 
 
 def test_explicit_values_are_taken_without_a_probe():
@@ -75,24 +95,35 @@ def test_auto_kernels_keep_blockdot_unless_the_probe_times_torch_clearly_faster(
     assert (kept.dtype, kept.quantization, kept.kernels) == ("float32", "keep", "blockdot")
 
 
+ZEN3_LADDER = ((16, 0.251, 0.440), (32, 0.492, 0.606), (64, 0.973, 0.945))  # an AVX2 Zen 3's probe, in ms
+
+
+def kernel_rows(ladder=(), wide_ms=(None, None), **kw):
+    return resolve("auto", "auto", CPU, True, probe=fake(0.2, 14.0, dense_ms=0.02, blockdot_ms=0.01, wide_ms=wide_ms,
+                                                         dequantized_rows=ladder), **kw)
+
+
 def test_auto_kernel_rows_follow_the_probes_wide_timing():
-    # blockdot faster than dense at the probe's 16 rows (an AVX2 Zen 3): the kernels up to 16 rows
-    wide = resolve("auto", "auto", CPU, True, probe=fake(0.2, 14.0, dense_ms=0.02, blockdot_ms=0.01, wide_ms=(0.3, 0.4)))
-    assert wide.max_kernel_rows == 16 and "kernels up to 16 rows: blockdot 1.33x" in wide.reason
-    narrow = resolve("auto", "auto", CPU, True, probe=fake(0.16, 0.05, int4_ms=0.02, dense_ms=0.05, blockdot_ms=0.01,
-                                                       wide_ms=(0.4, 0.1)))
-    assert narrow.max_kernel_rows == precision.DEFAULT_KERNEL_ROWS == 8 and "kernels up to 8 rows: blockdot 0.25x" in narrow.reason
-    # within the margin (the probe's matrix is in cache, where dense's larger reads cost nothing)
-    near = resolve("auto", "auto", CPU, True, probe=fake(0.2, 14.0, dense_ms=0.02, blockdot_ms=0.01, wide_ms=(0.6, 0.5)))
-    assert near.max_kernel_rows == 16
-    past = resolve("auto", "auto", CPU, True, probe=fake(0.2, 14.0, dense_ms=0.02, blockdot_ms=0.01, wide_ms=(0.65, 0.5)))
-    assert past.max_kernel_rows == 8
-    given = resolve("auto", "auto", CPU, True, probe=fake(0.2, 14.0, dense_ms=0.02, blockdot_ms=0.01, wide_ms=(0.3, 0.4)),
-                    max_kernel_rows=4)
-    assert given.max_kernel_rows == 4
-    torch_kernels = resolve("bfloat16", "int4", CPU, False, probe=fake(0.2, 0.05, blockdot_ms=0.01, wide_ms=(0.3, 0.4)),
+    # without dense copies: the widest row count where blockdot is within the margin of the dequantized matmul
+    zen3 = kernel_rows(ZEN3_LADDER)
+    assert zen3.max_kernel_rows == 64
+    assert "kernels up to 64 rows: blockdot 1.75x, 1.23x, 0.97x the dequantized matmul's speed at 16, 32, 64 rows" in zen3.reason
+    past_margin = kernel_rows(ZEN3_LADDER[:2] + ((64, 0.945 * precision.WIDE_MARGIN * 1.01, 0.945),))
+    assert past_margin.max_kernel_rows == 32
+    # the first loss ends the ladder, a win past it notwithstanding
+    gap = kernel_rows(((16, 0.2, 0.4), (32, 0.9, 0.6), (64, 0.9, 1.0)))
+    assert gap.max_kernel_rows == 16
+    lost = kernel_rows(((16, 0.6, 0.4), (32, 0.5, 0.6), (64, 0.9, 1.0)))
+    assert lost.max_kernel_rows == precision.DEFAULT_KERNEL_ROWS == 8 and "kernels up to 8 rows: blockdot 0.67x" in lost.reason
+    # with dense copies: blockdot against the streamed copy at the probe's 16 rows, no margin
+    copies = kernel_rows(ZEN3_LADDER, wide_ms=(0.3, 0.4), dense_copies=True)
+    assert copies.max_kernel_rows == 16 and "blockdot 1.33x the dense copy's speed at 16 rows, streamed" in copies.reason
+    slower = kernel_rows(ZEN3_LADDER, wide_ms=(0.45, 0.4), dense_copies=True)
+    assert slower.max_kernel_rows == 8
+    assert kernel_rows(ZEN3_LADDER, max_kernel_rows=4).max_kernel_rows == 4
+    torch_kernels = resolve("bfloat16", "int4", CPU, False, probe=fake(0.2, 0.05, blockdot_ms=0.01, dequantized_rows=ZEN3_LADDER),
                             kernels="torch")
-    assert torch_kernels.max_kernel_rows == 8  # the probe's wide timing is blockdot's
+    assert torch_kernels.max_kernel_rows == 8  # the probe's wide timings are blockdot's
 
 
 def test_bf16_decode_steps_run_in_one_call_at_every_width_where_bf16_is_slower():
@@ -109,8 +140,21 @@ def test_quantization_off_the_cpu_is_refused_by_name():
 
 def test_the_real_probe_reports_its_figures():
     figures = probe_cpu()
-    assert min(figures.float32_ms, figures.bfloat16_ms, figures.int4_ms, figures.dense_ms) > 0
+    assert min(figures.float32_ms, figures.bfloat16_ms, figures.int4_ms, figures.dense_ms, figures.quantized_ms) > 0
     assert figures.kernel_dtype in ("float32", "bfloat16") and "float32" in figures.describe()
+    # the streamed set outgrows the last-level cache (twice it, within the bounds)
+    assert figures.stream_mb * 2**20 >= min(2 * precision.cache_bytes(), precision.STREAM_MAX)
+    assert f"streamed from {figures.stream_mb:.0f} MB" in figures.describe()
+
+
+def test_the_cache_size_is_read_from_sysfs(tmp_path):
+    for index, size in (("index0", "32K"), ("index2", "512K"), ("index3", "32768K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert precision.cache_bytes(tmp_path) == 32 * 2**20
+    assert precision.cache_bytes(tmp_path / "none") == 32 * 2**20  # nothing said: the fallback
+    (tmp_path / "index3" / "size").write_text("1G\n")
+    assert precision.cache_bytes(tmp_path) == 2**30
 
 
 def test_the_engine_reports_and_logs_its_choice(monkeypatch, caplog):

@@ -412,6 +412,56 @@ void dense_tasks(const float *x, int64_t M, int64_t K, int64_t N, const void *w,
   }
 }
 
+/* Eight weights of one row: d c + m for the codes c of word lo (plus 16 times those of hi, the high
+   plane), into dst as float32 or bf16 (rounded to nearest even, as torch rounds). */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline void dequant8(uint32_t lo, uint32_t hi, int planes, float d, float m, void *dst, int bf16) {
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), m4 = _mm256_set1_epi32(15);
+  __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)lo), shifts), m4);
+  if (planes == 2)
+    c = _mm256_add_epi32(c, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)hi), shifts), m4), 4));
+  const __m256 v = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(c), _mm256_set1_ps(m));  /* d c exact: one rounding */
+  if (!bf16) { _mm256_storeu_ps(dst, v); return; }
+  const __m256i u = _mm256_castps_si256(v);
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                                                 _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(64)), nan);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128((__m128i *)dst, packed);
+}
+#else
+static inline void dequant8(uint32_t lo, uint32_t hi, int planes, float d, float m, void *dst, int bf16) {
+  for (int i = 0; i < 8; i++) {
+    const float v = d * (float)(((lo >> 4 * i) & 15) + (planes == 2 ? 16 * ((hi >> 4 * i) & 15) : 0)) + m;
+    if (bf16) ((uint16_t *)dst)[i] = f32_to_bf16(v);
+    else ((float *)dst)[i] = v;
+  }
+}
+#endif
+
+/* w [N, K] in panels -> the dense matrix out [N, K] (float32, or bf16 where out_bf16): d c + m per
+   weight, c the code (lo + 16 hi for two planes), each product exact in float32, so the result is
+   bit for bit BlockQuantized.dequantize()'s. What a step wider than the kernels' rows multiplies by
+   in place of a dense copy held for the model's life. */
+void blockdot_dequantize(const uint8_t *w, int planes, int64_t N, int64_t K, void *out, int out_bf16, int nthreads) {
+  const int64_t B = K / G, panels = (N + P - 1) / P, bb = block_bytes(planes);
+  const size_t size = out_bf16 ? 2 : 4;
+  #pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t p = 0; p < panels; p++)
+    for (int64_t b = 0; b < B; b++) {
+      const struct panel_head *h = head_at(w, p, B, b, bb);
+      float dl[P], ml[P];
+      vstore(dl, vhalf(h->d));
+      vstore(ml, vhalf(h->m));
+      for (int n = 0; n < P && p * P + n < N; n++)
+        for (int o = 0; o < 4; o++) {
+          const uint32_t lo = octet_at(w, p, B, b, bb, 0, o)[n], hi = planes == 2 ? octet_at(w, p, B, b, bb, 1, o)[n] : 0;
+          dequant8(lo, hi, planes, dl[n], ml[n], (char *)out + ((p * P + n) * K + b * G + 8 * o) * size, out_bf16);
+        }
+    }
+}
+
 /* y [M, N] = x [M, K] @ w^T, w in panels of `planes` planes ([ceil(N / 16), K / 32] blocks; rows
    past N all zero). x and y are float32, or bf16 where x_bf16 / y_bf16; from int16_rows rows of x (0:
    never) x is rounded to int16 per block of 32 (the int16 path). Returns 0, or -1 when out of memory

@@ -132,6 +132,8 @@ def _load(path: Path) -> Library:
     lib.blockdot.argtypes = [p, i32, i64, i64, i64, p, i32, p, i32, i32, i64]
     lib.blockdot.restype = i32
     lib.blockdot_simd.restype = i32
+    lib.blockdot_dequantize.argtypes = [p, i32, i64, i64, p, i32, i32]
+    lib.blockdot_dequantize.restype = None
     # dense rows for the fused decode's one call (x, M, K, N, w, w_bf16, y); called from C, bound for the tests
     lib.dense_tasks.argtypes = [p, i64, i64, i64, p, i32, p]
     lib.dense_tasks.restype = None
@@ -186,6 +188,16 @@ class Panels:
                                     y.data_ptr(), bf16, torch.get_num_threads(), self.int16_rows):
             raise MemoryError(f"blockdot: no memory for float32 copies of [{M}, {K}] activations")
         return y
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense matrix [N, K] in dtype (float32 or bfloat16), bit for bit the stored matrix's
+        dequantize() (rounded to bf16 as torch rounds, where bfloat16)."""
+        if dtype not in DTYPES:
+            raise ValueError(f"blockdot dequantizes to {[str(d) for d in DTYPES]}, got {dtype}")
+        out = torch.empty(self.shape, dtype=dtype)
+        self.kernel.lib.blockdot_dequantize(self.data.data_ptr(), self.planes, *self.shape, out.data_ptr(),
+                                            int(dtype == torch.bfloat16), torch.get_num_threads())
+        return out
 
     @property
     def nbytes(self) -> int:

@@ -229,11 +229,11 @@ def fused_decode(model: LlamaModel, bf16_one_call_rows: int | None = None) -> Fu
     if why_not_in_one_call(model) is None:
         weights = [getattr(layer, name) for layer in model.layers for name in MATMULS]
         panels = [p for p in map(_panels, weights) if p is not None]
-        # past max_kernel_rows the quantized linears' dense copies are faster; past DENSE_ONE_CALL_ROWS
+        # past max_kernel_rows the quantized linears' dense matrices are faster; past DENSE_ONE_CALL_ROWS
         # oneDNN's packed dense linears
         dense_rows = DENSE_ONE_CALL_ROWS | ({torch.bfloat16: bf16_one_call_rows} if bf16_one_call_rows else {})
         max_rows = min([dense_rows[model.dtype]] * (len(panels) < len(weights))
-                       + [w.max_kernel_rows for w in weights if isinstance(w, QuantLinear) and w.dense is not None]
+                       + [w.max_kernel_rows for w in weights if isinstance(w, QuantLinear) and w.max_kernel_rows is not None]
                        + [2**31])
         c_shape.int16_rows = panels[0].int16_rows if panels else 0  # the panels' int16 path, from as many rows
         forms = [[_one_call_form(getattr(layer, name)) for name in MATMULS] for layer in model.layers]

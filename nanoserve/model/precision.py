@@ -11,10 +11,12 @@ row, and kernels="auto" takes the faster.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -28,45 +30,72 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # blockdot) and 1.42x on a Xeon (notes/fused_decode.md), where the one-row timings alone were within
 # noise of each other on the Zen 5 (blockdot 0.84-1.49x torch's, run to run).
 BLOCKDOT_MARGIN = 1.3
-# max_kernel_rows="auto": the kernels up to this many rows, or up to the probe's row count (16) unless
-# it times the dense matmul KERNEL_ROWS_MARGIN times faster than blockdot's int16 path there. 8 is the
-# Xeon's crossover (AMX's bf16 dense linears). The margin: the probe's matrix sits in cache, where
-# dense reads its 7x more bytes for free. On an AVX2 Zen 3 the probe put blockdot at 0.92-1.04x
-# dense's speed at 16 rows, run to run, where over the model's 30 streamed layers it took 0.72x
-# dense float32's time (benchmarks/matmulbench.py --quant --activations float32) and the engine
-# decoded 16 slots 1.4x faster in one call (202.4 against 145.0 tok/s, three alternating rounds).
+# max_kernel_rows="auto": blockdot's int16 path up to the widest of WIDE_ROWS where it times within
+# WIDE_MARGIN of what the linear runs past it, each narrower one too; DEFAULT_KERNEL_ROWS (the Xeon's
+# crossover against AMX's bf16 dense copies) where it loses at 16. Past it: without dense copies (the
+# default), the panels dequantized for the call and the plain matmul, timed in cache, as they run
+# (the dequantized matrix is written just before it is read; both sides read the same panels); with
+# dense copies, the copy at 16 rows, streamed. The margin, as BLOCKDOT_MARGIN's: within the kernels'
+# rows a decode step runs in one C call. On an AVX2 Zen 3 the probe timed blockdot 0.97x the
+# dequantized matmul at 64 rows, where kernels up to 64 decoded 48 slots in 179.0 ms a step against
+# 256.6 with kernels up to 32, and 64 slots in 240.3 against 283.4; and, without copies, kernels up
+# to 64 decoded 32 slots 1.10x and 48 slots 1.07x faster than copies past 16, 64 slots alike, and
+# prefilled 1.07x faster (three alternating rounds each).
 DEFAULT_KERNEL_ROWS = 8
-KERNEL_ROWS_MARGIN = 1.25
+WIDE_ROWS = (16, 32, 64)
+WIDE_MARGIN = 1.3
+STREAM_MIN, STREAM_MAX = 64 * 2**20, 256 * 2**20  # bytes: the streamed timings' working set (stream_bytes)
+
+
+def auto_kernel(int4_ms: float, blockdot_ms: float | None) -> str:
+    """kernels="auto"'s choice from the one-row timings in cache."""
+    return "blockdot" if blockdot_ms is not None and blockdot_ms < int4_ms * BLOCKDOT_MARGIN else "torch"
 
 
 @dataclass(frozen=True)
 class Probe:
-    """Milliseconds per call, the best of seven interleaved timings, on one CPU thread."""
+    """Milliseconds per call on one CPU thread, the best of interleaved timings.
+
+    The one-row kernel choice (int4_ms, blockdot_ms) is timed on one matrix, in cache. Whether to
+    keep a checkpoint's quantization and how wide the kernels go are timed streamed: each call reads
+    another copy of the matrix from a set of stream_mb (twice the last-level cache), as a model's
+    layers are read from memory in a decode step. In cache the dense matmul reads its 6x more bytes
+    for nothing: on an AVX2 Zen 3 it timed 0.99x blockdot's speed at one row there, and a start that
+    took that figure served the default model dequantized, a third as fast at 5x the memory.
+    """
 
     float32_ms: float  # [rows, K] @ [K, N]^T in float32
     bfloat16_ms: float  # the same in bfloat16
-    int4_ms: float  # the int4 kernel at one row, activations in kernel_dtype
-    dense_ms: float  # the dense matmul at one row, in kernel_dtype
+    int4_ms: float  # torch's int4 kernel at one row, activations in kernel_dtype, in cache
     kernel_dtype: str  # the faster of the two, unless the caller named one
     shape: tuple[int, int, int]  # (rows, K, N) of the matmul pair
-    blockdot_ms: float | None = None  # blockdot on the same int4 matrix at one row; None: unavailable
+    blockdot_ms: float | None = None  # blockdot on the same int4 matrix at one row, in cache; None: unavailable
     blockdot_note: str = ""  # why blockdot_ms is None
-    # blockdot (int16 path) and the dense matmul at `rows` rows, in kernel_dtype; None: blockdot unavailable
+    # one row, streamed: the quantized kernel kernels="auto" runs (blockdot unless torch's is
+    # BLOCKDOT_MARGIN times faster in cache), and the dense matmul in kernel_dtype
+    quantized_ms: float = float("nan")
+    dense_ms: float = float("nan")
+    # blockdot (int16 path) and the dense copy at `rows` rows, streamed; None: blockdot unavailable
     blockdot_wide_ms: float | None = None
     dense_wide_ms: float | None = None
+    # (rows, blockdot int16 ms, panels dequantized + the plain matmul ms) at each of WIDE_ROWS, in cache
+    dequantized_rows: tuple[tuple[int, float, float], ...] = ()
+    stream_mb: float = 0.0  # the streamed set's size in dense kernel_dtype
 
     @property
-    def quantized_ms(self) -> float:
-        """The faster one-row int4 kernel."""
-        return min(self.int4_ms, self.blockdot_ms or float("inf"))
+    def quantized_kernel(self) -> str:
+        """The kernel quantized_ms times."""
+        return auto_kernel(self.int4_ms, self.blockdot_ms)
 
     def describe(self) -> str:
         rows, K, N = self.shape
         blockdot_text = f"{self.blockdot_ms:.3f} ms" if self.blockdot_ms is not None else self.blockdot_note
         wide = (f"; {rows} rows: blockdot {self.blockdot_wide_ms:.3f} ms, dense {self.dense_wide_ms:.3f} ms"
                 if self.blockdot_wide_ms is not None else "")
+        wide += "".join(f"; {r} rows in cache: blockdot {b:.3f} ms, dequantized {d:.3f} ms" for r, b, d in self.dequantized_rows)
         return (f"[{rows}x{K}]@[{K}x{N}]: float32 {self.float32_ms:.3f} ms, bfloat16 {self.bfloat16_ms:.3f} ms; "
-                f"one row in {self.kernel_dtype}: int4 kernel {self.int4_ms:.3f} ms, blockdot {blockdot_text}, "
+                f"one row in {self.kernel_dtype}, in cache: int4 kernel {self.int4_ms:.3f} ms, blockdot {blockdot_text}; "
+                f"streamed from {self.stream_mb:.0f} MB: {self.quantized_kernel} {self.quantized_ms:.3f} ms, "
                 f"dense {self.dense_ms:.3f} ms{wide}")
 
 
@@ -121,48 +150,102 @@ def probe_cpu(kernel_dtype: str | None = None, rows: int = 16, K: int = 512, N: 
         torch.set_num_threads(threads)
 
 
+def cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The largest cache CPU 0 has (Linux's sysfs), 32 MiB where the system does not say. Not
+    glibc's figure: on an AMD EPYC VM `getconf LEVEL3_CACHE_SIZE` said 256 MiB where sysfs said 32."""
+    sizes = []
+    for entry in root.glob("index*/size"):
+        try:
+            text = entry.read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=32 * 2**20)
+
+
+def stream_bytes() -> int:
+    """The streamed timings' working set: twice the last-level cache, 64-256 MiB."""
+    return min(max(2 * cache_bytes(), STREAM_MIN), STREAM_MAX)
+
+
+def _passes(fns: list[Callable[[], object]]) -> Callable[[], None]:
+    def run() -> None:
+        for fn in fns:
+            fn()
+    return run
+
+
 def _probe(kernel_dtype: str | None, rows: int, K: int, N: int) -> Probe:
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(N, K, generator=gen) * 0.02
     x = torch.randn(rows, K, generator=gen)
+    linear = torch.nn.functional.linear
     with torch.inference_mode():
         wb, xb = w.bfloat16(), x.bfloat16()
-        fp32, bf16 = _best_ms(lambda: torch.nn.functional.linear(x, w), lambda: torch.nn.functional.linear(xb, wb))
+        fp32, bf16 = _best_ms(lambda: linear(x, w), lambda: linear(xb, wb))
         dtype = DTYPES[kernel_dtype] if kernel_dtype else (torch.bfloat16 if bf16 < fp32 else torch.float32)
         stored = quantize_int4(w)
         kernel = int4_pass(stored.codes, stored.scales, stored.mins + 8 * stored.scales, dtype)
-        one, dense = x[:1].to(dtype), w.to(dtype)
-        int4, dense_ms = _best_ms(lambda: kernel(one), lambda: torch.nn.functional.linear(one, dense))
-        blockdot_ms, note = None, ""
+        one, xs, dense = x[:1].to(dtype), x.to(dtype), w.to(dtype)
+        figures = dict(float32_ms=fp32, bfloat16_ms=bf16, kernel_dtype=str(dtype).removeprefix("torch."),
+                       shape=(rows, K, N))
+        packed = None
         if not blockdot.supports(stored, dtype):
-            note = f"not for {dtype} activations"
+            figures["blockdot_note"] = f"not for {dtype} activations"
         elif blockdot.library() is None:
-            note = f"not built ({blockdot.failure()})"
+            figures["blockdot_note"] = f"not built ({blockdot.failure()})"
         else:
             packed = blockdot.pack(stored)
-            blockdot_ms, _ = _best_ms(lambda: packed(one), lambda: kernel(one))
-            wide, wide_dense = blockdot.pack(stored, int16_rows=1), w.to(dtype)
-            xs = x.to(dtype)
-            blockdot_wide_ms, dense_wide_ms = _best_ms(lambda: wide(xs), lambda: torch.nn.functional.linear(xs, wide_dense))
-            return Probe(fp32, bf16, int4, dense_ms, str(dtype).removeprefix("torch."), (rows, K, N), blockdot_ms, note,
-                         blockdot_wide_ms, dense_wide_ms)
-    return Probe(fp32, bf16, int4, dense_ms, str(dtype).removeprefix("torch."), (rows, K, N), blockdot_ms, note)
+            figures["blockdot_ms"], _ = _best_ms(lambda: packed(one), lambda: kernel(one))
+        figures["int4_ms"], _ = _best_ms(lambda: kernel(one), lambda: linear(one, dense))
+        # The streamed set: copies of the matrix in one allocation (freed whole, back to the system),
+        # each call reading the next; a pass of the dense set evicts the quantized one and itself.
+        copies = -(-stream_bytes() // dense.nbytes)
+        dense_set = dense.expand(copies, N, K).contiguous()
+        figures["stream_mb"] = dense_set.nbytes / 2**20
+        panels = [] if packed is None else [dataclasses.replace(packed, data=data)
+                                            for data in packed.data.expand(copies, *packed.data.shape).contiguous()]
+        if auto_kernel(figures["int4_ms"], figures.get("blockdot_ms")) == "blockdot":
+            narrow = panels
+        else:
+            narrow = [dataclasses.replace(kernel, packed=p)
+                      for p in kernel.packed.expand(copies, *kernel.packed.shape).contiguous()]
+        quantized_ms, dense_ms = _best_ms(_passes([functools.partial(q, one) for q in narrow]),
+                                          _passes([functools.partial(linear, one, d) for d in dense_set]), rounds=5)
+        figures.update(quantized_ms=quantized_ms / copies, dense_ms=dense_ms / copies)
+        if panels:
+            wide = [dataclasses.replace(q, int16_rows=1) for q in panels]
+            wide_ms, dense_wide_ms = _best_ms(_passes([functools.partial(q, xs) for q in wide]),
+                                              _passes([functools.partial(linear, xs, d) for d in dense_set]), rounds=5)
+            figures.update(blockdot_wide_ms=wide_ms / copies, dense_wide_ms=dense_wide_ms / copies)
+            ladder, one16 = [], dataclasses.replace(packed, int16_rows=1)
+            for r in WIDE_ROWS:
+                xr = torch.randn(r, K, generator=gen).to(dtype)
+                b, d = _best_ms(functools.partial(one16, xr),
+                                lambda xr=xr: linear(xr, packed.dequantize(dtype)), rounds=5)
+                ladder.append((r, b, d))
+            figures["dequantized_rows"] = tuple(ladder)
+    return Probe(**figures)
 
 
 def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoint_quantized: bool,
             probe: Callable[..., Probe] | None = None, kernels: str = "auto",
-            max_kernel_rows: int | str | None = "auto") -> Precision:
+            max_kernel_rows: int | str | None = "auto", dense_copies: bool = False) -> Precision:
     """Turns the config's "auto" values into a Precision.
 
     dtype "auto": bfloat16 on a CUDA device that supports it; on a CPU, bfloat16 when the probe
     times it faster than float32; float32 otherwise. quantization "auto": a checkpoint's own
-    quantized matrices are kept in kernel form when the probe times the int4 kernel faster than
-    the dense matmul at one row (where it is not, as with float32 activations on a CPU, they are
-    dequantized into dense); a dense checkpoint stays dense. kernels "auto": blockdot unless the
+    quantized matrices are kept in kernel form when the probe times the quantized kernel faster
+    than the dense matmul at one row, both streamed from memory (where it is not, as with torch's
+    kernel on float32 activations, they are dequantized into dense); a dense checkpoint stays dense. kernels "auto": blockdot unless the
     probe times torch's int4 kernel BLOCKDOT_MARGIN times faster at one row, torch's kernels then;
     "blockdot" asks for it (a ValueError where it cannot be built), "torch" for torch's.
-    max_kernel_rows "auto": the probe's row count unless it times the dense matmul KERNEL_ROWS_MARGIN
-    times faster than blockdot's int16 path there, DEFAULT_KERNEL_ROWS then. A bf16 engine on a CPU
+    max_kernel_rows "auto": on blockdot, the widest of WIDE_ROWS up to which the probe times its
+    int16 path within WIDE_MARGIN of what runs past it (the panels dequantized per call; with
+    dense_copies, no slower than the dense copy), DEFAULT_KERNEL_ROWS where it loses at 16. A bf16 engine on a CPU
     whose probe times bf16 slower than float32 runs its dense decode steps in one call at every width.
     """
     probe = probe or probe_cpu  # looked up at call time, so a test can stand in for it
@@ -193,8 +276,9 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
                 figures = probe(kernel_dtype=dtype)
             faster = figures.quantized_ms < figures.dense_ms
             quantization = "keep" if faster else None
-            reasons.append(f"the checkpoint's quantization {'kept' if faster else 'dequantized'}: the faster int4 "
-                           f"kernel {figures.dense_ms / figures.quantized_ms:.2f}x the dense matmul's speed at one row")
+            reasons.append(f"the checkpoint's quantization {'kept' if faster else 'dequantized'}: "
+                           f"{figures.quantized_kernel}'s int4 {figures.dense_ms / figures.quantized_ms:.2f}x the dense "
+                           "matmul's speed at one row, streamed")
     elif quantization is not None and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on torch's CPU kernels; device={device.type!r} has "
                          "none here: use quantization=None")
@@ -211,7 +295,7 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
     elif kernels == "auto" and quantization is not None and device.type == "cpu":
         if figures is None or figures.kernel_dtype != dtype:
             figures = probe(kernel_dtype=dtype)
-        if figures.blockdot_ms is not None and figures.blockdot_ms < figures.int4_ms * BLOCKDOT_MARGIN:
+        if auto_kernel(figures.int4_ms, figures.blockdot_ms) == "blockdot":
             chosen = "blockdot"
             reasons.append(f"kernels blockdot: {figures.int4_ms / figures.blockdot_ms:.2f}x torch's int4 kernel's "
                            f"speed at one row (kept unless torch's is {BLOCKDOT_MARGIN}x faster: it also runs the one-call "
@@ -228,11 +312,19 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
         if chosen == "blockdot" and quantization is not None and device.type == "cpu":
             if figures is None or figures.kernel_dtype != dtype:
                 figures = probe(kernel_dtype=dtype)
-            if figures.blockdot_wide_ms is not None and figures.blockdot_wide_ms < figures.dense_wide_ms * KERNEL_ROWS_MARGIN:
-                max_kernel_rows = figures.shape[0]
-            if figures.blockdot_wide_ms is not None:
+            if dense_copies and figures.blockdot_wide_ms is not None:
+                if figures.blockdot_wide_ms <= figures.dense_wide_ms:
+                    max_kernel_rows = figures.shape[0]
                 reasons.append(f"kernels up to {max_kernel_rows} rows: blockdot {figures.dense_wide_ms / figures.blockdot_wide_ms:.2f}x "
-                               f"the dense matmul's speed at {figures.shape[0]} rows")
+                               f"the dense copy's speed at {figures.shape[0]} rows, streamed")
+            elif not dense_copies and figures.dequantized_rows:
+                for rows, kernel_ms, dequantized_ms in figures.dequantized_rows:
+                    if kernel_ms > dequantized_ms * WIDE_MARGIN:
+                        break
+                    max_kernel_rows = rows
+                reasons.append(f"kernels up to {max_kernel_rows} rows: blockdot " + ", ".join(
+                    f"{d / b:.2f}x" for _, b, d in figures.dequantized_rows) + " the dequantized matmul's speed at "
+                    + ", ".join(str(r) for r, _, _ in figures.dequantized_rows) + " rows")
     bf16_one_call_rows = 2
     if dtype == "bfloat16" and device.type == "cpu":
         if figures is None:

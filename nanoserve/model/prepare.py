@@ -39,7 +39,10 @@ class Layout:
     quantization: None (dense in dtype), "int8" (per output channel), "int4" (groups of 32; the
         head in int8), or "keep" (a checkpoint's own quantized matrices in kernel form, the others
         dense).
-    max_kernel_rows: past this many rows a quantized linear reads a dense copy; None: no copy.
+    max_kernel_rows: past this many rows a quantized linear multiplies by its dense matrix; None:
+        the kernels take every row count.
+    dense_copies: that dense matrix is a copy held for the model's life (else, on blockdot, its
+        panels dequantized per call).
     kernels: "torch" or "blockdot", who runs the quantized linears' few-row passes (quant_linear).
     int16_rows: from this many rows blockdot rounds the activations to int16 (None: never).
     """
@@ -50,6 +53,7 @@ class Layout:
     pack_weights: bool = True
     kernels: str = "torch"
     int16_rows: int | None = None
+    dense_copies: bool = True
 
 
 def _linear_weight(w: Weight, layout: Layout, head: bool) -> Weight:
@@ -66,7 +70,7 @@ def _linear_weight(w: Weight, layout: Layout, head: bool) -> Weight:
         stored = quantize_int4(dense_of(w))
     if stored is not None:
         return quant_linear(stored, layout.dtype, layout.max_kernel_rows, layout.pack_weights, layout.kernels,
-                            layout.int16_rows)
+                            layout.int16_rows, layout.dense_copies)
     dense = dense_of(w).to(layout.dtype)
     return pack_linear_weight(dense) if layout.pack_weights and can_pack(dense) else dense
 
@@ -147,7 +151,7 @@ def is_quantized(model: LlamaModel) -> bool:
 def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype: torch.dtype | None = None,
                   quantization: str | None = None, max_kernel_rows: int | None = None,
                   kernels: str = "torch", int16_rows: int | None = None, fuse_decode: bool = False,
-                  bf16_one_call_rows: int | None = None) -> LlamaModel:
+                  bf16_one_call_rows: int | None = None, dense_copies: bool = True) -> LlamaModel:
     """The model an engine runs: laid out in `dtype` (default: the model's own) with the weights'
     quantization, then compiled, or `model` itself when nothing changes. fuse_decode: decode steps
     run their glue in C where the family allows it (nanoserve.model.fused_decode; bf16_one_call_rows:
@@ -162,7 +166,8 @@ def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype
     if not needs_layout:
         prepared = packed(model) if pack_weights else model
     else:
-        prepared = laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights, kernels, int16_rows))
+        prepared = laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights, kernels, int16_rows,
+                                          dense_copies))
     fused = fused_decode(prepared, bf16_one_call_rows) if fuse_decode else None  # None where why_not(prepared) says it cannot run
     if fused is not None or prepared.fused_layers is not None:  # a given model's own is not this engine's
         prepared = copy.copy(prepared) if prepared is model else prepared
@@ -183,7 +188,7 @@ def _nbytes(w: Weight) -> dict[str, int]:
 
 def weight_bytes(model: LlamaModel) -> dict[str, int]:
     """Bytes the model's weights hold, by form: dense (plain or oneDNN-packed), quantized (the
-    kernels' layouts), dense_copies (what quantized linears read past max_kernel_rows), stored
+    kernels' layouts), dense_copies (what quantized linears keep to read past max_kernel_rows), stored
     (quantized matrices as loaded, such as a GGUF embedding that lookups dequantize by row) and
     fused_copies (plain copies of oneDNN-packed matrices, what a dense model's one-call decode reads)."""
     total = {"dense": 0, "quantized": 0, "dense_copies": 0, "stored": 0,

@@ -22,9 +22,13 @@ to bf16 (8 bits of mantissa): that rounding, not the mapping, is the only change
   bf16 times a power of two, so both passes round d alike;
 - int8 per channel: one int8 pass.
 
-The kernels are shaped for few rows: past `max_kernel_rows` rows a linear reads its dense copy
-(in the activations' dtype) instead, so prefill and large batches never pay the slow path. The
-copy costs memory (2 bytes a weight in bf16); `weight_bytes` counts it.
+The kernels are shaped for few rows: past `max_kernel_rows` rows a linear multiplies by the dense
+matrix (in the activations' dtype) instead, so prefill and large batches never pay the slow path.
+On blockdot that matrix is the panels dequantized for the call (blockdot.c, bit for bit the stored
+matrix's dequantize(): about 0.1 ns a weight on two Zen 3 cores, a pass over the model's 134 M
+weights in ~15 ms where a 512-row step's matmuls take ~700 ms); on torch's kernels, or where
+asked (dense_copy), a dense copy held for the model's life, which costs memory (4 bytes a
+weight in float32, 2 in bf16): `weight_bytes` counts it.
 """
 
 from __future__ import annotations
@@ -175,16 +179,30 @@ def kernel_passes(w: Stored, dtype: torch.dtype) -> list[Int4Pass | Int8Pass]:
 
 @dataclass
 class QuantLinear:
-    """A linear run by quantized kernels for up to max_kernel_rows rows and by its dense copy above."""
+    """A linear run by quantized kernels for up to max_kernel_rows rows (None: every row count) and
+    by the dense matrix above: its dense copy where it keeps one, else blockdot's panels dequantized
+    for the call (the copy's memory saved for a pass over the weights each wide step)."""
 
     passes: list[Int4Pass | Int8Pass | blockdot.Panels]
     dense: torch.Tensor | None  # [N, K] in the activations' dtype (oneDNN-packed where that runs faster), or None
-    max_kernel_rows: int
+    max_kernel_rows: int | None
     shape: tuple[int, int]  # (N, K)
 
+    def __post_init__(self) -> None:
+        if self.max_kernel_rows is not None and self.dense is None and not self.dequantizes:
+            raise ValueError("a quantized linear with max_kernel_rows needs a dense copy unless it runs on blockdot's "
+                             f"panels alone; got {[type(p).__name__ for p in self.passes]}")
+
+    @property
+    def dequantizes(self) -> bool:
+        """Whether wide steps dequantize the panels per call (no dense copy)."""
+        return self.dense is None and len(self.passes) == 1 and isinstance(self.passes[0], blockdot.Panels)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] > self.max_kernel_rows:
-            return dense_linear(x, self.dense)
+        if self.max_kernel_rows is not None and x.shape[0] > self.max_kernel_rows:
+            if self.dense is not None:
+                return dense_linear(x, self.dense)
+            return F.linear(x, self.passes[0].dequantize(x.dtype))
         out = self.passes[0](x)
         for kernel_pass in self.passes[1:]:
             out = out + kernel_pass(x)
@@ -228,23 +246,22 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pack: bool,
-                 kernels: str = "torch", int16_rows: int | None = None) -> QuantLinear:
-    """The kernel form of a stored quantized matrix, with a dense copy for more than
-    max_kernel_rows rows (None: no copy, the kernels take every row count). kernels "blockdot" runs
-    the matrices blockdot supports on it (the rest, and "torch", on torch's kernels), on its int16
-    path from int16_rows rows (None: never)."""
+                 kernels: str = "torch", int16_rows: int | None = None, dense_copy: bool = True) -> QuantLinear:
+    """The kernel form of a stored quantized matrix, its kernels taking up to max_kernel_rows rows
+    (None: every row count) and the dense matrix more: a dense copy held for the model's life, or,
+    where dense_copy is False and the matrix runs on blockdot, its panels dequantized per call.
+    kernels "blockdot" runs the matrices blockdot supports on it (the rest, and "torch", on torch's
+    kernels), on its int16 path from int16_rows rows (None: never)."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r} is not one of {KERNELS}")
+    on_blockdot = kernels == "blockdot" and blockdot.supports(w, dtype)
+    passes = [blockdot.pack(w, int16_rows=int16_rows)] if on_blockdot else kernel_passes(w, dtype)
     dense = None
-    if max_kernel_rows is not None:
+    if max_kernel_rows is not None and (dense_copy or not on_blockdot):
         dense = w.dequantize().to(dtype)
         if pack and can_pack(dense):
             dense = pack_linear_weight(dense)
-    if kernels == "blockdot" and blockdot.supports(w, dtype):
-        passes = [blockdot.pack(w, int16_rows=int16_rows)]
-    else:
-        passes = kernel_passes(w, dtype)
-    return QuantLinear(passes, dense, max_kernel_rows or 0, w.shape)
+    return QuantLinear(passes, dense, max_kernel_rows, w.shape)
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor | Stored, dtype: torch.dtype) -> torch.Tensor:
