@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import TINY, make_hf_llama, make_tiny_engine
@@ -38,6 +40,29 @@ def test_cache_shape_dtype_and_bytes():
     assert cache.nbytes == 6 * 512 == 2 * (2 * 24 * 2 * 8 * 2)
     assert not cache.k.any() and not cache.v.any()  # zeros: an unwritten slot reads as finite
     assert cache.k.data_ptr() != cache.v.data_ptr()
+
+
+STATUS = Path("/proc/self/status")
+
+
+def resident_mib() -> float:
+    line = next(line for line in STATUS.read_text().splitlines() if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.skipif(not STATUS.exists(), reason="reads Linux's /proc/self/status")
+def test_a_pools_pages_are_committed_as_blocks_are_written():
+    # 256 MiB of pool (K and V): the system commits a page when it is first written, not at start
+    config = LlamaConfig(vocab_size=16, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=1, num_kv_heads=1,
+                         head_dim=64)
+    before = resident_mib()
+    cache = KVCache(config, num_blocks=4096, block_size=64, dtype=torch.float32, device=torch.device("cpu"))
+    assert cache.nbytes == 256 * 2**20
+    assert resident_mib() - before < 32
+    cache.k[0, :4096 * 16] = 1.0  # a quarter of one layer's K: 16 MiB written
+    grown = resident_mib() - before
+    assert 16 <= grown < 48
+    assert cache.k[0, 4096 * 16:].abs().sum() == 0 and cache.v[1, -1].abs().sum() == 0  # the rest reads as zeros
 
 
 def test_slot_of_a_token_is_block_id_times_block_size_plus_offset():

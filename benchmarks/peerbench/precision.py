@@ -58,7 +58,9 @@ config = EngineConfig(dtype=dtype, quantization=None if quantization == "none" e
                       fused_decode=fused == "fused")
 engine = Engine.from_pretrained(gguf, config)
 rates = {slots: decode_rate(engine, slots, tg - 2, pp) for slots in slots_list}
-print(json.dumps({"rates": rates, "rss_mib": psutil.Process().memory_info().rss / 2**20,
+# VmHWM: this process's own peak (execve starts a new one; ru_maxrss would keep the parent's)
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")) / 1024
+print(json.dumps({"rates": rates, "rss_mib": psutil.Process().memory_info().rss / 2**20, "peak_rss_mib": peak,
                   "dtype": engine.precision.dtype, "quantization": engine.precision.quantization,
                   "kernels": engine.precision.kernels, "fused": engine.model.fused_layers is not None,
                   "memory": engine.memory()}))
@@ -131,6 +133,7 @@ def nanoserve_rates(gguf: Path, dtype: str, quantization: str | None, pp: int, t
     quantized = f"/{result['kernels']}" if result["quantization"] else ""
     quantized += "/fused" if result["fused"] else ""  # the glue in C (nanoserve.model.fused_decode)
     return {"rates": {int(k): v for k, v in result["rates"].items()}, "rss_mib": result["rss_mib"],
+            "peak_rss_mib": result["peak_rss_mib"], "kv_pool_mib": result["memory"]["kv_cache"] / 2**20,
             "precision": f"{result['dtype']}/{result['quantization']}{quantized}"}
 
 
@@ -200,19 +203,21 @@ def main() -> None:
     print(f"\npeerbench precision: decode tok/s (aggregate, median of {args.rounds}), pp={args.pp} tg={args.tg}, "
           f"{args.threads} threads")
     print(f"{'file':<6}{'nanoserve as':<32}{'slots':>6}{'nanoserve':>11}{'llama.cpp':>11}{'ratio':>8}"
-          f"{'RSS MiB n/l':>14}")
+          f"{'RSS MiB n end/peak, l peak, n pool':>36}")
     for name, system in [key for key in got if key[1].startswith("nanoserve")]:
         ours, theirs = got[(name, system)], got[(name, "llama.cpp")]
         for s in args.slots:
             n = statistics.median(x["rates"][s] for x in ours)
             ll = statistics.median(x["rates"][s] for x in theirs)
             rss_n = max(x["rss_mib"] for x in ours)
+            peak_n, pool_n = max(x["peak_rss_mib"] for x in ours), max(x["kv_pool_mib"] for x in ours)
             rss_l = max((x["rss_mib"] for x in theirs if not math.isnan(x["rss_mib"])), default=math.nan)
             print(f"{name:<6}{ours[0]['precision']:<32}{s:>6}{n:>11.1f}{ll:>11.1f}{n / ll:>8.2f}"
-                  f"{rss_n:>7.0f}/{rss_l:<6.0f}")
+                  f"{rss_n:>14.0f}/{peak_n:<6.0f}{rss_l:>6.0f}{pool_n:>8.0f}")
             rows.append({"file": name, "gguf": files[name].name, "nanoserve_precision": ours[0]["precision"],
                          "slots": s, "nanoserve_decode_tok_s": n, "llamacpp_decode_tok_s": ll,
-                         "nanoserve_over_llamacpp": n / ll, "nanoserve_rss_mib": rss_n, "llamacpp_peak_rss_mib": rss_l,
+                         "nanoserve_over_llamacpp": n / ll, "nanoserve_rss_mib": rss_n, "nanoserve_peak_rss_mib": peak_n,
+                         "nanoserve_kv_pool_mib": pool_n, "llamacpp_peak_rss_mib": rss_l,
                          "pp": args.pp, "tg": args.tg, "rounds": args.rounds, "threads": args.threads,
                          "date": time.strftime("%Y-%m-%d")})
     if not args.no_transformers:

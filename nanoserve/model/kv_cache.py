@@ -6,6 +6,9 @@ ids, the model only ever sees slots (writes) and slot tables (reads).
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from nanoserve.model.config import LlamaConfig
@@ -16,6 +19,19 @@ def bytes_per_block(config: LlamaConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on a CPU in a private anonymous mapping, whose pages the system commits one
+    by one as they are first written: the blocks no request has used take no memory, so the pool's
+    size is a ceiling, not a cost paid at start (torch.zeros writes every page). A first read
+    commits a page too (seen on Linux), but attention reads only the blocks in a request's table,
+    which the request has written (but for its last block's tail)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled; the tensor keeps it
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
+
+
 class KVCache:
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -23,8 +39,8 @@ class KVCache:
         self.block_size = block_size
         shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
         # Allocated once; zeros so a padded read of an unwritten slot is finite (it is masked anyway).
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = zeros(shape, dtype, device)  # [L, slots, Hkv, D]
+        self.v = zeros(shape, dtype, device)
 
     @property
     def nbytes(self) -> int:
