@@ -213,14 +213,23 @@ def _half_bytes(t: torch.Tensor) -> torch.Tensor:
 SHIFTS = 4 * torch.arange(8)
 
 
+OCTET_ROWS = 4096  # rows regrouped at a time: the int64 words of 4096 x 576 codes take 19 MB, a 49152-row head's 226
+
+
 def _octets(codes: torch.Tensor) -> torch.Tensor:
     """codes [Np, K] in 0..15 (Np a multiple of 16) -> [panels, K / 32, 256] uint8: per block, 4
     octets of 16 uint32, lane n holding row 16 p + n's 8 codes."""
     Np, K = codes.shape
-    panels, B = Np // PANEL, K // BLOCK
-    words = (codes.to(torch.int64).view(panels, PANEL, B, 4, 8) << SHIFTS).sum(-1)  # [panels, 16, B, 4], < 2**32
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, as int32
-    return words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(panels, B, 256)
+    B = K // BLOCK
+    out = torch.empty(Np // PANEL, B, 256, dtype=torch.uint8)
+    for start in range(0, Np, OCTET_ROWS):
+        part = codes[start:start + OCTET_ROWS]
+        panels = part.shape[0] // PANEL
+        words = (part.to(torch.int64).view(panels, PANEL, B, 4, 8) << SHIFTS).sum(-1)  # [panels, 16, B, 4], < 2**32
+        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, as int32
+        out[start // PANEL:start // PANEL + panels] = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(
+            panels, B, 256)
+    return out
 
 
 def pack(w: BlockQuantized, kernel: Library | None = None, int16_rows: int | None = None) -> Panels:
@@ -239,8 +248,8 @@ def pack(w: BlockQuantized, kernel: Library | None = None, int16_rows: int | Non
                          f"{getattr(w, 'kind', type(w).__name__)}")
     N, K = w.shape
     if w.kind == "Q8_0":  # q = 16 hi + lo: planes lo and hi + 8, w = d lo + 16 d (hi + 8) - 128 d
-        codes = w.codes.to(torch.int16)
-        planes = [codes & 15, (codes >> 4) + 8]
+        codes = w.codes.view(torch.uint8)  # q + 256 where q < 0: the low nibble is q's, the high one (q >> 4) + 16
+        planes = [codes & 15, ((codes >> 4) + 8) & 15]
         mins = -128 * w.scales
     else:  # Q4_1 as stored; Q4_0's d (q - 8) = d q + (-8 d)
         planes = [w.codes]
@@ -249,5 +258,5 @@ def pack(w: BlockQuantized, kernel: Library | None = None, int16_rows: int | Non
     scales, mins = F.pad(w.scales, (0, 0, 0, pad)), F.pad(mins, (0, 0, 0, pad))
     panels, B = (N + pad) // PANEL, K // BLOCK
     head = [_half_bytes(t.view(panels, PANEL, B).transpose(1, 2)) for t in (scales, mins)]  # [panels, B, 32] x 2
-    body = [_octets(F.pad(c, (0, 0, 0, pad))) for c in planes]
+    body = [_octets(F.pad(c, (0, 0, 0, pad)) if pad else c) for c in planes]
     return Panels(torch.cat([*head, *body], dim=-1).contiguous(), len(planes), (N, K), kernel, int16_rows or 0)
