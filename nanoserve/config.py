@@ -44,10 +44,12 @@ class EngineConfig:
     # times blockdot no slower than the dense path at, 8 where it loses at 16 (precision.WIDE_ROWS).
     max_kernel_rows: int | str | None = "auto"
     # Past max_kernel_rows, a quantized linear on blockdot multiplies by its matrix dequantized for
-    # that call (in C, bit for bit; a pass over the weights per wide step); True keeps a dense copy
-    # of every quantized matrix for the model's life instead (4 bytes a weight in float32, 2 in
-    # bf16: Engine.memory()'s dense_copies). Linears on torch's kernels always keep theirs.
-    dense_copies: bool = False
+    # that call (False: in C, bit for bit; a pass over the weights per wide step), or by a dense copy
+    # held for the model's life (True: 4 bytes a weight in float32, 2 in bf16, Engine.memory()'s
+    # dense_copies). "auto": no copies where the start-up probe times blockdot within 1.3x of the
+    # dequantized matmul at 16 rows, copies where dense matmuls are faster at decode widths
+    # (precision.resolve). Linears on torch's kernels always keep theirs.
+    dense_copies: bool | str = "auto"
     # Who runs those few-row passes on a CPU: "torch" (its weight-only kernels), "blockdot"
     # (nanoserve's own, nanoserve/model/blockdot.c, compiled at first use: GGUF's Q4_0, Q4_1 and Q8_0
     # and nanoserve's int4 with fp16 scales, read exactly), or "auto": blockdot unless the start-up
@@ -96,8 +98,8 @@ class EngineConfig:
         if self.max_kernel_rows not in (None, "auto") and (not isinstance(self.max_kernel_rows, int)
                                                            or self.max_kernel_rows < 1):
             raise ValueError(f"max_kernel_rows={self.max_kernel_rows!r} must be None, 'auto' or an integer >= 1")
-        if not isinstance(self.dense_copies, bool):
-            raise ValueError(f"dense_copies={self.dense_copies!r} must be True or False")
+        if not (isinstance(self.dense_copies, bool) or self.dense_copies == "auto"):
+            raise ValueError(f"dense_copies={self.dense_copies!r} must be True, False or 'auto'")
         if self.blockdot_int16_rows is not None and (not isinstance(self.blockdot_int16_rows, int)
                                                     or self.blockdot_int16_rows < 1):
             raise ValueError(f"blockdot_int16_rows={self.blockdot_int16_rows!r} must be None or an integer >= 1")

@@ -84,7 +84,7 @@ class Engine:
                                            int16_rows=config.blockdot_int16_rows,
                                            fuse_decode=config.fused_decode and world_size == 1,
                                            bf16_one_call_rows=self.precision.bf16_one_call_rows,
-                                           dense_copies=config.dense_copies)
+                                           dense_copies=self.precision.dense_copies)
         num_positions = model.cos.shape[0]
         self.max_model_len = config.max_model_len or num_positions
         if self.max_model_len > num_positions:

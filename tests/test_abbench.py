@@ -18,12 +18,12 @@ def base():
 # (pack_weights, compile, deferred_output, decode_group_min_rows, fused_decode, blockdot_int16_rows,
 # dense_copies) of A (off) and B (on), from abbench's usage
 PAIRS = {
-    "groups": ((True, False, False, None, True, 1, False), (True, False, False, 8, True, 1, False)),
-    "deferred": ((True, False, False, 8, True, 1, False), (True, False, True, 8, True, 1, False)),
-    "compile": ((True, False, False, 8, True, 1, False), (False, True, False, 8, True, 1, False)),
-    "packed": ((False, False, False, 8, True, 1, False), (True, False, False, 8, True, 1, False)),
-    "fused": ((True, False, False, 8, False, 1, False), (True, False, False, 8, True, 1, False)),
-    "int16": ((True, False, False, 8, True, None, False), (True, False, False, 8, True, 1, False)),
+    "groups": ((True, False, False, None, True, 1, "auto"), (True, False, False, 8, True, 1, "auto")),
+    "deferred": ((True, False, False, 8, True, 1, "auto"), (True, False, True, 8, True, 1, "auto")),
+    "compile": ((True, False, False, 8, True, 1, "auto"), (False, True, False, 8, True, 1, "auto")),
+    "packed": ((False, False, False, 8, True, 1, "auto"), (True, False, False, 8, True, 1, "auto")),
+    "fused": ((True, False, False, 8, False, 1, "auto"), (True, False, False, 8, True, 1, "auto")),
+    "int16": ((True, False, False, 8, True, None, "auto"), (True, False, False, 8, True, 1, "auto")),
     "dequantize": ((True, False, False, 8, True, 1, True), (True, False, False, 8, True, 1, False)),
 }
 

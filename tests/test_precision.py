@@ -113,7 +113,7 @@ def test_auto_kernel_rows_follow_the_probes_wide_timing():
     # the first loss ends the ladder, a win past it notwithstanding
     gap = kernel_rows(((16, 0.2, 0.4), (32, 0.9, 0.6), (64, 0.9, 1.0)))
     assert gap.max_kernel_rows == 16
-    lost = kernel_rows(((16, 0.6, 0.4), (32, 0.5, 0.6), (64, 0.9, 1.0)))
+    lost = kernel_rows(((16, 0.6, 0.4), (32, 0.5, 0.6), (64, 0.9, 1.0)), dense_copies=False)
     assert lost.max_kernel_rows == precision.DEFAULT_KERNEL_ROWS == 8 and "kernels up to 8 rows: blockdot 0.67x" in lost.reason
     # with dense copies: blockdot against the streamed copy at the probe's 16 rows, no margin
     copies = kernel_rows(ZEN3_LADDER, wide_ms=(0.3, 0.4), dense_copies=True)
@@ -124,6 +124,18 @@ def test_auto_kernel_rows_follow_the_probes_wide_timing():
     torch_kernels = resolve("bfloat16", "int4", CPU, False, probe=fake(0.2, 0.05, blockdot_ms=0.01, dequantized_rows=ZEN3_LADDER),
                             kernels="torch")
     assert torch_kernels.max_kernel_rows == 8  # the probe's wide timings are blockdot's
+    assert torch_kernels.dense_copies  # and torch's kernels have no dequantizing of their own
+
+
+def test_auto_dense_copies_only_where_dense_outruns_blockdot_at_decode_widths():
+    lean = kernel_rows(ZEN3_LADDER, wide_ms=(0.3, 0.4))  # blockdot holds through 64 rows: no copies
+    assert (lean.dense_copies, lean.max_kernel_rows) == (False, 64) and "dense copies none: blockdot 1.75x" in lean.reason
+    # blockdot loses at 16 rows (a CPU with fast dense bf16): every 9+ row decode step would dequantize, so copies
+    fast_dense = kernel_rows(((16, 0.6, 0.4), (32, 1.0, 0.6), (64, 2.0, 1.0)), wide_ms=(0.6, 0.3))
+    assert (fast_dense.dense_copies, fast_dense.max_kernel_rows) == (True, 8)
+    assert "dense copies kept: blockdot 0.67x" in fast_dense.reason and "0.50x the dense copy's speed" in fast_dense.reason
+    given = kernel_rows(((16, 0.6, 0.4),), wide_ms=(0.6, 0.3), dense_copies=False)
+    assert (given.dense_copies, given.max_kernel_rows) == (False, 8)
 
 
 def test_bf16_decode_steps_run_in_one_call_at_every_width_where_bf16_is_slower():

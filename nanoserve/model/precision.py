@@ -108,10 +108,13 @@ class Precision:
     reason: str
     probe: Probe | None = None
     kernels: str = "torch"  # who runs quantized linears at few rows: "torch" or "blockdot"
-    max_kernel_rows: int | None = DEFAULT_KERNEL_ROWS  # quantized kernels up to this many rows, dense copies above
+    max_kernel_rows: int | None = DEFAULT_KERNEL_ROWS  # quantized kernels up to this many rows, the dense matrix above
     # A dense bf16 model's decode steps in one C call up to this many rows (fused_decode.c widens bf16
     # to float32), oneDNN's bf16 linears above; every width where the probe times bf16 below float32.
     bf16_one_call_rows: int = 2
+    # Quantized linears past max_kernel_rows read a dense copy held for the model's life (True), or
+    # blockdot's panels dequantized per call (False).
+    dense_copies: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -233,7 +236,7 @@ def _probe(kernel_dtype: str | None, rows: int, K: int, N: int) -> Probe:
 
 def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoint_quantized: bool,
             probe: Callable[..., Probe] | None = None, kernels: str = "auto",
-            max_kernel_rows: int | str | None = "auto", dense_copies: bool = False) -> Precision:
+            max_kernel_rows: int | str | None = "auto", dense_copies: bool | str = "auto") -> Precision:
     """Turns the config's "auto" values into a Precision.
 
     dtype "auto": bfloat16 on a CUDA device that supports it; on a CPU, bfloat16 when the probe
@@ -243,9 +246,13 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
     kernel on float32 activations, they are dequantized into dense); a dense checkpoint stays dense. kernels "auto": blockdot unless the
     probe times torch's int4 kernel BLOCKDOT_MARGIN times faster at one row, torch's kernels then;
     "blockdot" asks for it (a ValueError where it cannot be built), "torch" for torch's.
-    max_kernel_rows "auto": on blockdot, the widest of WIDE_ROWS up to which the probe times its
-    int16 path within WIDE_MARGIN of what runs past it (the panels dequantized per call; with
-    dense_copies, no slower than the dense copy), DEFAULT_KERNEL_ROWS where it loses at 16. A bf16 engine on a CPU
+    dense_copies "auto": on blockdot, none where the probe times its int16 path within WIDE_MARGIN
+    of the panels dequantized per call at 16 rows (wide decode steps stay on the kernels, only
+    wider ones dequantize), kept where it does not (a CPU whose dense matmuls outrun blockdot at
+    decode widths, which would dequantize every such step); torch's kernels always keep them.
+    max_kernel_rows "auto": on blockdot without copies, the widest of WIDE_ROWS up to which the
+    probe times its int16 path within WIDE_MARGIN of the dequantized matmul; with copies, 16 where
+    it is no slower than the streamed copy at 16 rows; DEFAULT_KERNEL_ROWS otherwise. A bf16 engine on a CPU
     whose probe times bf16 slower than float32 runs its dense decode steps in one call at every width.
     """
     probe = probe or probe_cpu  # looked up at call time, so a test can stand in for it
@@ -307,24 +314,39 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
             reasons.append(f"kernels torch: blockdot not timed ({figures.blockdot_note or 'no figure'})")
     elif kernels not in ("auto", *KERNELS):
         raise ValueError(f"kernels={kernels!r} is not one of {['auto', *KERNELS]}")
-    if max_kernel_rows == "auto":
-        max_kernel_rows = DEFAULT_KERNEL_ROWS
-        if chosen == "blockdot" and quantization is not None and device.type == "cpu":
-            if figures is None or figures.kernel_dtype != dtype:
-                figures = probe(kernel_dtype=dtype)
+    on_blockdot = chosen == "blockdot" and quantization is not None and device.type == "cpu"
+    if not on_blockdot:
+        dense_copies = True  # torch's kernels have no per-call dequantizing: their linears keep copies
+    if on_blockdot and "auto" in (max_kernel_rows, dense_copies):
+        if figures is None or figures.kernel_dtype != dtype:
+            figures = probe(kernel_dtype=dtype)
+        # without copies: the widest ladder step blockdot holds within the margin, None where it loses at 16
+        lean_rows = None
+        for rows, kernel_ms, dequantized_ms in figures.dequantized_rows:
+            if kernel_ms > dequantized_ms * WIDE_MARGIN:
+                break
+            lean_rows = rows
+        ladder = (", ".join(f"{d / b:.2f}x" for _, b, d in figures.dequantized_rows) + " the dequantized matmul's speed at "
+                  + ", ".join(str(r) for r, _, _ in figures.dequantized_rows) + " rows")
+        if dense_copies == "auto":
+            dense_copies = lean_rows is None and figures.blockdot_wide_ms is not None
+            reasons.append(f"dense copies {'kept' if dense_copies else 'none'}: blockdot {ladder}" if figures.dequantized_rows
+                           else "dense copies none: no wide timing")
+        if max_kernel_rows == "auto":
+            max_kernel_rows = DEFAULT_KERNEL_ROWS
             if dense_copies and figures.blockdot_wide_ms is not None:
                 if figures.blockdot_wide_ms <= figures.dense_wide_ms:
                     max_kernel_rows = figures.shape[0]
                 reasons.append(f"kernels up to {max_kernel_rows} rows: blockdot {figures.dense_wide_ms / figures.blockdot_wide_ms:.2f}x "
                                f"the dense copy's speed at {figures.shape[0]} rows, streamed")
-            elif not dense_copies and figures.dequantized_rows:
-                for rows, kernel_ms, dequantized_ms in figures.dequantized_rows:
-                    if kernel_ms > dequantized_ms * WIDE_MARGIN:
-                        break
-                    max_kernel_rows = rows
-                reasons.append(f"kernels up to {max_kernel_rows} rows: blockdot " + ", ".join(
-                    f"{d / b:.2f}x" for _, b, d in figures.dequantized_rows) + " the dequantized matmul's speed at "
-                    + ", ".join(str(r) for r, _, _ in figures.dequantized_rows) + " rows")
+            elif not dense_copies:
+                max_kernel_rows = lean_rows or DEFAULT_KERNEL_ROWS
+                if figures.dequantized_rows:
+                    reasons.append(f"kernels up to {max_kernel_rows} rows: blockdot {ladder}")
+    if max_kernel_rows == "auto":
+        max_kernel_rows = DEFAULT_KERNEL_ROWS
+    if dense_copies == "auto":
+        dense_copies = False
     bf16_one_call_rows = 2
     if dtype == "bfloat16" and device.type == "cpu":
         if figures is None:
@@ -333,4 +355,5 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
             bf16_one_call_rows = 2**31
             reasons.append(f"bf16 decode steps in one call at every width: bfloat16 {figures.float32_ms / figures.bfloat16_ms:.2f}x "
                            "float32's speed")
-    return Precision(dtype, quantization, "; ".join(reasons), figures, chosen, max_kernel_rows, bf16_one_call_rows)
+    return Precision(dtype, quantization, "; ".join(reasons), figures, chosen, max_kernel_rows, bf16_one_call_rows,
+                     dense_copies)
