@@ -6,6 +6,7 @@ served with that model's logits."""
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -350,7 +351,30 @@ def test_family_file_serves_the_logits_of_its_transformers_model(tmp_path, arch,
 
 def test_the_tokenizer_carries_the_files_chat_template(tmp_path):
     write_gguf_from_hf(tmp_path / "m.gguf", make_hf_model("qwen3", seed=5), "qwen3")
-    tokenizer = load_gguf_tokenizer(tmp_path / "m.gguf")
-    assert tokenizer.chat_template == CHAT_TEMPLATE
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    assert tokenizer.apply_chat_template(messages, tokenize=False) == "<system>be brief<user>hi"
+    for _ in range(2):  # converted from the file, then read from the saved copy
+        tokenizer = load_gguf_tokenizer(tmp_path / "m.gguf", cache=tmp_path / "cache")
+        assert tokenizer.chat_template == CHAT_TEMPLATE
+        assert tokenizer.apply_chat_template(messages, tokenize=False) == "<system>be brief<user>hi"
+    assert len(list((tmp_path / "cache").glob("tokenizer-*/tokenizer.json"))) == 1
+
+
+@pytest.mark.weights
+@pytest.mark.slow
+def test_the_saved_tokenizer_is_the_converted_one(default_gguf, tmp_path):
+    from transformers import AutoTokenizer
+
+    converted = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    load_gguf_tokenizer(default_gguf, cache=tmp_path)  # converts and saves
+    saved = load_gguf_tokenizer(default_gguf, cache=tmp_path)  # reads the saved copy
+    assert len(list(tmp_path.glob("tokenizer-*/tokenizer.json"))) == 1
+    text = (Path(__file__).parents[1] / "data" / "quantbench.txt").read_text()[:20000] + " <|im_end|> \n\t  héllo 東京 🙂"
+    assert saved.encode(text) == converted.encode(text)
+    ids = converted.encode(text)
+    assert saved.decode(ids) == converted.decode(ids)
+    assert saved.decode(ids, skip_special_tokens=True) == converted.decode(ids, skip_special_tokens=True)
+    assert (len(saved), saved.eos_token_id, saved.bos_token_id, saved.pad_token_id, saved.all_special_ids) == \
+        (len(converted), converted.eos_token_id, converted.bos_token_id, converted.pad_token_id, converted.all_special_ids)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert saved.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        converted.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
