@@ -15,8 +15,7 @@ from nanoserve.model.config import LlamaConfig
 
 
 def bytes_per_block(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -27,7 +26,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     which the request has written (but for its last block's tail)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled; the tensor keeps it
     return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
