@@ -260,10 +260,78 @@ INLINE void tile16(const struct xin *in, const uint8_t *w, int64_t B, int planes
   }
 }
 
+#if SIMD == 256
+/* tile16 for one panel against four rows of x, written out for AVX2: gcc's register allocation of the
+   generic tile (a vf is two registers here) kept the pair shifts in a register and spilled sums inside
+   the loop (perf annotate, 2026-12-03). Here the 8 int32 sums, the pair of codes, the mask and one
+   broadcast x are 13 of the 16 registers; the codes are re-read from L1 for each shift (a folded load).
+   Per octet and pair j: 2 shifts, 2 ands, then for each row one broadcast, 2 vpmaddwd and 2 vpaddd. */
+#define PAIR4(j, hi)                                                                                        \
+  do {                                                                                                     \
+    const int shift = 4 * (j) - 4 * (hi);                                                                  \
+    const __m256i pa = _mm256_and_si256(shift > 0 ? _mm256_srli_epi32(_mm256_loadu_si256(ca), shift)      \
+                                        : shift < 0 ? _mm256_slli_epi32(_mm256_loadu_si256(ca), -shift)    \
+                                                    : _mm256_loadu_si256(ca), mask);                       \
+    const __m256i pb = _mm256_and_si256(shift > 0 ? _mm256_srli_epi32(_mm256_loadu_si256(cb), shift)      \
+                                        : shift < 0 ? _mm256_slli_epi32(_mm256_loadu_si256(cb), -shift)    \
+                                                    : _mm256_loadu_si256(cb), mask);                       \
+    __m256i s = _mm256_set1_epi32(q0[4 * o + (j)]);                                                        \
+    g0a = _mm256_add_epi32(g0a, _mm256_madd_epi16(pa, s)), g0b = _mm256_add_epi32(g0b, _mm256_madd_epi16(pb, s)); \
+    s = _mm256_set1_epi32(q1[4 * o + (j)]);                                                                \
+    g1a = _mm256_add_epi32(g1a, _mm256_madd_epi16(pa, s)), g1b = _mm256_add_epi32(g1b, _mm256_madd_epi16(pb, s)); \
+    s = _mm256_set1_epi32(q2[4 * o + (j)]);                                                                \
+    g2a = _mm256_add_epi32(g2a, _mm256_madd_epi16(pa, s)), g2b = _mm256_add_epi32(g2b, _mm256_madd_epi16(pb, s)); \
+    s = _mm256_set1_epi32(q3[4 * o + (j)]);                                                                \
+    g3a = _mm256_add_epi32(g3a, _mm256_madd_epi16(pa, s)), g3b = _mm256_add_epi32(g3b, _mm256_madd_epi16(pb, s)); \
+    __asm__("" : "+x"(g0a), "+x"(g0b), "+x"(g1a), "+x"(g1b), "+x"(g2a), "+x"(g2b), "+x"(g3a), "+x"(g3b));        \
+  } while (0)
+
+INLINE void plane4(const uint8_t *w, int64_t p0, int64_t B, int64_t b, int64_t bb, const int32_t *q0, const int32_t *q1,
+                   const int32_t *q2, const int32_t *q3, const int hi, __m256i g[8]) {
+  const __m256i mask = _mm256_set1_epi32(hi ? 0x00F000F0 : 0x000F000F);
+  __m256i g0a = g[0], g0b = g[1], g1a = g[2], g1b = g[3], g2a = g[4], g2b = g[5], g3a = g[6], g3b = g[7];
+  for (int o = 0; o < 4; o++) {
+    const __m256i *ca = (const __m256i *)octet_at(w, p0, B, b, bb, hi, o), *cb = ca + 1;
+    PAIR4(0, hi);
+    PAIR4(1, hi);
+    PAIR4(2, hi);
+    PAIR4(3, hi);
+  }
+  g[0] = g0a, g[1] = g0b, g[2] = g1a, g[3] = g1b, g[4] = g2a, g[5] = g2b, g[6] = g3a, g[7] = g3b;
+}
+#undef PAIR4
+
+INLINE void tile16_avx2(const struct xin *in, const uint8_t *w, int64_t B, int planes, int64_t p0, int64_t r0,
+                        vf acc[8]) {
+  const int64_t bb = block_bytes(planes);
+  for (int a = 0; a < 4; a++) acc[a] = vzero();
+  for (int64_t b = 0; b < B; b++) {
+    __m256i g[8];
+    for (int a = 0; a < 8; a++) g[a] = _mm256_setzero_si256();
+    prefetch_ahead(w, p0, 1, B, b, bb);
+    const int32_t *q0 = in->xq + ((r0 + 0) * B + b) * 16, *q1 = in->xq + ((r0 + 1) * B + b) * 16,
+                  *q2 = in->xq + ((r0 + 2) * B + b) * 16, *q3 = in->xq + ((r0 + 3) * B + b) * 16;
+    plane4(w, p0, B, b, bb, q0, q1, q2, q3, 0, g);
+    if (planes == 2) plane4(w, p0, B, b, bb, q0, q1, q2, q3, 1, g);
+    const struct panel_head *h = head_at(w, p0, B, b, bb);
+    const vf d = vhalf(h->d), m = vhalf(h->m);
+    for (int r = 0; r < 4; r++) {
+      const int64_t rb = (r0 + r) * B + b;
+      const vf sum = {_mm256_cvtepi32_ps(g[2 * r]), _mm256_cvtepi32_ps(g[2 * r + 1])};
+      acc[r] = vfma(m, vset1(in->xsum[rb]), vfma(vmul(d, vset1(in->xd[rb])), sum, acc[r]));
+    }
+  }
+}
+#endif
+
 /* The tile's sums into y [M, N], past-N rows (a panel's padding) left out. */
 INLINE void tile_out(const struct xin *in, int64_t K, int64_t N, const uint8_t *w, int planes, int64_t p0,
                      int64_t r0, const int NP, const int MR, void *y, int y_bf16) {
   vf acc[8];
+#if SIMD == 256
+  if (in->xq && NP == 1 && MR == 4) tile16_avx2(in, w, K / G, planes, p0, r0, acc);
+  else
+#endif
   if (in->xq) tile16(in, w, K / G, planes, p0, r0, NP, MR, acc);
   else tile(in, K, w, K / G, planes, p0, r0, NP, MR, acc);
   for (int p = 0; p < NP; p++)
