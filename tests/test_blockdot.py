@@ -92,8 +92,9 @@ def int16_rounded(x: torch.Tensor) -> torch.Tensor:
 
 
 def block_mins(stored: BlockQuantized) -> torch.Tensor:
-    """m of w = d q + m per (row, block): Q4_1's own, Q4_0's -8 d, Q8_0's -128 d (q + 128 in 0..255)."""
-    return {"Q4_1": stored.mins, "Q4_0": -8 * stored.scales, "Q8_0": -128 * stored.scales}[stored.kind].double()
+    """m of w = d q + m per (row, block) as the kernel splits it: Q4_1's own, Q4_0's -8 d (q in 0..15),
+    Q8_0's 0 (its int8 q as stored)."""
+    return {"Q4_1": stored.mins, "Q4_0": -8 * stored.scales, "Q8_0": 0 * stored.scales}[stored.kind].double()
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
@@ -169,7 +170,7 @@ def test_a_hand_built_block():
         x[0, k] = 1.0
         assert panels(x).item() == 0.5 * q - 1
     assert panels(torch.ones(1, 32)).item() == 88.0
-    # Q8_0 code -77 = 16 * (-5) + 3 at d = 0.5: planes 3 and 3, w = 0.5 * 3 + 8 * 3 - 64 = -38.5
+    # Q8_0 code -77 at d = 0.5: w = -38.5, read from its int8 byte
     q8 = BlockQuantized("Q8_0", torch.full((1, 32), -77, dtype=torch.int8), torch.tensor([[0.5]]), None)
     x = torch.zeros(1, 32)
     x[0, 7] = 1.0

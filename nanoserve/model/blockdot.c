@@ -6,20 +6,23 @@
  * int4 kernel rounds a GGUF file's fp16 scales to bf16 (8 of their 11 bits), its int8 Q8_0 head needs
  * two int4 passes, and on a CPU without AVX-512 bf16 it has no fast path at all.
  *
- * Every block is w[n, k] = d * q + m for 32 consecutive k of one output row n, q in 0..15 in each
- * of one or two planes of 4-bit codes:
- *   Q4_1: one plane, d and m as stored;       Q4_0 (d (q - 8)): one plane, m = -8 d;
- *   Q8_0 (d q, q int8 = 16 hi + lo, lo in 0..15, hi in -8..7): two planes, lo and hi + 8, with
- *   w = d lo + 16 d (hi + 8) - 128 d, so m = -128 d; the high plane is read against 16 x.
+ * Every block is w[n, k] = d * q + m for 32 consecutive k of one output row n, its codes q either
+ * 4 bits (0..15) or 8 (int8); `planes` names which, as the 4-bit planes the codes take:
+ *   Q4_1: 4-bit codes (planes = 1), d and m as stored;   Q4_0 (d (q - 8)): 4-bit codes, m = -8 d;
+ *   Q8_0 (d q): int8 codes as stored (planes = 2), m = 0.
  * All of these are exact in fp16 and float32 (blockdot.py checks that the scales are).
  *
  * Layout ("panels"): output rows in panels of 16, one vector lane per row. Block (p, b) is
- *   fp16 d[16], fp16 m[16], then per plane 4 octets of 16 uint32: lane n of octet o holds the codes
- *   of row 16 p + n at k = 32 b + 8 o + i, i = 0..7, in bits 4 i .. 4 i + 3.
- * A step loads one octet (64 bytes: 16 rows x 8 k), takes each k's 16 codes as floats (a table
- * lookup with AVX-512, a conversion with AVX2) and multiplies them by x[k] broadcast, so 16 rows
- * advance at once and no sum crosses lanes; g[n] = sum over the block of q[n, k] x[k] is then scaled
- * once: acc[n] += d[n] g[n] + m[n] sum_b(x). bf16 activations are widened to float32 first (exactly).
+ *   fp16 d[16], fp16 m[16], then 256 bytes of 4-bit codes or 512 of int8 codes:
+ *   4-bit: 4 octets of 16 uint32: lane n of octet o holds the codes of row 16 p + n at
+ *          k = 32 b + 8 o + i, i = 0..7, in bits 4 i .. 4 i + 3;
+ *   int8:  per octet o and j = 0..3, 32 bytes: row n's codes at k = 32 b + 8 o + j and that k + 4 in
+ *          bytes 2 n and 2 n + 1, so that one sign extension to int16 gives each row's pair of k
+ *          (the pairs the int16 path multiplies at once, below).
+ * A step takes each k's 16 codes as floats (a table lookup or a conversion) and multiplies them by
+ * x[k] broadcast, so 16 rows advance at once and no sum crosses lanes; g[n] = sum over the block of
+ * q[n, k] x[k] is then scaled once: acc[n] += d[n] g[n] + m[n] sum_b(x). bf16 activations are widened
+ * to float32 first (exactly).
  *
  * The int16 path (tile16; from `int16_rows` rows of x, EngineConfig.blockdot_int16_rows) rounds
  * each block of x to int16 against its largest |x| first and sums codes times x in int32, two k a
@@ -62,11 +65,16 @@ static inline vf vcode(vi v, int shift) {
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
 static inline vi vizero(void) { return _mm512_setzero_si512(); }
-/* codes j and j + 4 of every lane as two int16 (16 times them where hi: the high plane) */
-static inline vi vpair(vi v, int j, int hi) {
-  const __m512i m = _mm512_set1_epi32(hi ? 0x00F000F0 : 0x000F000F);
-  const int shift = 4 * j - 4 * hi;
-  return _mm512_and_si512(shift > 0 ? _mm512_srli_epi32(v, shift) : shift < 0 ? _mm512_slli_epi32(v, -shift) : v, m);
+/* 4-bit codes j and j + 4 of every lane as two int16 */
+static inline vi vpair(vi v, int j) {
+  const __m512i m = _mm512_set1_epi32(0x000F000F);
+  return _mm512_and_si512(j ? _mm512_srli_epi32(v, 4 * j) : v, m);
+}
+/* int8 codes: every lane's pair (32 bytes at p) as two int16, and the first (hi = 0) or second as floats */
+static inline vi vpair8(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf vcode8(const int8_t *p, int hi) {
+  const vi v = vpair8(p);
+  return _mm512_cvtepi32_ps(_mm512_srai_epi32(hi ? v : _mm512_slli_epi32(v, 16), 16));
 }
 /* acc + per lane the dot of its two int16 with the two of s */
 static inline vi vdot(vi acc, vi u, int32_t s) {
@@ -110,12 +118,20 @@ static inline vf vcode(vi v, int shift) {
 static inline vf vmul(vf x, vf y) { return (vf){_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
 static inline vf vcvt(vi v) { return (vf){_mm256_cvtepi32_ps(v.a), _mm256_cvtepi32_ps(v.b)}; }
 static inline vi vizero(void) { return (vi){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-static inline __m256i pair8(__m256i v, int shift, __m256i m) {
-  return _mm256_and_si256(shift > 0 ? _mm256_srli_epi32(v, shift) : shift < 0 ? _mm256_slli_epi32(v, -shift) : v, m);
+static inline vi vpair(vi v, int j) {
+  const __m256i m = _mm256_set1_epi32(0x000F000F);
+  return (vi){_mm256_and_si256(_mm256_srli_epi32(v.a, 4 * j), m), _mm256_and_si256(_mm256_srli_epi32(v.b, 4 * j), m)};
 }
-static inline vi vpair(vi v, int j, int hi) {
-  const __m256i m = _mm256_set1_epi32(hi ? 0x00F000F0 : 0x000F000F);
-  return (vi){pair8(v.a, 4 * j - 4 * hi, m), pair8(v.b, 4 * j - 4 * hi, m)};
+static inline vi vpair8(const int8_t *p) {
+  return (vi){_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)),
+              _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)))};
+}
+static inline __m256 code8x8(__m256i v, int hi) {
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(hi ? v : _mm256_slli_epi32(v, 16), 16));
+}
+static inline vf vcode8(const int8_t *p, int hi) {
+  const vi v = vpair8(p);
+  return (vf){code8x8(v.a, hi), code8x8(v.b, hi)};
 }
 static inline vi vdot(vi acc, vi u, int32_t s) {
   const __m256i sv = _mm256_set1_epi32(s);
@@ -147,10 +163,16 @@ static inline vf vcode(vi v, int shift) { vf r; for (int j = 0; j < 16; j++) r.v
 static inline vf vmul(vf x, vf y) { for (int j = 0; j < 16; j++) x.v[j] *= y.v[j]; return x; }
 static inline vf vcvt(vi v) { vf r; for (int j = 0; j < 16; j++) r.v[j] = (float)(int32_t)v.v[j]; return r; }
 static inline vi vizero(void) { vi r = {{0}}; return r; }
-static inline vi vpair(vi v, int j, int hi) {
-  for (int n = 0; n < 16; n++) v.v[n] = ((v.v[n] >> 4 * j) & 0x000F000Fu) << 4 * hi;
+static inline vi vpair(vi v, int j) {
+  for (int n = 0; n < 16; n++) v.v[n] = (v.v[n] >> 4 * j) & 0x000F000Fu;
   return v;
 }
+static inline vi vpair8(const int8_t *p) {
+  vi r;
+  for (int n = 0; n < 16; n++) r.v[n] = (uint16_t)(int16_t)p[2 * n] | (uint32_t)(uint16_t)(int16_t)p[2 * n + 1] << 16;
+  return r;
+}
+static inline vf vcode8(const int8_t *p, int hi) { vf r; for (int n = 0; n < 16; n++) r.v[n] = p[2 * n + hi]; return r; }
 static inline vi vdot(vi acc, vi u, int32_t s) {
   for (int n = 0; n < 16; n++)
     acc.v[n] += (uint32_t)((int32_t)(int16_t)(u.v[n] & 0xffff) * (int16_t)((uint32_t)s & 0xffff) +
@@ -175,18 +197,21 @@ static inline void prefetch_l1(const void *p) { (void)p; }
 #define AHEAD 4     /* blocks prefetched ahead of the one being read, in each panel */
 #define INLINE static inline __attribute__((always_inline))
 
-struct panel_head { uint16_t d[P], m[P]; };  /* then planes * 4 octets * 16 uint32 */
+struct panel_head { uint16_t d[P], m[P]; };  /* then the codes: planes * 4 octets * 16 uint32 */
 
 static inline int64_t block_bytes(int planes) { return (int64_t)sizeof(struct panel_head) + planes * 4 * P * 4; }
 
 int blockdot_simd(void) { return SIMD; }
 
-/* Block (p, b) of panels w with bb bytes a block: its head, and plane `plane`'s octet o. */
+/* Block (p, b) of panels w with bb bytes a block: its head, 4-bit codes' octet o, int8 codes' pair (o, j). */
 static inline const struct panel_head *head_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, int64_t bb) {
   return (const struct panel_head *)(w + (p * B + b) * bb);
 }
-static inline const uint32_t *octet_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, int64_t bb, int plane, int o) {
-  return (const uint32_t *)(w + (p * B + b) * bb + sizeof(struct panel_head)) + (plane * 4 + o) * P;
+static inline const uint32_t *octet_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, int64_t bb, int o) {
+  return (const uint32_t *)(w + (p * B + b) * bb + sizeof(struct panel_head)) + o * P;
+}
+static inline const int8_t *pair_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, int64_t bb, int o, int j) {
+  return (const int8_t *)(w + (p * B + b) * bb + sizeof(struct panel_head)) + (4 * o + j) * 2 * P;
 }
 /* AHEAD blocks past block b of each of panels p0 .. p0 + NP - 1, on their way to L2 */
 static inline void prefetch_ahead(const uint8_t *w, int64_t p0, int NP, int64_t B, int64_t b, int64_t bb) {
@@ -205,15 +230,21 @@ INLINE void tile(const struct xin *in, int64_t K, const uint8_t *w, int64_t B, i
     vf g[8];
     for (int a = 0; a < NP * MR; a++) g[a] = vzero();
     prefetch_ahead(w, p0, NP, B, b, bb);
-    for (int plane = 0; plane < planes; plane++) {
-      for (int o = 0; o < 4; o++) {
+    for (int o = 0; o < 4; o++) {
+      const int64_t k = b * G + o * 8;
+      if (planes == 1) {
         vi codes[4];
-        for (int p = 0; p < NP; p++) codes[p] = viload(octet_at(w, p0 + p, B, b, bb, plane, o));
-        const int64_t k = b * G + o * 8;
+        for (int p = 0; p < NP; p++) codes[p] = viload(octet_at(w, p0 + p, B, b, bb, o));
         for (int i = 0; i < 8; i++)
           for (int p = 0; p < NP; p++) {
             const vf q = vcode(codes[p], 4 * i);
-            for (int r = 0; r < MR; r++) g[p * MR + r] = vfma(q, vset1(in->x[plane][(r0 + r) * K + k + i]), g[p * MR + r]);
+            for (int r = 0; r < MR; r++) g[p * MR + r] = vfma(q, vset1(in->x[(r0 + r) * K + k + i]), g[p * MR + r]);
+          }
+      } else {
+        for (int i = 0; i < 8; i++)  /* k + i is byte i / 4 of pair i % 4 */
+          for (int p = 0; p < NP; p++) {
+            const vf q = vcode8(pair_at(w, p0 + p, B, b, bb, o, i % 4), i / 4);
+            for (int r = 0; r < MR; r++) g[p * MR + r] = vfma(q, vset1(in->x[(r0 + r) * K + k + i]), g[p * MR + r]);
           }
       }
     }
@@ -228,8 +259,7 @@ INLINE void tile(const struct xin *in, int64_t K, const uint8_t *w, int64_t B, i
 
 /* The same tile on the int16 path: per block, integer sums g of codes times x's int16 codes (two
    codes of a lane against two of x at once: AVX-512 VNNI's vpdpwssd, or vpmaddwd and an add without
-   it; exact in int32), scaled once: acc[n] += d[n] xd g[n] + m[n] sum_b(x). A plane-1 code counts 16
-   times. Against the float path: a quarter of the multiply instructions a code; x's rounding, at
+   it; exact in int32), scaled once: acc[n] += d[n] xd g[n] + m[n] sum_b(x). Against the float path: a quarter of the multiply instructions a code; x's rounding, at
    most amax / 65534 within its block, is over a hundred times finer than bf16's (notes/blockdot.md). */
 INLINE void tile16(const struct xin *in, const uint8_t *w, int64_t B, int planes, int64_t p0, int64_t r0,
                    const int NP, const int MR, vf acc[8]) {
@@ -239,15 +269,14 @@ INLINE void tile16(const struct xin *in, const uint8_t *w, int64_t B, int planes
     vi g[8];
     for (int a = 0; a < NP * MR; a++) g[a] = vizero();
     prefetch_ahead(w, p0, NP, B, b, bb);
-    for (int plane = 0; plane < planes; plane++)
-      for (int o = 0; o < 4; o++)
-        for (int p = 0; p < NP; p++) {
-          const vi codes = viload(octet_at(w, p0 + p, B, b, bb, plane, o));
-          for (int j = 0; j < 4; j++) {
-            const vi pair = vpair(codes, j, plane);
-            for (int r = 0; r < MR; r++) g[p * MR + r] = vdot(g[p * MR + r], pair, in->xq[((r0 + r) * B + b) * 16 + 4 * o + j]);
-          }
+    for (int o = 0; o < 4; o++)
+      for (int p = 0; p < NP; p++) {
+        const vi codes = planes == 1 ? viload(octet_at(w, p0 + p, B, b, bb, o)) : vizero();
+        for (int j = 0; j < 4; j++) {
+          const vi pair = planes == 1 ? vpair(codes, j) : vpair8(pair_at(w, p0 + p, B, b, bb, o, j));
+          for (int r = 0; r < MR; r++) g[p * MR + r] = vdot(g[p * MR + r], pair, in->xq[((r0 + r) * B + b) * 16 + 4 * o + j]);
         }
+      }
     for (int p = 0; p < NP; p++) {
       const struct panel_head *h = head_at(w, p0 + p, B, b, bb);
       const vf d = vhalf(h->d), m = vhalf(h->m);
@@ -262,19 +291,14 @@ INLINE void tile16(const struct xin *in, const uint8_t *w, int64_t B, int planes
 
 #if SIMD == 256
 /* tile16 for one panel against four rows of x, written out for AVX2: gcc's register allocation of the
-   generic tile (a vf is two registers here) kept the pair shifts in a register and spilled sums inside
-   the loop (perf annotate, 2026-12-03). Here the 8 int32 sums, the pair of codes, the mask and one
-   broadcast x are 13 of the 16 registers; the codes are re-read from L1 for each shift (a folded load).
-   Per octet and pair j: 2 shifts, 2 ands, then for each row one broadcast, 2 vpmaddwd and 2 vpaddd. */
-#define PAIR4(j, hi)                                                                                        \
+   generic tile (a vf is two registers here) kept the pair shifts in a register and re-associated the
+   integer sums, spilling them inside the loop (perf annotate, 2026-12-03). Here the 8 int32 sums, the
+   pair of codes, the mask and one broadcast x are 13 of the 16 registers, and an empty asm after each
+   pair keeps the sums where they are. Per octet and pair j: the pair of codes (4-bit: 2 shifts and 2
+   ands of the octet re-read from L1; int8: 2 sign extensions), then for each row one broadcast, 2
+   vpmaddwd and 2 vpaddd. */
+#define DOT4(pa, pb, j)                                                                                    \
   do {                                                                                                     \
-    const int shift = 4 * (j) - 4 * (hi);                                                                  \
-    const __m256i pa = _mm256_and_si256(shift > 0 ? _mm256_srli_epi32(_mm256_loadu_si256(ca), shift)      \
-                                        : shift < 0 ? _mm256_slli_epi32(_mm256_loadu_si256(ca), -shift)    \
-                                                    : _mm256_loadu_si256(ca), mask);                       \
-    const __m256i pb = _mm256_and_si256(shift > 0 ? _mm256_srli_epi32(_mm256_loadu_si256(cb), shift)      \
-                                        : shift < 0 ? _mm256_slli_epi32(_mm256_loadu_si256(cb), -shift)    \
-                                                    : _mm256_loadu_si256(cb), mask);                       \
     __m256i s = _mm256_set1_epi32(q0[4 * o + (j)]);                                                        \
     g0a = _mm256_add_epi32(g0a, _mm256_madd_epi16(pa, s)), g0b = _mm256_add_epi32(g0b, _mm256_madd_epi16(pb, s)); \
     s = _mm256_set1_epi32(q1[4 * o + (j)]);                                                                \
@@ -285,21 +309,43 @@ INLINE void tile16(const struct xin *in, const uint8_t *w, int64_t B, int planes
     g3a = _mm256_add_epi32(g3a, _mm256_madd_epi16(pa, s)), g3b = _mm256_add_epi32(g3b, _mm256_madd_epi16(pb, s)); \
     __asm__("" : "+x"(g0a), "+x"(g0b), "+x"(g1a), "+x"(g1b), "+x"(g2a), "+x"(g2b), "+x"(g3a), "+x"(g3b));        \
   } while (0)
+#define PAIR4(j)                                                                                           \
+  do {                                                                                                     \
+    const __m256i pa = _mm256_and_si256((j) ? _mm256_srli_epi32(_mm256_loadu_si256(ca), 4 * (j)) : _mm256_loadu_si256(ca), mask); \
+    const __m256i pb = _mm256_and_si256((j) ? _mm256_srli_epi32(_mm256_loadu_si256(cb), 4 * (j)) : _mm256_loadu_si256(cb), mask); \
+    DOT4(pa, pb, j);                                                                                       \
+  } while (0)
+#define PAIR8(j)                                                                                           \
+  do {                                                                                                     \
+    const int8_t *c = pair_at(w, p0, B, b, bb, o, j);                                                      \
+    const __m256i pa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));                          \
+    const __m256i pb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));                   \
+    DOT4(pa, pb, j);                                                                                       \
+  } while (0)
 
-INLINE void plane4(const uint8_t *w, int64_t p0, int64_t B, int64_t b, int64_t bb, const int32_t *q0, const int32_t *q1,
-                   const int32_t *q2, const int32_t *q3, const int hi, __m256i g[8]) {
-  const __m256i mask = _mm256_set1_epi32(hi ? 0x00F000F0 : 0x000F000F);
+INLINE void block4(const uint8_t *w, int64_t p0, int64_t B, int64_t b, int64_t bb, const int32_t *q0, const int32_t *q1,
+                   const int32_t *q2, const int32_t *q3, const int planes, __m256i g[8]) {
+  const __m256i mask = _mm256_set1_epi32(0x000F000F);
   __m256i g0a = g[0], g0b = g[1], g1a = g[2], g1b = g[3], g2a = g[4], g2b = g[5], g3a = g[6], g3b = g[7];
   for (int o = 0; o < 4; o++) {
-    const __m256i *ca = (const __m256i *)octet_at(w, p0, B, b, bb, hi, o), *cb = ca + 1;
-    PAIR4(0, hi);
-    PAIR4(1, hi);
-    PAIR4(2, hi);
-    PAIR4(3, hi);
+    if (planes == 1) {
+      const __m256i *ca = (const __m256i *)octet_at(w, p0, B, b, bb, o), *cb = ca + 1;
+      PAIR4(0);
+      PAIR4(1);
+      PAIR4(2);
+      PAIR4(3);
+    } else {
+      PAIR8(0);
+      PAIR8(1);
+      PAIR8(2);
+      PAIR8(3);
+    }
   }
   g[0] = g0a, g[1] = g0b, g[2] = g1a, g[3] = g1b, g[4] = g2a, g[5] = g2b, g[6] = g3a, g[7] = g3b;
 }
+#undef PAIR8
 #undef PAIR4
+#undef DOT4
 
 INLINE void tile16_avx2(const struct xin *in, const uint8_t *w, int64_t B, int planes, int64_t p0, int64_t r0,
                         vf acc[8]) {
@@ -311,8 +357,8 @@ INLINE void tile16_avx2(const struct xin *in, const uint8_t *w, int64_t B, int p
     prefetch_ahead(w, p0, 1, B, b, bb);
     const int32_t *q0 = in->xq + ((r0 + 0) * B + b) * 16, *q1 = in->xq + ((r0 + 1) * B + b) * 16,
                   *q2 = in->xq + ((r0 + 2) * B + b) * 16, *q3 = in->xq + ((r0 + 3) * B + b) * 16;
-    plane4(w, p0, B, b, bb, q0, q1, q2, q3, 0, g);
-    if (planes == 2) plane4(w, p0, B, b, bb, q0, q1, q2, q3, 1, g);
+    if (planes == 1) block4(w, p0, B, b, bb, q0, q1, q2, q3, 1, g);
+    else block4(w, p0, B, b, bb, q0, q1, q2, q3, 2, g);
     const struct panel_head *h = head_at(w, p0, B, b, bb);
     const vf d = vhalf(h->d), m = vhalf(h->m);
     for (int r = 0; r < 4; r++) {
@@ -368,26 +414,23 @@ static void task(const struct xin *in, int64_t M, int64_t K, int64_t N, const ui
   }
 }
 
-int64_t blockdot_scratch_floats(int64_t M, int64_t K) { return M * K + 2 * M * (K / G) + M * K / 2; }
+int64_t blockdot_scratch_floats(int64_t M, int64_t K) { return 2 * M * (K / G) + M * K / 2; }
 
 void blockdot_inputs(const float *x, int64_t M, int64_t K, int q16, float *scratch, struct xin *in) {
   const int64_t B = K / G;
-  float *x16 = scratch, *xsum = x16 + M * K, *xd = xsum + M * B;
-  in->x[0] = x;
-  in->x[1] = x16;
+  float *xsum = scratch, *xd = xsum + M * B;
+  in->x = x;
   in->xsum = xsum;
   in->xq = q16 ? (const int32_t *)(xd + M * B) : NULL;
   in->xd = xd;
 }
 
-void blockdot_prepare_rows(const struct xin *in, int64_t K, int planes, int64_t r0, int64_t r1) {
+void blockdot_prepare_rows(const struct xin *in, int64_t K, int64_t r0, int64_t r1) {
   const int64_t B = K / G;
-  const float *x = in->x[0];
+  const float *x = in->x;
   /* the scratch blockdot_inputs laid out, written here a row at a time */
-  float *x16 = (float *)in->x[1], *xsum = (float *)in->xsum, *xd = (float *)in->xd;
+  float *xsum = (float *)in->xsum, *xd = (float *)in->xd;
   int32_t *xq = (int32_t *)in->xq;
-  if (planes == 2 && !xq)
-    for (int64_t i = r0 * K; i < r1 * K; i++) x16[i] = 16 * x[i];  /* exact: a power of two */
   for (int64_t r = r0; r < r1; r++)
     for (int64_t b = 0; b < B; b++) {
       const float *xb = x + r * K + b * G;
@@ -412,9 +455,9 @@ void blockdot_prepare_rows(const struct xin *in, int64_t K, int planes, int64_t 
     }
 }
 
-void blockdot_prepare(const float *x, int64_t M, int64_t K, int planes, int q16, float *scratch, struct xin *in) {
+void blockdot_prepare(const float *x, int64_t M, int64_t K, int q16, float *scratch, struct xin *in) {
   blockdot_inputs(x, M, K, q16, scratch, in);
-  blockdot_prepare_rows(in, K, planes, 0, M);
+  blockdot_prepare_rows(in, K, 0, M);
 }
 
 void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,
@@ -480,15 +523,12 @@ void dense_tasks(const float *x, int64_t M, int64_t K, int64_t N, const void *w,
   }
 }
 
-/* Eight weights of one row: d c + m for the codes c of word lo (plus 16 times those of hi, the high
-   plane), into dst as float32 or bf16 (rounded to nearest even, as torch rounds). */
+/* Eight weights of one row, d c + m for its codes c (int32), into dst as float32 or bf16 (rounded to
+   nearest even, as torch rounds). */
 #if defined(__AVX2__) && defined(__FMA__)
-static inline void dequant8(uint32_t lo, uint32_t hi, int planes, float d, float m, void *dst, int bf16) {
-  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), m4 = _mm256_set1_epi32(15);
-  __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)lo), shifts), m4);
-  if (planes == 2)
-    c = _mm256_add_epi32(c, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)hi), shifts), m4), 4));
-  const __m256 v = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(c), _mm256_set1_ps(m));  /* d c exact: one rounding */
+static inline void dequant8(const int32_t c[8], float d, float m, void *dst, int bf16) {
+  const __m256 v = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)c)),
+                                   _mm256_set1_ps(m));  /* d c exact: one rounding */
   if (!bf16) { _mm256_storeu_ps(dst, v); return; }
   const __m256i u = _mm256_castps_si256(v);
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
@@ -499,9 +539,9 @@ static inline void dequant8(uint32_t lo, uint32_t hi, int planes, float d, float
   _mm_storeu_si128((__m128i *)dst, packed);
 }
 #else
-static inline void dequant8(uint32_t lo, uint32_t hi, int planes, float d, float m, void *dst, int bf16) {
+static inline void dequant8(const int32_t c[8], float d, float m, void *dst, int bf16) {
   for (int i = 0; i < 8; i++) {
-    const float v = d * (float)(((lo >> 4 * i) & 15) + (planes == 2 ? 16 * ((hi >> 4 * i) & 15) : 0)) + m;
+    const float v = d * (float)c[i] + m;
     if (bf16) ((uint16_t *)dst)[i] = f32_to_bf16(v);
     else ((float *)dst)[i] = v;
   }
@@ -509,9 +549,9 @@ static inline void dequant8(uint32_t lo, uint32_t hi, int planes, float d, float
 #endif
 
 /* w [N, K] in panels -> the dense matrix out [N, K] (float32, or bf16 where out_bf16): d c + m per
-   weight, c the code (lo + 16 hi for two planes), each product exact in float32, so the result is
-   bit for bit BlockQuantized.dequantize()'s. What a step wider than the kernels' rows multiplies by
-   in place of a dense copy held for the model's life. */
+   weight, each product exact in float32, so the result is bit for bit BlockQuantized.dequantize()'s.
+   What a step wider than the kernels' rows multiplies by in place of a dense copy held for the
+   model's life. */
 void blockdot_dequantize(const uint8_t *w, int planes, int64_t N, int64_t K, void *out, int out_bf16, int nthreads) {
   const int64_t B = K / G, panels = (N + P - 1) / P, bb = block_bytes(planes);
   const size_t size = out_bf16 ? 2 : 4;
@@ -524,13 +564,22 @@ void blockdot_dequantize(const uint8_t *w, int planes, int64_t N, int64_t K, voi
       vstore(ml, vhalf(h->m));
       for (int n = 0; n < P && p * P + n < N; n++)
         for (int o = 0; o < 4; o++) {
-          const uint32_t lo = octet_at(w, p, B, b, bb, 0, o)[n], hi = planes == 2 ? octet_at(w, p, B, b, bb, 1, o)[n] : 0;
-          dequant8(lo, hi, planes, dl[n], ml[n], (char *)out + ((p * P + n) * K + b * G + 8 * o) * size, out_bf16);
+          int32_t c[8];
+          if (planes == 1) {
+            const uint32_t word = octet_at(w, p, B, b, bb, o)[n];
+            for (int i = 0; i < 8; i++) c[i] = (word >> 4 * i) & 15;
+          } else {
+            for (int j = 0; j < 4; j++) {
+              const int8_t *pair = pair_at(w, p, B, b, bb, o, j);
+              c[j] = pair[2 * n], c[j + 4] = pair[2 * n + 1];
+            }
+          }
+          dequant8(c, dl[n], ml[n], (char *)out + ((p * P + n) * K + b * G + 8 * o) * size, out_bf16);
         }
     }
 }
 
-/* y [M, N] = x [M, K] @ w^T, w in panels of `planes` planes ([ceil(N / 16), K / 32] blocks; rows
+/* y [M, N] = x [M, K] @ w^T, w in panels of 4-bit (planes 1) or int8 (2) codes ([ceil(N / 16), K / 32] blocks; rows
    past N all zero). x and y are float32, or bf16 where x_bf16 / y_bf16; from int16_rows rows of x (0:
    never) x is rounded to int16 per block of 32 (the int16 path). Returns 0, or -1 when out of memory
    for the activations' float32 copies. */
@@ -544,7 +593,7 @@ int blockdot(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const u
     x32 = scratch;
   }
   struct xin in;
-  blockdot_prepare(x32, M, K, planes, int16_rows > 0 && M >= int16_rows, scratch + (x_bf16 ? M * K : 0), &in);
+  blockdot_prepare(x32, M, K, int16_rows > 0 && M >= int16_rows, scratch + (x_bf16 ? M * K : 0), &in);
   #pragma omp parallel num_threads(nthreads)
   blockdot_tasks(&in, M, K, N, w, planes, y, y_bf16);
   free(scratch);

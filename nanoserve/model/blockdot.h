@@ -6,12 +6,12 @@
 #include <stdint.h>
 #include <string.h>
 
-/* What the tiles read: per row and block of 32 the sum of x ([M, K / 32]), and either (float path)
-   per plane x in float32 ([M, K]: plane 0's x, plane 1's 16 x), or (int16 path, xq not NULL) x
-   rounded to int16 per row and block, x ~ xd q: per block 16 words, for each octet of 8 k the
-   pairs of k = (0, 4), (1, 5), (2, 6), (3, 7) ([M, K / 2] int32), and the scales xd ([M, K / 32]). */
+/* What the tiles read: x in float32 ([M, K]), per row and block of 32 the sum of x ([M, K / 32]),
+   and on the int16 path (xq not NULL) x rounded to int16 per row and block, x ~ xd q: per block 16
+   words, for each octet of 8 k the pairs of k = (0, 4), (1, 5), (2, 6), (3, 7) ([M, K / 2] int32),
+   and the scales xd ([M, K / 32]). */
 struct xin {
-  const float *x[2];
+  const float *x;
   const float *xsum;
   const int32_t *xq;
   const float *xd;
@@ -20,14 +20,14 @@ struct xin {
 /* Floats of scratch blockdot_prepare needs for x [M, K]. */
 int64_t blockdot_scratch_floats(int64_t M, int64_t K);
 
-/* Fills `in` for x [M, K] float32 (kept, not copied) against a matrix of `planes` planes, for the
+/* Fills `in` for x [M, K] float32 (kept, not copied), for the
    int16 path where q16 (x rounded to int16 per block of 32), else the float path; serial. */
-void blockdot_prepare(const float *x, int64_t M, int64_t K, int planes, int q16, float *scratch, struct xin *in);
+void blockdot_prepare(const float *x, int64_t M, int64_t K, int q16, float *scratch, struct xin *in);
 /* The same in two halves: blockdot_inputs lays out in's pointers into scratch (no work, the same
    for every caller: each thread of a team can hold its own copy), blockdot_prepare_rows fills them
    for rows r0 .. r1 - 1 of x (so a team can split the rows). */
 void blockdot_inputs(const float *x, int64_t M, int64_t K, int q16, float *scratch, struct xin *in);
-void blockdot_prepare_rows(const struct xin *in, int64_t K, int planes, int64_t r0, int64_t r1);
+void blockdot_prepare_rows(const struct xin *in, int64_t K, int64_t r0, int64_t r1);
 
 /* y [M, N] (float32, or bf16 where y_bf16) = x @ w^T for w in panels: an orphaned `omp for` over
    the panels, so it splits the work among the threads of an enclosing parallel region (and ends

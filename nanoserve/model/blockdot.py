@@ -162,17 +162,17 @@ def supports(w: object, dtype: torch.dtype) -> bool:
 def _fp16_exact(w: BlockQuantized) -> bool:
     """The kernel reads fp16 d and m: a GGUF file's are, nanoserve's own int4 rounds to them; the m
     of Q4_0 (-8 d) and Q8_0 (-128 d) are then exact too unless they overflow fp16."""
-    mins = {"Q4_0": -8 * w.scales, "Q8_0": -128 * w.scales}.get(w.kind, w.mins)
+    mins = {"Q4_0": -8 * w.scales, "Q8_0": 0 * w.scales}.get(w.kind, w.mins)
     return all(torch.equal(t.half().float(), t) for t in (w.scales, mins))
 
 
 @dataclass
 class Panels:
     """A Q4_0, Q4_1 or Q8_0 matrix [N, K] in blockdot's panels: [ceil(N / 16), K / 32, 64 + 256 planes]
-    uint8 (blockdot.c's header gives the bytes)."""
+    uint8 (blockdot.c's header gives the bytes: 4-bit codes where planes is 1, int8 where 2)."""
 
     data: torch.Tensor
-    planes: int  # 1 (Q4_0, Q4_1) or 2 (Q8_0: its low and high nibbles)
+    planes: int  # 1 (Q4_0, Q4_1: 4-bit codes) or 2 (Q8_0: int8 codes, two nibbles' room)
     shape: tuple[int, int]  # (N, K)
     kernel: Library  # the build that runs it
     int16_rows: int = 0  # from this many rows of x on, the int16 path (x rounded to int16 per block); 0: never
@@ -232,6 +232,16 @@ def _octets(codes: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _pairs(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [Np, K] (Np a multiple of 16) -> [panels, K / 32, 512] uint8: per block, for each octet
+    o and j = 0..3, row n's codes at k = 8 o + j and k + 4 in bytes 2 n and 2 n + 1."""
+    Np, K = codes.shape
+    B = K // BLOCK
+    # k = 32 b + 8 o + 4 e + j -> [panels, b, o, j, n, e]
+    return codes.view(torch.uint8).view(Np // PANEL, PANEL, B, 4, 2, 4).permute(0, 2, 3, 5, 1, 4).reshape(
+        Np // PANEL, B, 2 * 256)
+
+
 def pack(w: BlockQuantized, kernel: Library | None = None, int16_rows: int | None = None) -> Panels:
     """The blockdot form of a stored matrix (see `supports`): codes regrouped, scales as stored, run
     by `kernel` (None: this machine's build, `library()`), on the int16 path from int16_rows rows of x
@@ -247,16 +257,11 @@ def pack(w: BlockQuantized, kernel: Library | None = None, int16_rows: int | Non
         raise ValueError(f"blockdot runs {KINDS} matrices on the CPU with scales exact in fp16; got "
                          f"{getattr(w, 'kind', type(w).__name__)}")
     N, K = w.shape
-    if w.kind == "Q8_0":  # q = 16 hi + lo: planes lo and hi + 8, w = d lo + 16 d (hi + 8) - 128 d
-        codes = w.codes.view(torch.uint8)  # q + 256 where q < 0: the low nibble is q's, the high one (q >> 4) + 16
-        planes = [codes & 15, ((codes >> 4) + 8) & 15]
-        mins = -128 * w.scales
-    else:  # Q4_1 as stored; Q4_0's d (q - 8) = d q + (-8 d)
-        planes = [w.codes]
-        mins = w.mins if w.kind == "Q4_1" else -8 * w.scales
+    # Q4_1 as stored; Q4_0's d (q - 8) = d q + (-8 d); Q8_0's d q with m = 0
+    mins = {"Q4_1": w.mins, "Q4_0": -8 * w.scales, "Q8_0": torch.zeros_like(w.scales)}[w.kind]
     pad = -N % PANEL  # rows past N: codes, d and m all zero, so their outputs are 0 and cut
-    scales, mins = F.pad(w.scales, (0, 0, 0, pad)), F.pad(mins, (0, 0, 0, pad))
+    scales, mins, codes = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (w.scales, mins, w.codes))
     panels, B = (N + pad) // PANEL, K // BLOCK
     head = [_half_bytes(t.view(panels, PANEL, B).transpose(1, 2)) for t in (scales, mins)]  # [panels, B, 32] x 2
-    body = [_octets(F.pad(c, (0, 0, 0, pad)) if pad else c) for c in planes]
-    return Panels(torch.cat([*head, *body], dim=-1).contiguous(), len(planes), (N, K), kernel, int16_rows or 0)
+    body, planes = (_pairs(codes), 2) if w.kind == "Q8_0" else (_octets(codes), 1)
+    return Panels(torch.cat([*head, body], dim=-1).contiguous(), planes, (N, K), kernel, int16_rows or 0)

@@ -33,7 +33,7 @@
 struct fused_layer {  /* one layer's weights and cache, as fused_decode.py lays them out */
   const float *input_norm, *post_norm;           /* [E] float32 */
   const uint8_t *qkv, *o, *gate_up, *down;       /* blockdot panels or dense rows (NULL where torch's linears run) */
-  int64_t qkv_planes, o_planes, gate_up_planes, down_planes;  /* panels: 1 or 2 planes; dense: DENSE_F32, DENSE_BF16 */
+  int64_t qkv_planes, o_planes, gate_up_planes, down_planes;  /* panels: 1 (4-bit codes) or 2 (int8); dense: DENSE_F32, DENSE_BF16 */
   void *k_cache, *v_cache;                       /* [slots, Hkv, D] float32, or bf16 where kv_bf16 */
   /* the family's switches, NULL or 0 where it has none */
   const float *qkv_bias;                         /* [(H + 2 Hkv) D] float32 (Qwen2) */
@@ -79,7 +79,7 @@ static void store_kv(void *cache, int64_t at, const float *x, int64_t D, int bf1
 #define DENSE_F32 (-1)
 #define DENSE_BF16 (-2)
 static void prepare_row(const struct xin *in, int64_t K, int64_t planes, int64_t r) {
-  if (planes > 0) blockdot_prepare_rows(in, K, (int)planes, r, r + 1);
+  if (planes > 0) blockdot_prepare_rows(in, K, r, r + 1);
 }
 static void matmul(const struct xin *in, const float *x, int64_t T, int64_t K, int64_t N, const uint8_t *w,
                    int64_t planes, float *y) {
