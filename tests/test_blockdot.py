@@ -159,6 +159,31 @@ def test_dense_rows_equal_the_matmul(kernel, dtype, N, rows):
 
 
 @needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])  # the AVX2 tiles of 4 and 2 rows and their tails
+def test_dense_rows_against_float64(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(37, 48, generator=gen).to(dtype)  # 37: groups of 4 rows of w and one alone
+    x = torch.randn(rows, 48, generator=gen)
+    expected = x.double() @ w.double().T  # bf16 weights are widened exactly
+    head = blockdot.DenseRows(w, blockdot.library())
+    torch.testing.assert_close(head(x).double(), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+    # bf16 activations widen exactly and the result rounds to bf16, as `linear` returns x's dtype
+    out = head(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    expected = x.bfloat16().double() @ w.double().T
+    torch.testing.assert_close(out.double(), expected, atol=2**-7 * expected.abs().max().item(), rtol=0)
+
+
+@needs_build
+def test_dense_rows_refuse_what_they_cannot_read():
+    with pytest.raises(ValueError, match="K a multiple of 16; got torch.float32 \\[4, 40\\]"):
+        blockdot.DenseRows(torch.zeros(4, 40), blockdot.library())
+    with pytest.raises(ValueError, match="got torch.float16"):
+        blockdot.DenseRows(torch.zeros(4, 48), blockdot.library())(torch.zeros(1, 48, dtype=torch.float16))
+
+
+@needs_build
 def test_a_hand_built_block():
     # One row of Q4_1 with d = 0.5, m = -1, codes 0..15 then 15..0: w[k] = 0.5 q[k] - 1. A one-hot x
     # picks a single weight; a ones x sums them: 0.5 * (2 * 120) - 32 = 88.

@@ -235,6 +235,13 @@ def test_a_bf16_model_takes_the_one_call_at_every_width_where_the_probe_times_bf
     hf = make_hf_llama(seed=15)
     engine = fused_engine(hf, dtype="bfloat16", quantization=None)
     assert engine.model.fused_layers.max_rows == (DENSE_ONE_CALL_ROWS[torch.bfloat16] if bf16_faster else 2**31)
+    # where bf16 is emulated the head is read by the same dense rows as the layers, not torch's bf16 matmul
+    head = engine.model.lm_head_weight
+    assert isinstance(head, blockdot.DenseRows) != bf16_faster
+    tensors = [engine.model.embed, getattr(head, "weight", head), engine.model.norm] + [
+        w for layer in engine.model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down, layer.input_norm,
+                                                     layer.post_norm)]
+    assert engine.memory()["dense"] == sum({id(t): t.nbytes for t in tensors}.values())  # a tied head counted once
     one_call_rows = count_one_call_steps(engine)
     captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=6)  # four rows a step
     assert assert_logits_match(hf, captured, outputs, atol=0.03) == len(PROMPTS) * 6

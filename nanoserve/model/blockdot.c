@@ -498,11 +498,59 @@ INLINE void dense_tile(const float *x, int64_t K, const void *w, const int bf16,
     for (int r = 0; r < MR; r++) y[(r0 + r) * N + n0 + i] = vsum(acc[i * MR + r]);
 }
 
-/* Rows of x four at a time (two with AVX2's 16 registers), then the rest. */
+#if SIMD == 256
+/* dense_tile in 8-lane vectors for AVX2, 2 rows of w by up to 4 of x: 8 sums, 4 x and one w are 13 of
+   the 16 registers. The 16-lane tile above (a vf is two registers here) held 4 x 2 sums in 16 and
+   spilled them in every step. */
+INLINE __m256 wload8(const void *w, int64_t at, const int bf16) {
+  return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + at))), 16))
+              : _mm256_loadu_ps((const float *)w + at);
+}
+INLINE void dense_tile8(const float *x, int64_t K, const void *w, const int bf16, int64_t n0, int64_t r0, const int NR,
+                        const int MR, float *y, int64_t N) {
+  __m256 acc[8];
+  for (int a = 0; a < NR * MR; a++) acc[a] = _mm256_setzero_ps();
+  const size_t size = bf16 ? 2 : 4;
+  const int ahead = r0 == 0 && n0 + 2 * NR <= N;
+  for (int64_t k0 = 0; k0 < K; k0 += 16) {  /* K is a multiple of 16: two steps of 8 k an iteration */
+    if (ahead && k0 % (64 / size) == 0)  /* the next rows of w to L1, a line at a time */
+      for (int i = 0; i < NR; i++) prefetch_l1((const char *)w + ((n0 + NR + i) * K + k0) * size);
+    for (int64_t k = k0; k < k0 + 16; k += 8) {
+      __m256 xv[4];
+      for (int r = 0; r < MR; r++) {
+        xv[r] = _mm256_loadu_ps(x + (r0 + r) * K + k);
+        __asm__("" : "+x"(xv[r]));  /* loaded once into a register: gcc folded it into every FMA, a load each */
+      }
+      for (int i = 0; i < NR; i++) {
+        const __m256 wv = wload8(w, (n0 + i) * K + k, bf16);
+        for (int r = 0; r < MR; r++) acc[i * MR + r] = _mm256_fmadd_ps(wv, xv[r], acc[i * MR + r]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; i++)
+    for (int r = 0; r < MR; r++) {
+      float lanes[8];
+      _mm256_storeu_ps(lanes, acc[i * MR + r]);
+      y[(r0 + r) * N + n0 + i] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    }
+}
+#endif
+
+/* Rows of x four at a time (in 8-lane tiles of two rows of w with AVX2), then the rest. */
 #define DENSE_MR (SIMD == 512 ? 4 : 2)
 INLINE void dense_rows(const float *x, int64_t M, int64_t K, const void *w, const int bf16, int64_t n0, const int NR,
                        float *y, int64_t N) {
   int64_t r0 = 0;
+#if SIMD == 256
+  if (NR == 4 && M >= 2) {  /* each tile of x meets both halves of the 4 rows of w while it is in L1 */
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) for (int h = 0; h < 4; h += 2) dense_tile8(x, K, w, bf16, n0 + h, r, 2, 4, y, N);
+    if (r + 2 <= M) { for (int h = 0; h < 4; h += 2) dense_tile8(x, K, w, bf16, n0 + h, r, 2, 2, y, N); r += 2; }
+    if (r < M) for (int h = 0; h < 4; h += 2) dense_tile8(x, K, w, bf16, n0 + h, r, 2, 1, y, N);
+    return;
+  }
+#endif
   for (; r0 + DENSE_MR <= M; r0 += DENSE_MR) dense_tile(x, K, w, bf16, n0, r0, NR, DENSE_MR, y, N);
   if (DENSE_MR == 4 && r0 + 2 <= M) { dense_tile(x, K, w, bf16, n0, r0, NR, 2, y, N); r0 += 2; }
   if (r0 < M) dense_tile(x, K, w, bf16, n0, r0, NR, 1, y, N);
@@ -512,6 +560,13 @@ INLINE void dense_group(const float *x, int64_t M, int64_t K, const void *w, con
                         float *y) {
   if (n0 + 4 <= N) dense_rows(x, M, K, w, bf16, n0, 4, y, N);
   else for (int64_t n = n0; n < N; n++) dense_rows(x, M, K, w, bf16, n, 1, y, N);
+}
+
+/* dense_tasks on its own: y [M, N] float32 = x [M, K] float32 @ w^T over nthreads threads (blockdot.DenseRows). */
+void dense_tasks(const float *x, int64_t M, int64_t K, int64_t N, const void *w, int w_bf16, float *y);
+void blockdot_dense(const float *x, int64_t M, int64_t K, int64_t N, const void *w, int w_bf16, float *y, int nthreads) {
+  #pragma omp parallel num_threads(nthreads)
+  dense_tasks(x, M, K, N, w, w_bf16, y);
 }
 
 void dense_tasks(const float *x, int64_t M, int64_t K, int64_t N, const void *w, int w_bf16, float *y) {

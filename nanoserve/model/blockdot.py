@@ -137,6 +137,8 @@ def _load(path: Path) -> Library:
     # dense rows for the fused decode's one call (x, M, K, N, w, w_bf16, y); called from C, bound for the tests
     lib.dense_tasks.argtypes = [p, i64, i64, i64, p, i32, p]
     lib.dense_tasks.restype = None
+    lib.blockdot_dense.argtypes = [p, i64, i64, i64, p, i32, p, i32]  # the same over a team of threads
+    lib.blockdot_dense.restype = None
     # fused_decode.c's entry (nanoserve.model.fused_decode): shape, layers, num_layers, h, T, positions,
     # slot_mapping, tables, nb, cos, sin, nthreads
     lib.fused_decode.argtypes = [p, p, i64, p, i64, p, p, p, i64, p, p, i32]
@@ -202,6 +204,34 @@ class Panels:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
+
+
+@dataclass
+class DenseRows:
+    """A dense float32 or bf16 matrix [N, K] (K a multiple of 16) multiplied by blockdot.c's dense rows,
+    bf16 widened to float32 in registers and summed in float32: the fused decode's own dense matmul,
+    for a matrix outside its layers (a bf16 model's head) where the probe times torch's bf16 matmul
+    slower than float32 (a CPU without bf16 instructions, where oneDNN emulates it). Returns [M, N]
+    in x's dtype, as `linear` does."""
+
+    weight: torch.Tensor
+    kernel: Library
+
+    def __post_init__(self) -> None:
+        w = self.weight
+        if w.dtype not in DTYPES or w.dim() != 2 or w.shape[1] % 16 or w.is_mkldnn or not w.is_contiguous():
+            raise ValueError(f"dense rows take a plain contiguous float32 or bf16 matrix [N, K] with K a multiple of 16; "
+                             f"got {w.dtype} {list(w.shape)}")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in DTYPES:
+            raise ValueError(f"dense rows take activations in {[str(d) for d in DTYPES]}, got {x.dtype}")
+        x32 = x.float().contiguous()  # bf16 widens exactly
+        M, K = x32.shape
+        y = torch.empty(M, self.weight.shape[0], dtype=torch.float32)
+        self.kernel.lib.blockdot_dense(x32.data_ptr(), M, K, self.weight.shape[0], self.weight.data_ptr(),
+                                       int(self.weight.dtype == torch.bfloat16), y.data_ptr(), torch.get_num_threads())
+        return y.to(x.dtype)
 
 
 def _half_bytes(t: torch.Tensor) -> torch.Tensor:

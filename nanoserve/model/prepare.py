@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.model.fused_decode import fused_decode
+from nanoserve.model import blockdot
+from nanoserve.model.fused_decode import DENSE_ONE_CALL_ROWS, fused_decode
 from nanoserve.model.llama import LayerWeights, LlamaModel, Weight, decoder_layer, embedding_scale
 from nanoserve.model.quant import (
     ChannelInt8,
@@ -145,7 +146,7 @@ def is_quantized(model: LlamaModel) -> bool:
     """Whether any matmul weight of a loaded model is a quantized matrix as stored."""
     weights = [model.lm_head_weight] + [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     weights = [w.inner if isinstance(w, AllReduced) else w for w in weights]
-    return any(not isinstance(w, (torch.Tensor, QuantLinear)) for w in weights)
+    return any(not isinstance(w, (torch.Tensor, QuantLinear, blockdot.DenseRows)) for w in weights)
 
 
 def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype: torch.dtype | None = None,
@@ -172,6 +173,14 @@ def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype
     if fused is not None or prepared.fused_layers is not None:  # a given model's own is not this engine's
         prepared = copy.copy(prepared) if prepared is model else prepared
         prepared.fused_layers = fused
+    head = prepared.lm_head_weight
+    if fused is not None and prepared.dtype == torch.bfloat16 and fused.max_rows >= DENSE_ONE_CALL_ROWS[torch.float32] \
+            and isinstance(head, torch.Tensor) and head.dtype == torch.bfloat16 and not head.is_mkldnn \
+            and head.is_contiguous() and head.shape[1] % 16 == 0:
+        # bf16 decodes in one call at every width because the probe timed torch's bf16 slower than float32
+        # (emulated): the head, [V, E] and most of a wide step's remaining time there, takes the same dense rows
+        prepared = copy.copy(prepared) if prepared is model else prepared
+        prepared.lm_head_weight = blockdot.DenseRows(head, fused.kernel)
     return prepared
 
 
@@ -180,6 +189,8 @@ def _nbytes(w: Weight) -> dict[str, int]:
         return _nbytes(w.inner)
     if isinstance(w, QuantLinear):
         return {"quantized": w.kernel_bytes, "dense_copies": w.dense_bytes}
+    if isinstance(w, blockdot.DenseRows):
+        return _nbytes(w.weight)
     if isinstance(w, torch.Tensor):
         return {"dense": w.numel() * w.element_size()}  # numel: an oneDNN-packed tensor has no plain storage
     parts = [w.codes, w.scales] + ([w.mins] if getattr(w, "mins", None) is not None else [])
@@ -194,8 +205,9 @@ def weight_bytes(model: LlamaModel) -> dict[str, int]:
     total = {"dense": 0, "quantized": 0, "dense_copies": 0, "stored": 0,
              "fused_copies": getattr(model.fused_layers, "copy_bytes", 0)}
     weights: list[Weight] = [model.embed, model.norm]
-    if model.lm_head_weight is not model.embed:
-        weights.append(model.lm_head_weight)
+    head = model.lm_head_weight
+    if (head.weight if isinstance(head, blockdot.DenseRows) else head) is not model.embed:
+        weights.append(head)
     for layer in model.layers:
         weights += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
         weights += [w for w in (layer.qkv_bias, layer.o_bias, layer.q_norm, layer.k_norm, layer.attn_out_norm,
