@@ -437,8 +437,9 @@ void blockdot_prepare_rows(const struct xin *in, int64_t K, int64_t r0, int64_t 
       float sum = 0, amax = 0;
       #pragma omp simd reduction(+ : sum) reduction(max : amax)
       for (int j = 0; j < G; j++) {
+        const float a = fabsf(xb[j]);
         sum += xb[j];
-        amax = fmaxf(amax, fabsf(xb[j]));
+        amax = a > amax ? a : amax;  /* fmaxf was a call per element here */
       }
       xsum[r * B + b] = sum;
       if (!xq) continue;
