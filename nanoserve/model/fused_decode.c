@@ -156,19 +156,21 @@ INLINE void values_run(float *out, const float *p, const void *cache, int64_t at
   }
 }
 
-/* c query heads q [c, D] of kv head g (its whole group, or one of it) over keys first .. L - 1 (through
-   the block table): out [c, D] = softmax(scale q . k_j) V per head, the scores kept in `scores`
-   [c, L - first] between the two passes. The keys are walked a run of one block at a time (a block's
-   slots are consecutive, one cache row Hkv D apart), every head of the group meeting a run while it
-   is in L1: one read of the group's K and V where a task per head read them once a head. */
+/* c query heads h0 .. h0 + c - 1, q [c, D], over keys first .. L - 1 (through the block table): out
+   [c, D] = softmax(scale q . k_j) V per head, head h reading kv head h / (H / Hkv), the scores kept in
+   `scores` [c, L - first] between the two passes. The keys are walked a run of one block at a time (a
+   block's slots are consecutive, one cache row Hkv D apart), every head meeting a run while it is in
+   L1: with c = H, one contiguous read of each block's K and V, where a task per head read a third of
+   every row, once a head. */
 INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
-                      const int64_t *table, int64_t first, int64_t L, int64_t g, int64_t c, float *scores, float *out,
+                      const int64_t *table, int64_t first, int64_t L, int64_t h0, int64_t c, float *scores, float *out,
                       const int bf16) {
-  const int64_t D = s->D, bs = s->block_size, row = s->Hkv * D, n = L - first;
+  const int64_t D = s->D, bs = s->block_size, row = s->Hkv * D, n = L - first, group = s->H / s->Hkv;
   for (int64_t j = first, run; j < L; j += run) {
     run = bs - j % bs < L - j ? bs - j % bs : L - j;
-    const int64_t at = ((table[j / bs] * bs + j % bs) * s->Hkv + g) * D;
-    for (int64_t h = 0; h < c; h++) scores_run(q + h * D, k_cache, at, row, run, D, s->scale, scores + h * n + j - first, bf16);
+    const int64_t at = (table[j / bs] * bs + j % bs) * row;
+    for (int64_t h = 0; h < c; h++)
+      scores_run(q + h * D, k_cache, at + (h0 + h) / group * D, row, run, D, s->scale, scores + h * n + j - first, bf16);
   }
   for (int64_t h = 0; h < c; h++) {
     float *p = scores + h * n, max = -INFINITY, total = 0;
@@ -184,25 +186,26 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
   for (int64_t i = 0; i < c * D; i++) out[i] = 0;
   for (int64_t j = first, run; j < L; j += run) {
     run = bs - j % bs < L - j ? bs - j % bs : L - j;
-    const int64_t at = ((table[j / bs] * bs + j % bs) * s->Hkv + g) * D;
-    for (int64_t h = 0; h < c; h++) values_run(out + h * D, scores + h * n + j - first, v_cache, at, row, run, D, bf16);
+    const int64_t at = (table[j / bs] * bs + j % bs) * row;
+    for (int64_t h = 0; h < c; h++)
+      values_run(out + h * D, scores + h * n + j - first, v_cache, at + (h0 + h) / group * D, row, run, D, bf16);
   }
 }
 
 static void attend(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
-                   const int64_t *table, int64_t first, int64_t L, int64_t g, int64_t c, float *scores, float *out) {
-  if (s->kv_bf16) attend_as(s, q, k_cache, v_cache, table, first, L, g, c, scores, out, 1);
-  else attend_as(s, q, k_cache, v_cache, table, first, L, g, c, scores, out, 0);
+                   const int64_t *table, int64_t first, int64_t L, int64_t h0, int64_t c, float *scores, float *out) {
+  if (s->kv_bf16) attend_as(s, q, k_cache, v_cache, table, first, L, h0, c, scores, out, 1);
+  else attend_as(s, q, k_cache, v_cache, table, first, L, h0, c, scores, out, 0);
 }
 
 /* A decode step's attention for one layer w, inside a parallel region: each row's q, k, v
    [T, (H + 2 Hkv) D] biased, its q and k heads normed and rotated in place, its new k and v written
    to the cache at its slot (an `omp for` over rows and kv heads), then each of its query heads
    attended over its context (the last W keys of it in a windowed layer) into att [T, H D] (an `omp
-   for` over rows and kv heads, each task a kv head's whole group of query heads, where there are at
-   least four tasks a thread; else over rows and query heads: nine tasks for one row of SmolLM, so
-   two threads share them evenly). scores: [threads, H / Hkv max_len] scratch, one row per thread of
-   the region, max_len the step's longest context. */
+   for` over rows, each task all of a row's heads, where that gives at least four tasks a thread; else
+   over rows and kv heads, each task a kv head's group of query heads, where that does; else over rows
+   and query heads: nine tasks for one row of SmolLM, so two threads share them evenly). scores:
+   [threads, H max_len] scratch, one row per thread of the region, max_len the step's longest context. */
 static void attention(const struct fused_shape *s, const struct fused_layer *w, float *qkv, float *att, int64_t T,
                       const int64_t *positions, const int64_t *slot_mapping, const int64_t *tables, int64_t nb,
                       const float *cos, const float *sin, float *scores, int64_t max_len) {
@@ -226,13 +229,14 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
     store_kv(w->k_cache, at, k, D, (int)s->kv_bf16);
     store_kv(w->v_cache, at, v, D, (int)s->kv_bf16);
   }
-  const int64_t c = T * Hkv >= 4 * omp_get_num_threads() ? group : 1, per_row = H / c;  /* heads a task, tasks a row */
+  const int64_t enough = 4 * omp_get_num_threads();
+  const int64_t c = T >= enough ? H : T * Hkv >= enough ? group : 1, per_row = H / c;  /* heads a task, tasks a row */
   #pragma omp for schedule(static)
   for (int64_t task = 0; task < T * per_row; task++) {
     const int64_t r = task / per_row, h = task % per_row * c, L = positions[r] + 1;
     const int64_t first = w->window && L > w->window ? L - w->window : 0;
-    attend(s, qkv + r * NQKV + h * D, w->k_cache, w->v_cache, tables + r * nb, first, L, h / group, c,
-           scores + omp_get_thread_num() * group * max_len, att + r * H * D + h * D);
+    attend(s, qkv + r * NQKV + h * D, w->k_cache, w->v_cache, tables + r * nb, first, L, h, c,
+           scores + omp_get_thread_num() * H * max_len, att + r * H * D + h * D);
   }
 }
 
@@ -252,7 +256,7 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
   const int64_t NQKV = (H + 2 * Hkv) * D, K_MAX = I > E ? (I > H * D ? I : H * D) : (E > H * D ? E : H * D);
   const int64_t max_len = longest(positions, T);
   const int64_t sizes[] = {T * K_MAX, blockdot_scratch_floats(T, K_MAX), T * NQKV, T * H * D, T * E, T * 2 * I,
-                           nthreads * (H / Hkv) * max_len};
+                           nthreads * H * max_len};
   int64_t total = 0;
   for (int i = 0; i < 7; i++) total += sizes[i];
   float *scratch = malloc(sizeof(float) * total);
@@ -328,7 +332,7 @@ int fused_attention(const struct fused_shape *s, const struct fused_layer *w, co
                     const float *cos, const float *sin, int nthreads) {
   const int64_t NQKV = (s->H + 2 * s->Hkv) * s->D, HD = s->H * s->D;
   const int64_t max_len = longest(positions, T);
-  float *scratch = malloc(sizeof(float) * (T * (NQKV + HD) + nthreads * (s->H / s->Hkv) * max_len));
+  float *scratch = malloc(sizeof(float) * (T * (NQKV + HD) + nthreads * s->H * max_len));
   if (!scratch) return -1;
   widen(qkv, scratch, T * NQKV, io_bf16);
   #pragma omp parallel num_threads(nthreads)
