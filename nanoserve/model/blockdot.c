@@ -259,8 +259,9 @@ INLINE void tile(const struct xin *in, int64_t K, const uint8_t *w, int64_t B, i
 
 /* The same tile on the int16 path: per block, integer sums g of codes times x's int16 codes (two
    codes of a lane against two of x at once: AVX-512 VNNI's vpdpwssd, or vpmaddwd and an add without
-   it; exact in int32), scaled once: acc[n] += d[n] xd g[n] + m[n] sum_b(x). Against the float path: a quarter of the multiply instructions a code; x's rounding, at
-   most amax / 65534 within its block, is over a hundred times finer than bf16's (notes/blockdot.md). */
+   it; exact in int32), scaled once: acc[n] += d[n] xd g[n] + m[n] sum_b(x). Against the float path:
+   a quarter of the multiply instructions a code; x's rounding, at most amax / 65534 within its
+   block, is over a hundred times finer than bf16's (notes/blockdot.md). */
 INLINE void tile16(const struct xin *in, const uint8_t *w, int64_t B, int planes, int64_t p0, int64_t r0,
                    const int NP, const int MR, vf acc[8]) {
   const int64_t bb = block_bytes(planes);
@@ -317,10 +318,8 @@ INLINE void tile16(const struct xin *in, const uint8_t *w, int64_t B, int planes
   } while (0)
 #define PAIR8(j)                                                                                           \
   do {                                                                                                     \
-    const int8_t *c = pair_at(w, p0, B, b, bb, o, j);                                                      \
-    const __m256i pa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));                          \
-    const __m256i pb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));                   \
-    DOT4(pa, pb, j);                                                                                       \
+    const vi pair = vpair8(pair_at(w, p0, B, b, bb, o, j));                                                \
+    DOT4(pair.a, pair.b, j);                                                                               \
   } while (0)
 
 INLINE void block4(const uint8_t *w, int64_t p0, int64_t B, int64_t b, int64_t bb, const int32_t *q0, const int32_t *q1,
@@ -564,7 +563,6 @@ INLINE void dense_group(const float *x, int64_t M, int64_t K, const void *w, con
 }
 
 /* dense_tasks on its own: y [M, N] float32 = x [M, K] float32 @ w^T over nthreads threads (blockdot.DenseRows). */
-void dense_tasks(const float *x, int64_t M, int64_t K, int64_t N, const void *w, int w_bf16, float *y);
 void blockdot_dense(const float *x, int64_t M, int64_t K, int64_t N, const void *w, int w_bf16, float *y, int nthreads) {
   #pragma omp parallel num_threads(nthreads)
   dense_tasks(x, M, K, N, w, w_bf16, y);
@@ -579,12 +577,21 @@ void dense_tasks(const float *x, int64_t M, int64_t K, int64_t N, const void *w,
   }
 }
 
-/* Eight weights of one row, d c + m for its codes c (int32), into dst as float32 or bf16 (rounded to
-   nearest even, as torch rounds). */
+/* The codes of row n at k = 8 o .. 8 o + 7 of block (p, b), as int32; then eight weights of one row,
+   d c + m for those codes c, into dst as float32 or bf16 (rounded to nearest even, as torch rounds). */
 #if defined(__AVX2__) && defined(__FMA__)
-static inline void dequant8(const int32_t c[8], float d, float m, void *dst, int bf16) {
-  const __m256 v = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)c)),
-                                   _mm256_set1_ps(m));  /* d c exact: one rounding */
+typedef __m256i codes8;
+static inline codes8 codes_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, int64_t bb, int planes, int o, int n) {
+  if (planes == 1)
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)octet_at(w, p, B, b, bb, o)[n]),
+                                              _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)), _mm256_set1_epi32(15));
+  uint16_t pairs[4];  /* pair j: the codes at k = 8 o + j and k + 4 */
+  for (int j = 0; j < 4; j++) memcpy(pairs + j, pair_at(w, p, B, b, bb, o, j) + 2 * n, 2);
+  const __m128i v = _mm_setr_epi16((short)pairs[0], (short)pairs[1], (short)pairs[2], (short)pairs[3], 0, 0, 0, 0);
+  return _mm256_cvtepi8_epi32(_mm_shuffle_epi8(v, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, -1, -1, -1, -1, -1, -1, -1, -1)));
+}
+static inline void dequant8(codes8 c, float d, float m, void *dst, int bf16) {
+  const __m256 v = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(c), _mm256_set1_ps(m));  /* d c exact: one rounding */
   if (!bf16) { _mm256_storeu_ps(dst, v); return; }
   const __m256i u = _mm256_castps_si256(v);
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
@@ -595,9 +602,16 @@ static inline void dequant8(const int32_t c[8], float d, float m, void *dst, int
   _mm_storeu_si128((__m128i *)dst, packed);
 }
 #else
-static inline void dequant8(const int32_t c[8], float d, float m, void *dst, int bf16) {
+typedef struct { int32_t c[8]; } codes8;
+static inline codes8 codes_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, int64_t bb, int planes, int o, int n) {
+  codes8 r;
+  for (int i = 0; i < 8; i++)
+    r.c[i] = planes == 1 ? (int32_t)((octet_at(w, p, B, b, bb, o)[n] >> 4 * i) & 15) : pair_at(w, p, B, b, bb, o, i % 4)[2 * n + i / 4];
+  return r;
+}
+static inline void dequant8(codes8 c, float d, float m, void *dst, int bf16) {
   for (int i = 0; i < 8; i++) {
-    const float v = d * (float)c[i] + m;
+    const float v = d * (float)c.c[i] + m;
     if (bf16) ((uint16_t *)dst)[i] = f32_to_bf16(v);
     else ((float *)dst)[i] = v;
   }
@@ -608,31 +622,33 @@ static inline void dequant8(const int32_t c[8], float d, float m, void *dst, int
    weight, each product exact in float32, so the result is bit for bit BlockQuantized.dequantize()'s.
    What a step wider than the kernels' rows multiplies by in place of a dense copy held for the
    model's life. */
+/* Panel p of w dequantized; planes and bf16 are constants where inlined, so each pair has its own loop. */
+INLINE void dequantize_panel(const uint8_t *w, int64_t p, int64_t B, int64_t bb, int64_t N, int64_t K, void *out,
+                             const int planes, const int bf16) {
+  for (int64_t b = 0; b < B; b++) {
+    const struct panel_head *h = head_at(w, p, B, b, bb);
+    float dl[P], ml[P];
+    vstore(dl, vhalf(h->d));
+    vstore(ml, vhalf(h->m));
+    for (int n = 0; n < P && p * P + n < N; n++)
+      for (int o = 0; o < 4; o++)
+        dequant8(codes_at(w, p, B, b, bb, planes, o, n), dl[n], ml[n],
+                 (char *)out + ((p * P + n) * K + b * G + 8 * o) * (bf16 ? 2 : 4), bf16);
+  }
+}
+
 void blockdot_dequantize(const uint8_t *w, int planes, int64_t N, int64_t K, void *out, int out_bf16, int nthreads) {
   const int64_t B = K / G, panels = (N + P - 1) / P, bb = block_bytes(planes);
-  const size_t size = out_bf16 ? 2 : 4;
   #pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t p = 0; p < panels; p++)
-    for (int64_t b = 0; b < B; b++) {
-      const struct panel_head *h = head_at(w, p, B, b, bb);
-      float dl[P], ml[P];
-      vstore(dl, vhalf(h->d));
-      vstore(ml, vhalf(h->m));
-      for (int n = 0; n < P && p * P + n < N; n++)
-        for (int o = 0; o < 4; o++) {
-          int32_t c[8];
-          if (planes == 1) {
-            const uint32_t word = octet_at(w, p, B, b, bb, o)[n];
-            for (int i = 0; i < 8; i++) c[i] = (word >> 4 * i) & 15;
-          } else {
-            for (int j = 0; j < 4; j++) {
-              const int8_t *pair = pair_at(w, p, B, b, bb, o, j);
-              c[j] = pair[2 * n], c[j + 4] = pair[2 * n + 1];
-            }
-          }
-          dequant8(c, dl[n], ml[n], (char *)out + ((p * P + n) * K + b * G + 8 * o) * size, out_bf16);
-        }
+  for (int64_t p = 0; p < panels; p++) {
+    if (planes == 1) {
+      if (out_bf16) dequantize_panel(w, p, B, bb, N, K, out, 1, 1);
+      else dequantize_panel(w, p, B, bb, N, K, out, 1, 0);
+    } else {
+      if (out_bf16) dequantize_panel(w, p, B, bb, N, K, out, 2, 1);
+      else dequantize_panel(w, p, B, bb, N, K, out, 2, 0);
     }
+  }
 }
 
 /* y [M, N] = x [M, K] @ w^T, w in panels of 4-bit (planes 1) or int8 (2) codes ([ceil(N / 16), K / 32] blocks; rows

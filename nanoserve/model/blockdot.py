@@ -163,8 +163,8 @@ def supports(w: object, dtype: torch.dtype) -> bool:
 
 
 def _fp16_exact(w: BlockQuantized) -> bool:
-    """The kernel reads fp16 d and m: a GGUF file's are, nanoserve's own int4 rounds to them; the m
-    of Q4_0 (-8 d) and Q8_0 (-128 d) are then exact too unless they overflow fp16."""
+    """The kernel reads fp16 d and m: a GGUF file's are, nanoserve's own int4 rounds to them; Q4_0's m
+    (-8 d) is then exact too unless it overflows fp16, and Q8_0's is 0."""
     mins = {"Q4_0": -8 * w.scales, "Q8_0": 0 * w.scales}.get(w.kind, w.mins)
     return all(torch.equal(t.half().float(), t) for t in (w.scales, mins))
 
