@@ -8,6 +8,7 @@ the change off (A) and on (B), alternating A B A B ... in one process, and repor
     python benchmarks/abbench.py --change fused      # the decode glue in C (fused_decode) against decoder_layer
     python benchmarks/abbench.py --change int16      # blockdot's int16 path against its float32 path
     python benchmarks/abbench.py --change dequantize # wide steps on panels dequantized per call against dense copies
+    python benchmarks/abbench.py --change dense      # dense matrices on blockdot's dense panels against torch's (oneDNN)
 
 --phase prefill times the steps that prefill the prompts (each slot's whole prompt, several
 prompts a step) in place of the decode steps that follow.
@@ -16,7 +17,8 @@ Every change but fused and int16 runs the default model in float32, dense; fused
 default precision (the GGUF's blocks on the kernels the probe picks, and their dense copies), both
 engines over the same laid-out weights; int16 too, each engine laying the file's blocks out itself
 (EngineConfig.blockdot_int16_rows 1 against None); dequantize the same way (EngineConfig.dense_copies
-False against True).
+False against True). packed and compile measure torch's dense linears (EngineConfig.dense_kernel
+"torch" on both sides); dense puts them against blockdot's dense panels ("torch" against "blockdot").
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.instruments.csv_writer import write_csv
 from nanoserve.model.weights import load_checkpoint
 
-CHANGES = ("groups", "deferred", "compile", "packed", "fused", "int16", "dequantize")
+CHANGES = ("groups", "deferred", "compile", "packed", "fused", "int16", "dequantize", "dense")
 
 
 def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
@@ -54,9 +56,11 @@ def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
             max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30,
             enable_prefix_caching=False, **setting))
     packed = {"packed": on, "compile": not on}.get(change, True)
+    dense_kernel = {"packed": "torch", "compile": "torch", "dense": "blockdot" if on else "torch"}.get(change, "auto")
     config = EngineConfig(dtype="float32", quantization=None, max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192,
                           kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, pack_weights=packed,
-                          deferred_output=(change == "deferred" and on), compile=(change == "compile" and on))
+                          deferred_output=(change == "deferred" and on), compile=(change == "compile" and on),
+                          dense_kernel=dense_kernel)
     if change == "groups" and not on:  # decode rows attended as one group, never split by length
         config = dataclasses.replace(config, decode_group_min_rows=None)
     return Engine(base.model, base.tokenizer, config)
@@ -104,7 +108,7 @@ def main() -> None:
         base = SimpleNamespace(model=model, tokenizer=tokenizer)
     else:
         base = Engine.from_pretrained(args.model, EngineConfig(dtype="float32", quantization=None, max_model_len=2048,
-                                                               pack_weights=False))
+                                                               pack_weights=False, dense_kernel="torch"))
     rng = random.Random(0)
     vocab = base.model.config.vocab_size
     rows = []

@@ -56,6 +56,13 @@ class EngineConfig:
     # probe times torch's int4 kernel 1.3x faster at one row (precision.BLOCKDOT_MARGIN).
     # Tensor-parallel ranks use torch's.
     kernels: str = "auto"
+    # Who runs the dense matmuls (float32 or bf16 matrices) on a CPU: "torch" (F.linear, on
+    # oneDNN's packed matrices; the one-call decode reads a copy of each in blockdot's dense panels),
+    # "blockdot" (the matrices themselves regrouped once into blockdot's dense panels, 16 output rows
+    # a panel, k-major, and run there at every width: one copy of each), or "auto": blockdot where
+    # the start-up probe times its dense panels no slower than torch's matmul at 64 rows
+    # (precision.DENSE_ROWS). Tensor-parallel ranks use torch's.
+    dense_kernel: str = "auto"
     # From this many rows of a step, blockdot rounds each block of 32 activations to int16 against
     # its largest value and sums in integers (AVX-512 VNNI's vpdpwssd, or vpmaddwd): 1.1-1.5x the
     # float32 path's speed, within x's rounding (amax / 65534 a block; quantbench: the same KL against
@@ -63,9 +70,10 @@ class EngineConfig:
     blockdot_int16_rows: int | None = 1
     # Decode-only steps run their glue in C (nanoserve/model/fused_decode.c) for Llama, Mistral and
     # Qwen2/3 layers: every layer in one call up to max_kernel_rows rows where the quantized linears
-    # are on blockdot (a dense model's too, float32 at every width, bf16 up to 2 rows, from plain copies
-    # of its packed matrices), three calls a layer between torch's linears otherwise. False keeps them on
-    # llama.py's decoder_layer (to compare, or to profile per operation). Tensor-parallel ranks keep it.
+    # are on blockdot (a dense model's too: on blockdot's dense panels at every width, or, where torch
+    # runs its matrices, float32 at every width and bf16 up to 2 rows, from copies in dense panels),
+    # three calls a layer between torch's linears otherwise. False keeps them on llama.py's
+    # decoder_layer (to compare, or to profile per operation). Tensor-parallel ranks keep it.
     fused_decode: bool = True
     device: str = "cpu"
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
@@ -95,6 +103,8 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r} is not one of {list(_QUANTIZATIONS)}")
         if self.kernels not in _KERNELS:
             raise ValueError(f"kernels={self.kernels!r} is not one of {list(_KERNELS)}")
+        if self.dense_kernel not in _KERNELS:
+            raise ValueError(f"dense_kernel={self.dense_kernel!r} is not one of {list(_KERNELS)}")
         if self.max_kernel_rows not in (None, "auto") and (not isinstance(self.max_kernel_rows, int)
                                                            or self.max_kernel_rows < 1):
             raise ValueError(f"max_kernel_rows={self.max_kernel_rows!r} must be None, 'auto' or an integer >= 1")

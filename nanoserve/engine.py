@@ -74,7 +74,8 @@ class Engine:
         # out for it: a new model, the one given is left as it was.
         self.precision = resolve(config.dtype, config.quantization, self.device, is_quantized(model),
                                  kernels="torch" if world_size > 1 else config.kernels,
-                                 max_kernel_rows=config.max_kernel_rows, dense_copies=config.dense_copies)
+                                 max_kernel_rows=config.max_kernel_rows, dense_copies=config.dense_copies,
+                                 dense_kernel="torch" if world_size > 1 or config.compile else config.dense_kernel)
         logger.info("nanoserve: computing in %s, quantization %s (%s)%s", self.precision.dtype,
                     self.precision.quantization, self.precision.reason,
                     f"; probe {self.precision.probe.describe()}" if self.precision.probe else "")
@@ -84,7 +85,8 @@ class Engine:
                                            int16_rows=config.blockdot_int16_rows,
                                            fuse_decode=config.fused_decode and world_size == 1,
                                            bf16_one_call_rows=self.precision.bf16_one_call_rows,
-                                           dense_copies=self.precision.dense_copies)
+                                           dense_copies=self.precision.dense_copies,
+                                           dense_kernel=self.precision.dense_kernel)
         num_positions = model.cos.shape[0]
         self.max_model_len = config.max_model_len or num_positions
         if self.max_model_len > num_positions:

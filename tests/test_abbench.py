@@ -3,28 +3,31 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import make_tiny_engine
 
 import nanoserve.inputs
 from benchmarks.abbench import CHANGES, make_engine, step_times
+from nanoserve.model import blockdot
 
 
 @pytest.fixture(scope="module")
 def base():
     # abbench's engines hold 2048 positions; the tiny model's plain weights, as abbench loads them
-    return make_tiny_engine(hf_overrides={"max_position_embeddings": 2048}, pack_weights=False)
+    return make_tiny_engine(hf_overrides={"max_position_embeddings": 2048}, pack_weights=False, dense_kernel="torch")
 
 
 # (pack_weights, compile, deferred_output, decode_group_min_rows, fused_decode, blockdot_int16_rows,
-# dense_copies) of A (off) and B (on), from abbench's usage
+# dense_copies, dense_kernel) of A (off) and B (on), from abbench's usage
 PAIRS = {
-    "groups": ((True, False, False, None, True, 1, "auto"), (True, False, False, 8, True, 1, "auto")),
-    "deferred": ((True, False, False, 8, True, 1, "auto"), (True, False, True, 8, True, 1, "auto")),
-    "compile": ((True, False, False, 8, True, 1, "auto"), (False, True, False, 8, True, 1, "auto")),
-    "packed": ((False, False, False, 8, True, 1, "auto"), (True, False, False, 8, True, 1, "auto")),
-    "fused": ((True, False, False, 8, False, 1, "auto"), (True, False, False, 8, True, 1, "auto")),
-    "int16": ((True, False, False, 8, True, None, "auto"), (True, False, False, 8, True, 1, "auto")),
-    "dequantize": ((True, False, False, 8, True, 1, True), (True, False, False, 8, True, 1, False)),
+    "groups": ((True, False, False, None, True, 1, "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto")),
+    "deferred": ((True, False, False, 8, True, 1, "auto", "auto"), (True, False, True, 8, True, 1, "auto", "auto")),
+    "compile": ((True, False, False, 8, True, 1, "auto", "torch"), (False, True, False, 8, True, 1, "auto", "torch")),
+    "packed": ((False, False, False, 8, True, 1, "auto", "torch"), (True, False, False, 8, True, 1, "auto", "torch")),
+    "fused": ((True, False, False, 8, False, 1, "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto")),
+    "int16": ((True, False, False, 8, True, None, "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto")),
+    "dequantize": ((True, False, False, 8, True, 1, True, "auto"), (True, False, False, 8, True, 1, False, "auto")),
+    "dense": ((True, False, False, 8, True, 1, "auto", "torch"), (True, False, False, 8, True, 1, "auto", "blockdot")),
 }
 
 
@@ -37,7 +40,7 @@ def test_each_side_differs_only_in_its_change(base, change):
     for on, expected in zip((False, True), PAIRS[change], strict=True):
         c = make_engine(base, change, on, slots=2).config
         assert (c.pack_weights, c.compile, c.deferred_output, c.decode_group_min_rows, c.fused_decode,
-                c.blockdot_int16_rows, c.dense_copies) == expected, (change, on)
+                c.blockdot_int16_rows, c.dense_copies, c.dense_kernel) == expected, (change, on)
         assert c.max_num_seqs == 2
 
 
@@ -52,6 +55,11 @@ def test_preparing_either_side_leaves_the_loaded_model_as_it_was(base):
     assert base.model.layers[0] is layer and layer.qkv is qkv and base.model.lm_head_weight is lm_head
     if packed.model.packed:  # oneDNN present: B runs its own packed copy
         assert packed.model is not base.model and packed.model.layers[0].qkv is not qkv
+    # dense: B regroups its own copy into dense panels, A runs torch's (packed as "packed" B is)
+    on_panels, on_torch = (make_engine(base, "dense", on, slots=2) for on in (True, False))
+    assert isinstance(on_panels.model.layers[0].qkv, blockdot.DensePanels)
+    assert isinstance(on_torch.model.layers[0].qkv, torch.Tensor) and on_torch.model.packed == packed.model.packed
+    assert base.model.layers[0].qkv is qkv
 
 
 @pytest.mark.parametrize(("on", "expected_splits"), [(False, 0), (True, 3)])

@@ -144,43 +144,63 @@ def test_the_int16_path_starts_at_int16_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("N", [4, 7, 40])  # 7: a group of 4 rows and 3 alone
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9])  # every tile of x's rows and their tails
-def test_dense_rows_equal_the_matmul(kernel, dtype, N, rows):
-    # the fused decode's dense matmul, called alone (outside a parallel region its `omp for` runs here)
+@pytest.mark.parametrize("N, K", [(4, 48), (16, 37), (17, 48), (40, 33)])  # a panel's padding, one whole, odd K
+# every tile width of x's rows up to 12 (AVX-512's) and the splits of a wider M into even tiles
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 25])
+def test_dense_panels_equal_the_matmul(kernel, dtype, N, K, rows):
+    # the fused decode's dense matmul, called alone (outside a parallel region its `omp for` runs
+    # here), on each build: an AVX2 build's bf16 panels hold rows j and j + 8 in a word, the others in order
     _, kernel = kernel
-    K = 48
     gen = torch.Generator().manual_seed(rows)
     w, x = torch.randn(N, K, generator=gen).to(dtype), torch.randn(rows, K, generator=gen)
+    panels = blockdot.pack_dense(w, kernel)
+    assert panels.data.shape == (-(-N // 16), K, 16) and panels.dtype == dtype
     y = torch.full((rows, N), float("nan"))
-    kernel.lib.dense_tasks(x.data_ptr(), rows, K, N, w.data_ptr(), int(dtype == torch.bfloat16), y.data_ptr())
+    kernel.lib.dense_tasks(x.data_ptr(), rows, K, N, panels.data.data_ptr(), int(dtype == torch.bfloat16), y.data_ptr())
     expected = x.double() @ w.double().T  # bf16 weights are widened exactly
     torch.testing.assert_close(y.double(), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
 
 
 @needs_build
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])  # the AVX2 tiles of 4 and 2 rows and their tails
-def test_dense_rows_against_float64(dtype, rows):
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9, 32])
+def test_dense_panels_against_float64(dtype, rows):
     gen = torch.Generator().manual_seed(rows)
-    w = torch.randn(37, 48, generator=gen).to(dtype)  # 37: groups of 4 rows of w and one alone
+    w = torch.randn(37, 48, generator=gen).to(dtype)  # 37: two panels and a padded one
     x = torch.randn(rows, 48, generator=gen)
     expected = x.double() @ w.double().T  # bf16 weights are widened exactly
-    head = blockdot.DenseRows(w, blockdot.library())
-    torch.testing.assert_close(head(x).double(), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+    panels = blockdot.pack_dense(w)
+    torch.testing.assert_close(panels(x).double(), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
     # bf16 activations widen exactly and the result rounds to bf16, as `linear` returns x's dtype
-    out = head(x.bfloat16())
+    out = panels(x.bfloat16())
     assert out.dtype == torch.bfloat16
     expected = x.bfloat16().double() @ w.double().T
     torch.testing.assert_close(out.double(), expected, atol=2**-7 * expected.abs().max().item(), rtol=0)
+    assert panels(x[:0]).shape == (0, 37)  # a step with no row to read (no sampled row) is empty, not an error
+    # the regrouping is a permutation: the matrix comes back bit for bit, and the one given is untouched
+    assert torch.equal(panels.dense(), w) and panels.nbytes == 48 * 48 * w.element_size()
 
 
 @needs_build
-def test_dense_rows_refuse_what_they_cannot_read():
-    with pytest.raises(ValueError, match="K a multiple of 16; got torch.float32 \\[4, 40\\]"):
-        blockdot.DenseRows(torch.zeros(4, 40), blockdot.library())
+def test_dense_panels_from_a_onednn_packed_matrix():
+    from nanoserve.model.quant import can_pack, pack_linear_weight
+    w = torch.randn(40, 64)
+    if not can_pack(w):
+        pytest.skip("no oneDNN here")
+    assert torch.equal(blockdot.pack_dense(pack_linear_weight(w)).dense(), w)
+
+
+@needs_build
+def test_dense_panels_refuse_what_they_cannot_read():
+    with pytest.raises(ValueError, match="float32 or bf16 matrix \\[N, K\\] on the CPU; got torch.float16 \\[4, 48\\]"):
+        blockdot.pack_dense(torch.zeros(4, 48, dtype=torch.float16))
+    with pytest.raises(ValueError, match="got torch.float32 \\[2, 4, 48\\]"):
+        blockdot.pack_dense(torch.zeros(2, 4, 48))
+    panels = blockdot.pack_dense(torch.zeros(4, 48))
     with pytest.raises(ValueError, match="got torch.float16"):
-        blockdot.DenseRows(torch.zeros(4, 48), blockdot.library())(torch.zeros(1, 48, dtype=torch.float16))
+        panels(torch.zeros(1, 48, dtype=torch.float16))
+    with pytest.raises(ValueError, match="dense panels \\[4, 48\\] take x \\[M, 48\\], got \\[1, 40\\]"):
+        panels(torch.zeros(1, 40))
 
 
 @needs_build

@@ -7,6 +7,7 @@ import torch
 from conftest import make_hf_llama, make_tiny_engine, nanoserve_model_from_hf
 
 from nanoserve import Engine, EngineConfig, SamplingParams
+from nanoserve.model import blockdot
 from nanoserve.model.llama import decoder_layer
 
 pytestmark = pytest.mark.slow
@@ -24,19 +25,28 @@ def test_compiled_layer_gives_the_eager_tokens_for_prefill_chunks_and_decodes():
 
 
 def test_a_packed_model_refuses_compile_by_name():
-    engine = make_tiny_engine()  # pack_weights defaults on: the engine's model holds oneDNN tensors
+    engine = make_tiny_engine(dense_kernel="torch")  # pack_weights defaults on: the engine's model holds oneDNN tensors
     assert engine.model.packed
     with pytest.raises(ValueError, match="packed.*pack_weights=False"):
         Engine(engine.model, None, EngineConfig(dtype="float32", quantization=None, compile=True, num_kv_blocks=8))
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids  # still serves
+    if blockdot.library() is not None:  # and a model whose matrices are in blockdot's dense panels
+        panels = make_tiny_engine(dense_kernel="blockdot")
+        with pytest.raises(ValueError, match="dense panels.*dense_kernel='torch'"):
+            Engine(panels.model, None, EngineConfig(dtype="float32", quantization=None, compile=True, num_kv_blocks=8))
+    # a compiled engine's precision says torch runs its dense matmuls, as it does
+    compiled = make_tiny_engine(compile=True)
+    assert compiled.precision.dense_kernel == "torch" and compiled.model.layer_fn is not decoder_layer
 
 
 def test_two_engines_from_one_loaded_model_do_not_share_a_preparation():
     hf = make_hf_llama(seed=0)
     model = nanoserve_model_from_hf(hf)
-    plain = Engine(model, None, EngineConfig(dtype="float32", quantization=None, pack_weights=False, num_kv_blocks=8, block_size=4))
+    plain = Engine(model, None, EngineConfig(dtype="float32", quantization=None, pack_weights=False, num_kv_blocks=8, block_size=4,
+                                             dense_kernel="torch"))
     compiled = Engine(model, None, EngineConfig(dtype="float32", quantization=None, compile=True, num_kv_blocks=8, block_size=4))
-    packed = Engine(model, None, EngineConfig(dtype="float32", quantization=None, num_kv_blocks=8, block_size=4))
+    packed = Engine(model, None, EngineConfig(dtype="float32", quantization=None, num_kv_blocks=8, block_size=4,
+                                              dense_kernel="torch"))
     # nothing to lay out: the loaded model's own weights, in a shallow copy that carries the fused decode
     assert plain.model.layers is model.layers and model.fused_layers is None
     assert model.layer_fn is decoder_layer and not model.packed

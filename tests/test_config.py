@@ -39,6 +39,7 @@ def test_invalid_engine_config_is_refused_by_name(overrides, message):
     ({"quantization": "int3"}, r"quantization='int3' is not one of \['auto', 'int8', 'int4', None\]"),
     ({"max_kernel_rows": 0}, "max_kernel_rows=0 must be None, 'auto' or an integer >= 1"),
     ({"kernels": "mkl"}, r"kernels='mkl' is not one of \['auto', 'torch', 'blockdot'\]"),
+    ({"dense_kernel": "onednn"}, r"dense_kernel='onednn' is not one of \['auto', 'torch', 'blockdot'\]"),
     ({"kernels": "blockdot", "tensor_parallel_size": 2}, "kernels='blockdot' with tensor_parallel_size=2"),
 ])
 def test_wrong_types_and_negatives_are_refused_by_name(overrides, message):

@@ -31,7 +31,7 @@ from nanoserve.model.fused_decode import (
     why_not,
     why_not_in_one_call,
 )
-from nanoserve.model.quant import QuantLinear, quantize_int4, quantize_int8
+from nanoserve.model.quant import QuantLinear, can_pack, quantize_int4, quantize_int8
 
 needs_build = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
 
@@ -42,7 +42,7 @@ PROMPTS = [[5, 9, 13, 22, 7, 41, 3, 8, 60, 33, 21], [17, 4], [30 + i % 50 for i 
 def fused_engine(hf, dtype: str = "float32", block_size: int = 4, **overrides) -> Engine:
     config = EngineConfig(**({"dtype": dtype, "quantization": "int4", "kernels": "blockdot", "pack_weights": False,
                               "block_size": block_size, "num_kv_blocks": 256 // block_size + 8, "max_num_seqs": 4,
-                              "decode_group_min_rows": 2, "blockdot_int16_rows": None} | overrides))
+                              "decode_group_min_rows": 2, "blockdot_int16_rows": None, "dense_kernel": "torch"} | overrides))
     return Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), config)
 
 
@@ -201,19 +201,27 @@ def test_steps_wider_than_the_kernel_rows_take_torchs_linears_between_per_layer_
 
 @needs_build
 @pytest.mark.parametrize("pack_weights", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("dense_kernel", ["torch", "blockdot"])
 @pytest.mark.parametrize("dtype, atol", [("float32", 1e-4), ("bfloat16", 0.03)])
-def test_a_dense_model_runs_decode_steps_in_one_call_up_to_its_dtypes_rows(dtype, atol, pack_weights):
+def test_a_dense_model_runs_decode_steps_in_one_call_up_to_its_dtypes_rows(dtype, atol, pack_weights, dense_kernel):
     hf = make_hf_llama(seed=15)
-    engine = fused_engine(hf, dtype=dtype, quantization=None, pack_weights=pack_weights)
+    engine = fused_engine(hf, dtype=dtype, quantization=None, pack_weights=pack_weights, dense_kernel=dense_kernel)
     fused = engine.model.fused_layers
     limit = engine.precision.bf16_one_call_rows if dtype == "bfloat16" else DENSE_ONE_CALL_ROWS[torch.float32]
-    assert fused.max_rows == limit and why_not_in_one_call(engine.model) is None
+    layer = engine.model.layers[0]
+    assert isinstance(layer.qkv, blockdot.DensePanels) == (dense_kernel == "blockdot")
+    # on the dense panels every width runs in one call; on torch's, up to its dtype's rows
+    assert fused.max_rows == (2**31 if dense_kernel == "blockdot" else limit) and why_not_in_one_call(engine.model) is None
     assert {planes for forms in fused.forms for _, planes in forms} == {DENSE_BF16 if dtype == "bfloat16" else DENSE_F32}
-    packed = engine.model.packed  # oneDNN present: the one call reads plain copies, counted in memory()
-    assert (fused.copy_bytes > 0) == packed and engine.memory()["fused_copies"] == fused.copy_bytes
-    if packed:
-        layer = engine.model.layers[0]
-        torch.testing.assert_close(fused.forms[0][0][0], layer.qkv.to_dense(), atol=0, rtol=0)
+    # torch's matrices (plain or packed) are read through copies in dense panels, counted in memory(); the
+    # model's own panels are read as they are
+    assert (fused.copy_bytes > 0) == (dense_kernel == "torch") and engine.memory()["fused_copies"] == fused.copy_bytes
+    if dense_kernel == "torch":
+        assert engine.model.packed == (pack_weights and can_pack(layer.qkv.to_dense() if layer.qkv.is_mkldnn else layer.qkv))
+        plain = layer.qkv.to_dense() if layer.qkv.is_mkldnn else layer.qkv
+        torch.testing.assert_close(fused.forms[0][0][0], blockdot.pack_dense(plain).data, atol=0, rtol=0)
+    else:
+        assert fused.forms[0][0][0] is layer.qkv.data
     one_call_rows = count_one_call_steps(engine)
     fused_rows = count_fused_steps(engine)
     captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=8)  # four rows a step: per layer in bf16
@@ -230,18 +238,21 @@ def test_a_dense_model_runs_decode_steps_in_one_call_up_to_its_dtypes_rows(dtype
 @needs_build
 @pytest.mark.parametrize("bf16_faster", [True, False], ids=["bf16-native", "bf16-emulated"])
 def test_a_bf16_model_takes_the_one_call_at_every_width_where_the_probe_times_bf16_slower(monkeypatch, bf16_faster):
-    # The probe faked both ways, so each side runs on every CPU: an AVX2-only one times bf16 slower.
-    monkeypatch.setattr(precision, "probe_cpu", fake_probe(0.2, 0.05 if bf16_faster else 14.0))
+    # The probe faked both ways, so each side runs on every CPU: an AVX2-only one times bf16 slower,
+    # and torch's bf16 matmul slower than the dense panels (which widen bf16 to float32 in registers).
+    monkeypatch.setattr(precision, "probe_cpu", fake_probe(0.2, 0.05 if bf16_faster else 14.0,
+                                                           dense_kernels_ms=(0.5, 1.0) if bf16_faster else (14.0, 0.3)))
     hf = make_hf_llama(seed=15)
-    engine = fused_engine(hf, dtype="bfloat16", quantization=None)
+    engine = fused_engine(hf, dtype="bfloat16", quantization=None, dense_kernel="auto")
     assert engine.model.fused_layers.max_rows == (DENSE_ONE_CALL_ROWS[torch.bfloat16] if bf16_faster else 2**31)
-    # where bf16 is emulated the head is read by the same dense rows as the layers, not torch's bf16 matmul
+    # where bf16 is emulated every dense matrix, the head's too, is read from dense panels, not torch's bf16 matmul
     head = engine.model.lm_head_weight
-    assert isinstance(head, blockdot.DenseRows) != bf16_faster
-    tensors = [engine.model.embed, getattr(head, "weight", head), engine.model.norm] + [
-        w for layer in engine.model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down, layer.input_norm,
-                                                     layer.post_norm)]
-    assert engine.memory()["dense"] == sum({id(t): t.nbytes for t in tensors}.values())  # a tied head counted once
+    assert isinstance(head, blockdot.DensePanels) != bf16_faster
+    assert isinstance(engine.model.layers[0].down, blockdot.DensePanels) != bf16_faster
+    tensors = [engine.model.embed, getattr(head, "data", head), engine.model.norm] + [
+        getattr(w, "data", w) for layer in engine.model.layers
+        for w in (layer.qkv, layer.o, layer.gate_up, layer.down, layer.input_norm, layer.post_norm)]
+    assert engine.memory()["dense"] == sum({id(t): t.nbytes for t in tensors}.values())  # a tied head's copy counted
     one_call_rows = count_one_call_steps(engine)
     captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=6)  # four rows a step
     assert assert_logits_match(hf, captured, outputs, atol=0.03) == len(PROMPTS) * 6
@@ -289,8 +300,8 @@ def test_families_and_layouts_it_cannot_run_are_named():
     assert why_not(gemma.model) == "the family's ['sandwich_norms', 'attn_logit_softcap', 'activation'] are not in fused_decode.c"
     torch_kernels = fused_engine(make_hf_llama(seed=14), kernels="torch")
     assert torch_kernels.model.fused_layers.max_rows == 0
-    assert why_not_in_one_call(torch_kernels.model) == ("layer 0's qkv is neither on blockdot's panels nor dense "
-                                                        "float32 or bf16 rows (K a multiple of 16)")
+    assert why_not_in_one_call(torch_kernels.model) == ("layer 0's qkv is neither on blockdot's panels nor a dense "
+                                                        "float32 or bf16 matrix")
     off = fused_engine(make_hf_llama(seed=14), fused_decode=False)
     assert off.model.fused_layers is None and isinstance(off.model.layers[0].qkv, QuantLinear)
     half = fused_engine(make_hf_llama(seed=14), dtype="float16", quantization=None)
@@ -317,7 +328,8 @@ def test_an_engine_over_another_engines_model_builds_its_own_fused_decode_or_non
     off = Engine(first.model, None, EngineConfig(dtype="float32", quantization=None, fused_decode=False, pack_weights=False,
                                            num_kv_blocks=16))
     assert off.model.fused_layers is None and first.model.fused_layers is not None
-    on = Engine(first.model, None, EngineConfig(dtype="float32", quantization=None, pack_weights=False, num_kv_blocks=16))
+    on = Engine(first.model, None, EngineConfig(dtype="float32", quantization=None, pack_weights=False, num_kv_blocks=16,
+                                                dense_kernel="torch"))
     assert on.model.fused_layers is not first.model.fused_layers and on.model.layers is first.model.layers
 
 

@@ -12,7 +12,7 @@ import torch
 from conftest import LLAMA3_ROPE, TINY, CharTokenizer, make_hf_llama, nanoserve_model_from_hf
 
 from nanoserve import Engine, EngineConfig, SamplingParams
-from nanoserve.model import llama
+from nanoserve.model import blockdot, llama
 from nanoserve.model.prepare import packed
 from nanoserve.model.quant import pack_linear_weight
 
@@ -59,13 +59,17 @@ def assert_logits_match(hf, captured, outputs, atol: float = 1e-4) -> int:
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("pack_weights", [True, False], ids=["packed", "plain"])
-def test_logits_equal_transformers_at_prefill_and_every_decode(arch, block_size, pack_weights):
+# the dense matrices on torch's linears (oneDNN-packed, or plain) or on blockdot's dense panels
+@pytest.mark.parametrize("form", ["packed", "plain", "panels"])
+def test_logits_equal_transformers_at_prefill_and_every_decode(arch, block_size, form):
+    if form == "panels" and blockdot.library() is None:
+        pytest.skip(f"blockdot not built here: {blockdot.failure()}")
     hf = make_hf_llama(seed=1, **ARCHITECTURES[arch])
     config = EngineConfig(dtype="float32", quantization=None, block_size=block_size, num_kv_blocks=256 // block_size + 8, max_num_seqs=4,
-                          pack_weights=pack_weights)
+                          pack_weights=form == "packed", dense_kernel="blockdot" if form == "panels" else "torch")
     engine = Engine(nanoserve_model_from_hf(hf), CharTokenizer(TINY["vocab_size"]), config)
-    assert engine.model.packed == (pack_weights and torch.backends.mkldnn.is_available())
+    assert engine.model.packed == (form == "packed" and torch.backends.mkldnn.is_available())
+    assert isinstance(engine.model.layers[0].qkv, blockdot.DensePanels) == (form == "panels")
     captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=12)
     assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 12
     engine.check_invariants()

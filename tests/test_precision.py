@@ -9,14 +9,14 @@ import torch
 from conftest import make_hf_llama, nanoserve_model_from_hf
 
 from nanoserve import Engine, EngineConfig
-from nanoserve.model import precision
+from nanoserve.model import blockdot, precision
 from nanoserve.model.precision import Probe, probe_cpu, resolve
 
 CPU = torch.device("cpu")
 
 
 def fake(float32_ms, bfloat16_ms, int4_ms=1.0, dense_ms=2.0, blockdot_ms=None, wide_ms=(None, None), quantized_ms=None,
-         dequantized_rows=()):
+         dequantized_rows=(), dense_kernels_ms=(None, None)):
     """A probe's figures as given; the streamed one-row quantized time, unless given, the in-cache
     time of the kernel kernels="auto" picks."""
     if quantized_ms is None:
@@ -27,7 +27,8 @@ def fake(float32_ms, bfloat16_ms, int4_ms=1.0, dense_ms=2.0, blockdot_ms=None, w
         return Probe(float32_ms=float32_ms, bfloat16_ms=bfloat16_ms, int4_ms=int4_ms, kernel_dtype=chosen,
                      shape=(16, 512, 1024), blockdot_ms=blockdot_ms, blockdot_note="" if blockdot_ms else "not built (faked)",
                      quantized_ms=quantized_ms, dense_ms=dense_ms, blockdot_wide_ms=wide_ms[0], dense_wide_ms=wide_ms[1],
-                     stream_mb=64.0, dequantized_rows=dequantized_rows)
+                     stream_mb=64.0, dequantized_rows=dequantized_rows, dense_torch_ms=dense_kernels_ms[0],
+                     dense_panels_ms=dense_kernels_ms[1])
     return probe
 
 
@@ -67,7 +68,7 @@ def test_keeping_the_blocks_follows_the_streamed_timing_not_the_one_in_cache():
 def test_explicit_values_are_taken_without_a_probe():
     def no_probe(**_):
         raise AssertionError("an explicit dtype needs no probe")
-    chosen = resolve("float32", "int4", CPU, False, probe=no_probe, kernels="torch")
+    chosen = resolve("float32", "int4", CPU, False, probe=no_probe, kernels="torch", dense_kernel="torch")
     assert (chosen.dtype, chosen.quantization, chosen.probe, chosen.kernels) == ("float32", "int4", None, "torch")
 
 
@@ -179,3 +180,23 @@ def test_the_engine_reports_and_logs_its_choice(monkeypatch, caplog):
     monkeypatch.setattr(precision, "probe_cpu", fake(0.2, 0.05))
     engine = Engine(model, None, EngineConfig(num_kv_blocks=8))
     assert (engine.precision.dtype, engine.model.dtype, engine.kv.k.dtype) == ("bfloat16",) + (torch.bfloat16,) * 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_auto_dense_kernel_follows_the_probe_both_ways(dtype):
+    if blockdot.library() is None:
+        pytest.skip(f"blockdot not built here: {blockdot.failure()}")
+    panels = resolve(dtype, None, CPU, False, probe=fake(0.2, 0.3, dense_kernels_ms=(1.3, 1.0)))
+    assert panels.dense_kernel == "blockdot" and "dense kernel blockdot: blockdot's dense panels 1.30x torch's speed at 64 rows" in panels.reason
+    on_torch = resolve(dtype, None, CPU, False, probe=fake(0.2, 0.3, dense_kernels_ms=(0.5, 1.0)))
+    assert on_torch.dense_kernel == "torch" and "dense kernel torch: blockdot's dense panels 0.50x" in on_torch.reason
+    untimed = resolve(dtype, None, CPU, False, probe=fake(0.2, 0.3))  # no figure (no build): torch's
+    assert untimed.dense_kernel == "torch"
+    given = resolve(dtype, None, CPU, False, probe=fake(0.2, 0.3, dense_kernels_ms=(0.5, 1.0)), dense_kernel="blockdot")
+    assert given.dense_kernel == "blockdot" and "dense kernel blockdot: as configured" in given.reason
+
+
+def test_dense_kernel_refusals():
+    with pytest.raises(ValueError, match="dense_kernel='mkl' is not one of \\['auto', 'torch', 'blockdot'\\]"):
+        resolve("float32", None, CPU, False, probe=fake(0.2, 0.3), dense_kernel="mkl")
+    assert resolve("float16", None, CPU, False, probe=fake(0.2, 0.3)).dense_kernel == "torch"  # panels hold no fp16

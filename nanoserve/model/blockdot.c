@@ -63,6 +63,7 @@ static inline vf vcode(vi v, int shift) {
   return _mm512_permutexvar_ps(shift ? _mm512_srli_epi32(v, shift) : v, table);
 }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
 static inline vi vizero(void) { return _mm512_setzero_si512(); }
 /* 4-bit codes j and j + 4 of every lane as two int16 */
@@ -116,6 +117,7 @@ static inline vf vcode(vi v, int shift) {
               _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v.b, shift), m4))};
 }
 static inline vf vmul(vf x, vf y) { return (vf){_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+static inline vf vadd(vf x, vf y) { return (vf){_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
 static inline vf vcvt(vi v) { return (vf){_mm256_cvtepi32_ps(v.a), _mm256_cvtepi32_ps(v.b)}; }
 static inline vi vizero(void) { return (vi){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 static inline vi vpair(vi v, int j) {
@@ -161,6 +163,7 @@ static inline float vsum(vf x) { float s = 0; for (int j = 0; j < 16; j++) s += 
 static inline vi viload(const uint32_t *p) { vi r; memcpy(r.v, p, sizeof r.v); return r; }
 static inline vf vcode(vi v, int shift) { vf r; for (int j = 0; j < 16; j++) r.v[j] = (v.v[j] >> shift) & 15; return r; }
 static inline vf vmul(vf x, vf y) { for (int j = 0; j < 16; j++) x.v[j] *= y.v[j]; return x; }
+static inline vf vadd(vf x, vf y) { for (int j = 0; j < 16; j++) x.v[j] += y.v[j]; return x; }
 static inline vf vcvt(vi v) { vf r; for (int j = 0; j < 16; j++) r.v[j] = (float)(int32_t)v.v[j]; return r; }
 static inline vi vizero(void) { vi r = {{0}}; return r; }
 static inline vi vpair(vi v, int j) {
@@ -474,108 +477,93 @@ void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const
   }
 }
 
-/* Dense rows: NR consecutive rows of a dense w [N, K] (float32, or bf16 where bf16) against MR rows
-   of x, 16 k a step: the MR x vectors loaded once a step, each w vector used for all MR of them, each
-   sum a vector until the end. NR, MR and bf16 are constants once inlined (NR * MR <= 16). */
-INLINE void dense_tile(const float *x, int64_t K, const void *w, const int bf16, int64_t n0, int64_t r0, const int NR,
-                       const int MR, float *y, int64_t N) {
-  vf acc[16];
-  for (int a = 0; a < NR * MR; a++) acc[a] = vzero();
-  const size_t size = bf16 ? 2 : 4;
-  for (int64_t k = 0; k < K; k += 16) {
-    vf xv[4];
-    for (int r = 0; r < MR; r++) xv[r] = vload(x + (r0 + r) * K + k);
-    /* While the first rows of x meet these NR rows of w, the next NR rows are fetched to L1 a line a
-       step: the hardware's prefetchers alone kept a streamed w at half the read rate (Zen 5). */
-    if (r0 == 0 && n0 + 2 * NR <= N && (size == 4 || k % 32 == 0))
-      for (int i = 0; i < NR; i++) prefetch_l1((const char *)w + ((n0 + NR + i) * K + k) * size);
-    for (int i = 0; i < NR; i++) {
-      const vf wv = bf16 ? vbf16((const uint16_t *)w + (n0 + i) * K + k) : vload((const float *)w + (n0 + i) * K + k);
-      for (int r = 0; r < MR; r++) acc[i * MR + r] = vfma(wv, xv[r], acc[i * MR + r]);
-    }
-  }
-  for (int i = 0; i < NR; i++)
-    for (int r = 0; r < MR; r++) y[(r0 + r) * N + n0 + i] = vsum(acc[i * MR + r]);
-}
-
+/* Dense panels: a dense w [N, K] (float32, or bf16 where bf16) regrouped once (blockdot.py's
+   DensePanels) into panels of 16 output rows, k-major: panel p holds, for each k, the 16 weights
+   w[16 p + j, k] in one vector (bf16 in AVX2 builds in the order 0, 8, 1, 9, .. 7, 15, so that each
+   32-bit word holds rows j and j + 8: one shift and one mask widen a k's 16 weights exactly; rows past
+   N are zero). A tile of MR rows of x against one panel keeps MR vector sums (MR * 16 outputs) in
+   registers for the whole of K, each k a broadcast x[r, k] times the panel's vector: no horizontal
+   sum, one pass over the panel per tile of rows (from L2 after the first), and the panel read as one
+   contiguous stream. A dot-product form (rows of w against rows of x, the sums reduced across lanes
+   at the end) read x once per pair of w rows: half the FMA rate at 32 rows (notes/fused_decode.md). */
+#define DP_MR (SIMD == 512 ? 12 : 6)  /* rows of x a tile: 12 (AVX-512) or 6 x 2 (AVX2) vector sums */
+INLINE vf dense_k(const void *p, int64_t k, const int bf16) {
 #if SIMD == 256
-/* dense_tile in 8-lane vectors for AVX2, 2 rows of w by up to 4 of x: 8 sums, 4 x and one w are 13 of
-   the 16 registers. The 16-lane tile above (a vf is two registers here) held 4 x 2 sums in 16 and
-   spilled them in every step. */
-INLINE __m256 wload8(const void *w, int64_t at, const int bf16) {
-  return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
-                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + at))), 16))
-              : _mm256_loadu_ps((const float *)w + at);
+  if (bf16) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + 16 * k));
+    return (vf){_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)),
+                _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)))};
+  }
+#endif
+  return bf16 ? vbf16((const uint16_t *)p + 16 * k) : vload((const float *)p + 16 * k);
 }
-INLINE void dense_tile8(const float *x, int64_t K, const void *w, const int bf16, int64_t n0, int64_t r0, const int NR,
-                        const int MR, float *y, int64_t N) {
-  __m256 acc[8];
-  for (int a = 0; a < NR * MR; a++) acc[a] = _mm256_setzero_ps();
-  const size_t size = bf16 ? 2 : 4;
-  const int ahead = r0 == 0 && n0 + 2 * NR <= N;
-  for (int64_t k0 = 0; k0 < K; k0 += 16) {  /* K is a multiple of 16: two steps of 8 k an iteration */
-    if (ahead && k0 % (64 / size) == 0)  /* the next rows of w to L1, a line at a time */
-      for (int i = 0; i < NR; i++) prefetch_l1((const char *)w + ((n0 + NR + i) * K + k0) * size);
-    for (int64_t k = k0; k < k0 + 16; k += 8) {
-      __m256 xv[4];
-      for (int r = 0; r < MR; r++) {
-        xv[r] = _mm256_loadu_ps(x + (r0 + r) * K + k);
-        __asm__("" : "+x"(xv[r]));  /* loaded once into a register: gcc folded it into every FMA, a load each */
-      }
-      for (int i = 0; i < NR; i++) {
-        const __m256 wv = wload8(w, (n0 + i) * K + k, bf16);
-        for (int r = 0; r < MR; r++) acc[i * MR + r] = _mm256_fmadd_ps(wv, xv[r], acc[i * MR + r]);
-      }
+/* Rows r0 .. r0 + MR - 1 of x against panel p: y[r, n0 .. n0 + nn - 1]. Up to 3 rows, two sums a row
+   (even and odd k) so that enough FMAs are in flight. */
+INLINE void dense_tile(const float *x, int64_t K, const void *p, const int bf16, int64_t r0, const int MR, float *y,
+                       int64_t N, int64_t n0, int64_t nn) {
+  enum { U = 2 };
+  const int u = MR <= 3 ? 2 : 1;
+  vf acc[U][DP_MR];
+  for (int s = 0; s < u; s++)
+    for (int r = 0; r < MR; r++) acc[s][r] = vzero();
+  const float *xr = x + r0 * K;
+  int64_t k = 0;
+  for (; k + u <= K; k += u)
+    for (int s = 0; s < u; s++) {
+      const vf wv = dense_k(p, k + s, bf16);
+      for (int r = 0; r < MR; r++) acc[s][r] = vfma(wv, vset1(xr[r * K + k + s]), acc[s][r]);
+    }
+  for (; k < K; k++) {
+    const vf wv = dense_k(p, k, bf16);
+    for (int r = 0; r < MR; r++) acc[0][r] = vfma(wv, vset1(xr[r * K + k]), acc[0][r]);
+  }
+  for (int r = 0; r < MR; r++) {
+    const vf sum = u == 2 ? vadd(acc[0][r], acc[1][r]) : acc[0][r];
+    if (nn == P) vstore(y + (r0 + r) * N + n0, sum);
+    else {
+      float lanes[P];
+      vstore(lanes, sum);
+      memcpy(y + (r0 + r) * N + n0, lanes, nn * sizeof(float));
     }
   }
-  for (int i = 0; i < NR; i++)
-    for (int r = 0; r < MR; r++) {
-      float lanes[8];
-      _mm256_storeu_ps(lanes, acc[i * MR + r]);
-      y[(r0 + r) * N + n0 + i] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-    }
 }
-#endif
-
-/* Rows of x four at a time (in 8-lane tiles of two rows of w with AVX2), then the rest. */
-#define DENSE_MR (SIMD == 512 ? 4 : 2)
-INLINE void dense_rows(const float *x, int64_t M, int64_t K, const void *w, const int bf16, int64_t n0, const int NR,
-                       float *y, int64_t N) {
+INLINE void dense_panel(const float *x, int64_t M, int64_t K, const void *p, const int bf16, float *y, int64_t N,
+                        int64_t n0) {
+  if (M <= 0) return;
+  const int64_t nn = N - n0 < P ? N - n0 : P;
+  const int64_t tiles = (M + DP_MR - 1) / DP_MR, base = M / tiles, extra = M % tiles;  /* tiles as even as they go */
   int64_t r0 = 0;
-#if SIMD == 256
-  if (NR == 4 && M >= 2) {  /* each tile of x meets both halves of the 4 rows of w while it is in L1 */
-    int64_t r = 0;
-    for (; r + 4 <= M; r += 4) for (int h = 0; h < 4; h += 2) dense_tile8(x, K, w, bf16, n0 + h, r, 2, 4, y, N);
-    if (r + 2 <= M) { for (int h = 0; h < 4; h += 2) dense_tile8(x, K, w, bf16, n0 + h, r, 2, 2, y, N); r += 2; }
-    if (r < M) for (int h = 0; h < 4; h += 2) dense_tile8(x, K, w, bf16, n0 + h, r, 2, 1, y, N);
-    return;
-  }
+  for (int64_t t = 0; t < tiles; t++) {
+    const int mr = (int)(base + (t < extra));
+    switch (mr) {  /* each width its own unrolled tile */
+#define TILE(n) case n: dense_tile(x, K, p, bf16, r0, n, y, N, n0, nn); break;
+      TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+#if DP_MR > 6
+      TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12)
 #endif
-  for (; r0 + DENSE_MR <= M; r0 += DENSE_MR) dense_tile(x, K, w, bf16, n0, r0, NR, DENSE_MR, y, N);
-  if (DENSE_MR == 4 && r0 + 2 <= M) { dense_tile(x, K, w, bf16, n0, r0, NR, 2, y, N); r0 += 2; }
-  if (r0 < M) dense_tile(x, K, w, bf16, n0, r0, NR, 1, y, N);
+#undef TILE
+    }
+    r0 += mr;
+  }
 }
 
-INLINE void dense_group(const float *x, int64_t M, int64_t K, const void *w, const int bf16, int64_t n0, int64_t N,
-                        float *y) {
-  if (n0 + 4 <= N) dense_rows(x, M, K, w, bf16, n0, 4, y, N);
-  else for (int64_t n = n0; n < N; n++) dense_rows(x, M, K, w, bf16, n, 1, y, N);
-}
-
-/* dense_tasks on its own: y [M, N] float32 = x [M, K] float32 @ w^T over nthreads threads (blockdot.DenseRows). */
+/* dense_tasks on its own: y [M, N] float32 = x [M, K] float32 @ w^T over nthreads threads (blockdot.DensePanels). */
 void blockdot_dense(const float *x, int64_t M, int64_t K, int64_t N, const void *w, int w_bf16, float *y, int nthreads) {
   #pragma omp parallel num_threads(nthreads)
   dense_tasks(x, M, K, N, w, w_bf16, y);
 }
 
 void dense_tasks(const float *x, int64_t M, int64_t K, int64_t N, const void *w, int w_bf16, float *y) {
-  const int64_t groups = (N + 3) / 4;  /* a task: 4 rows of w against every row of x */
+  const int64_t panels = (N + P - 1) / P, bytes = K * P * (w_bf16 ? 2 : 4);  /* a task: one panel, every row of x */
   #pragma omp for schedule(static)
-  for (int64_t g = 0; g < groups; g++) {
-    if (w_bf16) dense_group(x, M, K, w, 1, 4 * g, N, y);
-    else dense_group(x, M, K, w, 0, 4 * g, N, y);
+  for (int64_t g = 0; g < panels; g++) {
+    const char *p = (const char *)w + g * bytes;
+    if (w_bf16) dense_panel(x, M, K, p, 1, y, N, P * g);
+    else dense_panel(x, M, K, p, 0, y, N, P * g);
   }
 }
+
+int blockdot_dense_pairs(void) { return SIMD == 256; }  /* whether bf16 panels hold rows j and j + 8 in a word */
 
 /* The codes of row n at k = 8 o .. 8 o + 7 of block (p, b), as int32; then eight weights of one row,
    d c + m for those codes c, into dst as float32 or bf16 (rounded to nearest even, as torch rounds). */

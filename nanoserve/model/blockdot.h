@@ -35,8 +35,8 @@ void blockdot_prepare_rows(const struct xin *in, int64_t K, int64_t r0, int64_t 
 void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,
                     int y_bf16);
 
-/* y [M, N] float32 = x [M, K] float32 @ w^T for a dense w [N, K] in rows (float32, or bf16 where
-   w_bf16; K a multiple of 16): an orphaned `omp for` over groups of 4 rows of w, as blockdot_tasks. */
+/* y [M, N] float32 = x [M, K] float32 @ w^T for a dense w [N, K] (float32, or bf16 where w_bf16) in
+   dense panels (blockdot.c): an orphaned `omp for` over the panels, as blockdot_tasks. */
 void dense_tasks(const float *x, int64_t M, int64_t K, int64_t N, const void *w, int w_bf16, float *y);
 
 static inline float bf16_to_f32(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }

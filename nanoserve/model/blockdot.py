@@ -135,11 +135,13 @@ def _load(path: Path) -> Library:
     lib.blockdot_simd.restype = i32
     lib.blockdot_dequantize.argtypes = [p, i32, i64, i64, p, i32, i32]
     lib.blockdot_dequantize.restype = None
-    # dense rows for the fused decode's one call (x, M, K, N, w, w_bf16, y); called from C, bound for the tests
+    # dense panels (DensePanels) for the fused decode's one call (x, M, K, N, w, w_bf16, y); called from
+    # C, bound for the tests
     lib.dense_tasks.argtypes = [p, i64, i64, i64, p, i32, p]
     lib.dense_tasks.restype = None
     lib.blockdot_dense.argtypes = [p, i64, i64, i64, p, i32, p, i32]  # the same over a team of threads
     lib.blockdot_dense.restype = None
+    lib.blockdot_dense_pairs.restype = i32
     # fused_decode.c's entry (nanoserve.model.fused_decode): shape, layers, num_layers, h, T, positions,
     # slot_mapping, tables, nb, cos, sin, nthreads
     lib.fused_decode.argtypes = [p, p, i64, p, i64, p, p, p, i64, p, p, i32]
@@ -208,31 +210,73 @@ class Panels:
 
 
 @dataclass
-class DenseRows:
-    """A dense float32 or bf16 matrix [N, K] (K a multiple of 16) multiplied by blockdot.c's dense rows,
-    bf16 widened to float32 in registers and summed in float32: the fused decode's own dense matmul,
-    for a matrix outside its layers (a bf16 model's head) where the probe times torch's bf16 matmul
-    slower than float32 (a CPU without bf16 instructions, where oneDNN emulates it). Returns [M, N]
-    in x's dtype, as `linear` does."""
+class DensePanels:
+    """A dense float32 or bf16 matrix [N, K] regrouped once into blockdot.c's dense panels (16 output
+    rows a panel, k-major; see pack_dense) and multiplied there, bf16 widened to float32 in registers
+    and summed in float32: the fused decode's dense matmuls, and any linear a model hands it (a bf16
+    model's head where the probe times torch's bf16 slower than float32). Returns [M, N] in x's
+    dtype, as `linear` does."""
 
-    weight: torch.Tensor
+    data: torch.Tensor  # [ceil(N / 16), K, 16] in the matrix's dtype (bf16 in blockdot.c's word order)
+    shape: tuple[int, int]  # (N, K)
     kernel: Library
 
-    def __post_init__(self) -> None:
-        w = self.weight
-        if w.dtype not in DTYPES or w.dim() != 2 or w.shape[1] % 16 or w.is_mkldnn or not w.is_contiguous():
-            raise ValueError(f"dense rows take a plain contiguous float32 or bf16 matrix [N, K] with K a multiple of 16; "
-                             f"got {w.dtype} {list(w.shape)}")
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in DTYPES:
-            raise ValueError(f"dense rows take activations in {[str(d) for d in DTYPES]}, got {x.dtype}")
+            raise ValueError(f"dense panels take activations in {[str(d) for d in DTYPES]}, got {x.dtype}")
+        if x.dim() != 2 or x.shape[1] != self.shape[1]:
+            raise ValueError(f"dense panels [{self.shape[0]}, {self.shape[1]}] take x [M, {self.shape[1]}], "
+                             f"got {list(x.shape)}")
         x32 = x.float().contiguous()  # bf16 widens exactly
         M, K = x32.shape
-        y = torch.empty(M, self.weight.shape[0], dtype=torch.float32)
-        self.kernel.lib.blockdot_dense(x32.data_ptr(), M, K, self.weight.shape[0], self.weight.data_ptr(),
-                                       int(self.weight.dtype == torch.bfloat16), y.data_ptr(), torch.get_num_threads())
+        y = torch.empty(M, self.shape[0], dtype=torch.float32)
+        self.kernel.lib.blockdot_dense(x32.data_ptr(), M, K, self.shape[0], self.data.data_ptr(),
+                                       int(self.dtype == torch.bfloat16), y.data_ptr(), torch.get_num_threads())
         return y.to(x.dtype)
+
+    def dense(self) -> torch.Tensor:
+        """The matrix [N, K] as it was given (its values and dtype)."""
+        N, K = self.shape
+        data = self.data
+        if data.dtype == torch.bfloat16 and self.kernel.lib.blockdot_dense_pairs():
+            data = data[..., _PAIR_ORDER.argsort()]
+        return data.transpose(1, 2).reshape(-1, K)[:N]
+
+
+# An AVX2 build's bf16 panels: each k's 16 weights in this row order, so that the 32-bit word j holds
+# rows j and j + 8 (blockdot.c's dense_k widens them with a shift and a mask).
+_PAIR_ORDER = torch.tensor([j // 2 + 8 * (j % 2) for j in range(PANEL)])
+
+
+def pack_dense(w: torch.Tensor, kernel: Library | None = None) -> DensePanels:
+    """A dense float32 or bf16 matrix [N, K] (plain or oneDNN-packed) regrouped into blockdot.c's
+    dense panels, run by `kernel` (None: this machine's build). Rows past N pad the last panel with
+    zeros. A copy: the matrix given is left as it was.
+
+    Raises:
+        ValueError: another dtype or rank, a matrix off the CPU, or no build to run it.
+    """
+    kernel = kernel or library()
+    if kernel is None:
+        raise ValueError(f"the blockdot kernel could not be built: {failure()}")
+    if w.dtype not in DTYPES or w.dim() != 2 or w.device.type != "cpu":
+        raise ValueError(f"dense panels take a float32 or bf16 matrix [N, K] on the CPU; got {w.dtype} "
+                         f"{list(w.shape)} on {w.device}")
+    plain = w.to_dense() if w.is_mkldnn else w
+    N, K = plain.shape
+    padded = F.pad(plain, (0, 0, 0, -N % PANEL)) if N % PANEL else plain
+    data = padded.view(-1, PANEL, K).transpose(1, 2)  # [panels, K, 16]
+    if w.dtype == torch.bfloat16 and kernel.lib.blockdot_dense_pairs():
+        data = data[..., _PAIR_ORDER]
+    return DensePanels(data.contiguous(), (N, K), kernel)
 
 
 def _half_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 /* fused_decode.c: every decoder layer of a decode step (one query per sequence, a few sequences) in
  * one call, inside one OpenMP parallel region, for a Llama-family model whose four matmuls per layer
- * are in blockdot's panels (blockdot.c) or dense rows of float32 or bf16 (blockdot.c's dense_tasks);
+ * are in blockdot's panels (blockdot.c) or dense panels of float32 or bf16 (blockdot.c's dense_tasks);
  * and the same glue in three calls a layer for steps whose matmuls torch runs (fused_attention,
  * fused_add_norm, fused_silu_mul).
  *
@@ -13,7 +13,7 @@
  *
  * The arithmetic is llama.py's decoder_layer, with the activations in float32 throughout (the
  * matmuls read the blocks' codes and fp16 scales exactly, as blockdot does, rounding x to int16 per
- * block where the shape's int16_rows says; dense rows are read as stored), and the K/V written to
+ * block where the shape's int16_rows says; dense panels are read as stored), and the K/V written to
  * and read from the paged cache in its own dtype (float32 or bf16, rounded to nearest even as torch
  * rounds). Softmax is two-pass, over a per-thread scratch of the scores. Per layer, for rows r of T:
  *   x = rms_norm(h) * input_norm;  q, k, v = x @ qkv^T (+ qkv_bias);  q, k heads normed (q_norm,
@@ -32,7 +32,7 @@
 
 struct fused_layer {  /* one layer's weights and cache, as fused_decode.py lays them out */
   const float *input_norm, *post_norm;           /* [E] float32 */
-  const uint8_t *qkv, *o, *gate_up, *down;       /* blockdot panels or dense rows (NULL where torch's linears run) */
+  const uint8_t *qkv, *o, *gate_up, *down;       /* blockdot panels or dense panels (NULL where torch's linears run) */
   int64_t qkv_planes, o_planes, gate_up_planes, down_planes;  /* panels: 1 (4-bit codes) or 2 (int8); dense: DENSE_F32, DENSE_BF16 */
   void *k_cache, *v_cache;                       /* [slots, Hkv, D] float32, or bf16 where kv_bf16 */
   /* the family's switches, NULL or 0 where it has none */
@@ -96,7 +96,7 @@ static inline float exp_fast(float x) {
 }
 
 /* A layer's matmul y = x @ w^T on blockdot's panels (`planes` 1 or 2: blockdot_prepare_rows for each
-   row of x, then blockdot_tasks), or on dense rows [N, K] of float32 or bf16 (dense_tasks). */
+   row of x, then blockdot_tasks), or on dense panels of a float32 or bf16 [N, K] (dense_tasks). */
 #define DENSE_F32 (-1)
 #define DENSE_BF16 (-2)
 static void prepare_row(const struct xin *in, int64_t K, int64_t planes, int64_t r) {

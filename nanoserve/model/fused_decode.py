@@ -1,5 +1,5 @@
 """A decode step's layers with the glue in C (fused_decode.c): all of it in one call where every
-matmul runs in C (blockdot's panels, or dense rows), or a few calls a layer between torch's linears
+matmul runs in C (blockdot's panels, or dense panels), or a few calls a layer between torch's linears
 elsewhere.
 
 At one sequence the default model's linears take 8-10 ms a step back to back, but 15 ms when each
@@ -7,11 +7,13 @@ follows ~25 small torch operations of glue (notes/blockdot.md: a call after a ga
 For a step whose every row is one decoding sequence:
 
 - narrow steps (at most max_rows rows; every matmul of every layer on blockdot's panels, or dense
-  float32 or bf16, read as plain rows: a oneDNN-packed matrix through a plain copy made once): the
-  whole stack of decoder layers in one C call, inside one OpenMP parallel region, activations in
-  float32 (fused_decode.c's fused_decode);
-- wider steps (quantized past max_kernel_rows, where the dense copies are faster; bf16 dense past
-  DENSE_ONE_CALL_ROWS), or weights in other forms (torch's quantized kernels): torch's linears as in
+  float32 or bf16 in blockdot's dense panels: the model's own where the engine put its dense
+  matrices there (dense_kernel), else a copy of torch's made once): the whole stack of decoder
+  layers in one C call, inside one OpenMP parallel region, activations in float32 (fused_decode.c's
+  fused_decode);
+- wider steps (quantized past max_kernel_rows, where the dense copies are faster; bf16 dense on
+  torch's linears past DENSE_ONE_CALL_ROWS), or weights in other forms (torch's quantized kernels):
+  the model's linears as in
   decoder_layer, and between them three C calls a layer in place of ~25 torch operations: rope,
   the K/V write and attention (fused_attention), the residual add with the next norm
   (fused_add_norm), and the gate (fused_silu_mul), in the linears' dtype at their edges and float32
@@ -56,8 +58,9 @@ MATMULS = ("qkv", "o", "gate_up", "down")
 
 # fused_decode.c's forms of a dense matmul (a struct fused_layer's *_planes; blockdot's panels are 1 or 2)
 DENSE_F32, DENSE_BF16 = -1, -2
-# A dense model's decode steps run in one call up to this many rows, by its dtype; wider ones take
-# oneDNN's packed linears. Measured (notes/fused_decode.md): in float32 the one call was faster at
+# A dense model whose matrices torch runs decodes in one call up to this many rows, by its dtype;
+# wider steps take oneDNN's packed linears (one on blockdot's dense panels decodes in one call at
+# every width). Measured (notes/fused_decode.md): in float32 the one call was faster at
 # every width tried (1-16 rows); in bf16 only up to 2 rows on the Xeon, past which oneDNN's bf16
 # (AMX) wins, but up to 8 on the Zen 5 (no AMX: 1.45x at 4 rows, 1.29x at 8, 0.81x at 16). A constant,
 # not probed: a one-thread probe on an in-cache matrix put the Zen 5's crossover at 2-4 rows, run to
@@ -72,23 +75,25 @@ def _panels(weight: object) -> blockdot.Panels | None:
     return None
 
 
-def _is_dense_rows(weight: object) -> bool:
-    """A dense matrix fused_decode.c reads as rows: float32 or bf16 on the CPU, K a multiple of 16."""
-    return (isinstance(weight, torch.Tensor) and weight.dtype in (torch.float32, torch.bfloat16)
-            and weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[1] % 16 == 0)
+def _is_dense(weight: object) -> bool:
+    """A dense matrix fused_decode.c reads in dense panels: blockdot's DensePanels, or a float32 or
+    bf16 matrix on the CPU that it regroups into them (a copy)."""
+    return isinstance(weight, blockdot.DensePanels) or (
+        isinstance(weight, torch.Tensor) and weight.dtype in blockdot.DTYPES and weight.device.type == "cpu"
+        and weight.dim() == 2)
 
 
-def _one_call_form(weight: object) -> tuple[torch.Tensor, int] | None:
-    """What fused_decode.c reads for a matmul: (blockdot's panels, their planes), or (its dense rows,
-    DENSE_F32 or DENSE_BF16) with a oneDNN-packed matrix reordered back into a plain copy; None
+def _one_call_form(weight: object, kernel: blockdot.Library) -> tuple[torch.Tensor, int] | None:
+    """What fused_decode.c reads for a matmul: (blockdot's panels, their planes), or (dense panels,
+    DENSE_F32 or DENSE_BF16), a torch matrix (plain or oneDNN-packed) regrouped into a copy; None
     where it reads neither (torch's quantized kernels)."""
     panels = _panels(weight)
     if panels is not None:
         return panels.data, panels.planes
-    if not _is_dense_rows(weight):
+    if not _is_dense(weight):
         return None
-    plain = weight.to_dense() if weight.is_mkldnn else weight.contiguous()
-    return plain, DENSE_BF16 if weight.dtype == torch.bfloat16 else DENSE_F32
+    dense = weight if isinstance(weight, blockdot.DensePanels) else blockdot.pack_dense(weight, kernel)
+    return dense.data, DENSE_BF16 if dense.dtype == torch.bfloat16 else DENSE_F32
 
 
 def why_not(model: LlamaModel) -> str | None:
@@ -112,9 +117,8 @@ def why_not_in_one_call(model: LlamaModel) -> str | None:
     for i, layer in enumerate(model.layers):
         for name in MATMULS:
             weight = getattr(layer, name)
-            if _panels(weight) is None and not _is_dense_rows(weight):
-                return (f"layer {i}'s {name} is neither on blockdot's panels nor dense float32 or bf16 rows "
-                        "(K a multiple of 16)")
+            if _panels(weight) is None and not _is_dense(weight):
+                return f"layer {i}'s {name} is neither on blockdot's panels nor a dense float32 or bf16 matrix"
     return None
 
 
@@ -134,7 +138,7 @@ class FusedDecode:
     windows: list[int]  # per layer: its sliding window W, 0 for none
     # per layer, its MATMULS as the one call reads them (_one_call_form); empty where there is no one call
     forms: list[list[tuple[torch.Tensor, int]]]
-    copy_bytes: int = 0  # the plain copies of oneDNN-packed dense matrices among them
+    copy_bytes: int = 0  # the dense panels among them copied from torch's matrices
     _table: ctypes.Array | None = None  # the layers' structs, for the cache they were built against
     _cache: KVCache | None = None
 
@@ -232,13 +236,14 @@ def fused_decode(model: LlamaModel, bf16_one_call_rows: int | None = None) -> Fu
         # past max_kernel_rows the quantized linears' dense matrices are faster; past DENSE_ONE_CALL_ROWS
         # oneDNN's packed dense linears
         dense_rows = DENSE_ONE_CALL_ROWS | ({torch.bfloat16: bf16_one_call_rows} if bf16_one_call_rows else {})
-        max_rows = min([dense_rows[model.dtype]] * (len(panels) < len(weights))
+        on_torch = [w for w in weights if isinstance(w, torch.Tensor)]  # dense matrices torch runs past the one call
+        max_rows = min([dense_rows[model.dtype]] * bool(on_torch)
                        + [w.max_kernel_rows for w in weights if isinstance(w, QuantLinear) and w.max_kernel_rows is not None]
                        + [2**31])
         c_shape.int16_rows = panels[0].int16_rows if panels else 0  # the panels' int16 path, from as many rows
-        forms = [[_one_call_form(getattr(layer, name)) for name in MATMULS] for layer in model.layers]
+        forms = [[_one_call_form(getattr(layer, name), blockdot.library()) for name in MATMULS] for layer in model.layers]
         copy_bytes = sum(t.nbytes for w, (t, _) in zip(weights, (f for fs in forms for f in fs), strict=True)
-                         if isinstance(w, torch.Tensor) and w.is_mkldnn)
+                         if isinstance(w, torch.Tensor))  # on_torch's, regrouped
     switches = [tuple(None if t is None else t.float().contiguous() for t in (layer.qkv_bias, layer.q_norm, layer.k_norm))
                 for layer in model.layers]
     windows = [config.sliding_window if i in model.sliding_layers else 0 for i in range(config.num_layers)]

@@ -21,7 +21,14 @@ from pathlib import Path
 import torch
 
 from nanoserve.model import blockdot
-from nanoserve.model.quant import KERNELS, int4_pass, quantize_int4
+from nanoserve.model.quant import (
+    KERNELS,
+    can_pack,
+    dense_linear,
+    int4_pass,
+    pack_linear_weight,
+    quantize_int4,
+)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # kernels="auto" keeps blockdot unless torch's int4 kernel times this much faster at one row: blockdot
@@ -44,6 +51,10 @@ BLOCKDOT_MARGIN = 1.3
 DEFAULT_KERNEL_ROWS = 8
 WIDE_ROWS = (16, 32, 64)
 WIDE_MARGIN = 1.3
+# dense_kernel="auto" times torch's dense matmul against blockdot's dense panels at this many rows:
+# what the choice decides is who runs the steps wider than the one-call decode (prefill chunks, and
+# decode steps past max_rows), which the one-call decode runs on the panels whatever it is.
+DENSE_ROWS = 64
 STREAM_MIN, STREAM_MAX = 64 * 2**20, 256 * 2**20  # bytes: the streamed timings' working set (stream_bytes)
 
 
@@ -81,6 +92,10 @@ class Probe:
     # (rows, blockdot int16 ms, panels dequantized + the plain matmul ms) at each of WIDE_ROWS, in cache
     dequantized_rows: tuple[tuple[int, float, float], ...] = ()
     stream_mb: float = 0.0  # the streamed set's size in dense kernel_dtype
+    # a dense matmul at DENSE_ROWS rows in kernel_dtype, in cache: torch's linear (on oneDNN's packed
+    # matrix where torch packs one) and blockdot's dense panels; None: blockdot unavailable
+    dense_torch_ms: float | None = None
+    dense_panels_ms: float | None = None
 
     @property
     def quantized_kernel(self) -> str:
@@ -93,6 +108,9 @@ class Probe:
         wide = (f"; {rows} rows: blockdot {self.blockdot_wide_ms:.3f} ms, dense {self.dense_wide_ms:.3f} ms"
                 if self.blockdot_wide_ms is not None else "")
         wide += "".join(f"; {r} rows in cache: blockdot {b:.3f} ms, dequantized {d:.3f} ms" for r, b, d in self.dequantized_rows)
+        if self.dense_panels_ms is not None:
+            wide += (f"; dense at {DENSE_ROWS} rows in cache: torch {self.dense_torch_ms:.3f} ms, "
+                     f"dense panels {self.dense_panels_ms:.3f} ms")
         return (f"[{rows}x{K}]@[{K}x{N}]: float32 {self.float32_ms:.3f} ms, bfloat16 {self.bfloat16_ms:.3f} ms; "
                 f"one row in {self.kernel_dtype}, in cache: int4 kernel {self.int4_ms:.3f} ms, blockdot {blockdot_text}; "
                 f"streamed from {self.stream_mb:.0f} MB: {self.quantized_kernel} {self.quantized_ms:.3f} ms, "
@@ -115,6 +133,10 @@ class Precision:
     # Quantized linears past max_kernel_rows read a dense copy held for the model's life (True), or
     # blockdot's panels dequantized per call (False).
     dense_copies: bool = False
+    # Who runs the dense matmuls on a CPU: "torch" (F.linear, on oneDNN's packed matrices where torch
+    # packs them; the one-call decode reads panel copies), or "blockdot" (the matrices themselves
+    # regrouped into blockdot's dense panels, at every width: one copy of each).
+    dense_kernel: str = "torch"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -231,12 +253,19 @@ def _probe(kernel_dtype: str | None, rows: int, K: int, N: int) -> Probe:
                                 lambda xr=xr: linear(xr, packed.dequantize(dtype)), rounds=5)
                 ladder.append((r, b, d))
             figures["dequantized_rows"] = tuple(ladder)
+        if blockdot.library() is not None and dtype in blockdot.DTYPES:
+            xd = torch.randn(DENSE_ROWS, K, generator=gen).to(dtype)
+            on_torch = pack_linear_weight(dense) if can_pack(dense) else dense
+            dense_panels = blockdot.pack_dense(dense)
+            figures["dense_torch_ms"], figures["dense_panels_ms"] = _best_ms(
+                lambda: dense_linear(xd, on_torch), lambda: dense_panels(xd), rounds=5)
     return Probe(**figures)
 
 
 def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoint_quantized: bool,
             probe: Callable[..., Probe] | None = None, kernels: str = "auto",
-            max_kernel_rows: int | str | None = "auto", dense_copies: bool | str = "auto") -> Precision:
+            max_kernel_rows: int | str | None = "auto", dense_copies: bool | str = "auto",
+            dense_kernel: str = "auto") -> Precision:
     """Turns the config's "auto" values into a Precision.
 
     dtype "auto": bfloat16 on a CUDA device that supports it; on a CPU, bfloat16 when the probe
@@ -254,6 +283,9 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
     probe times its int16 path within WIDE_MARGIN of the dequantized matmul; with copies, 16 where
     it is no slower than the streamed copy at 16 rows; DEFAULT_KERNEL_ROWS otherwise. A bf16 engine on a CPU
     whose probe times bf16 slower than float32 runs its dense decode steps in one call at every width.
+    dense_kernel "auto": on a CPU, blockdot's dense panels where the probe times them no slower than
+    torch's dense matmul at DENSE_ROWS rows in the chosen dtype, torch's otherwise; "blockdot" asks
+    for them (a ValueError where the kernel cannot be built), "torch" for torch's.
     """
     probe = probe or probe_cpu  # looked up at call time, so a test can stand in for it
     figures: Probe | None = None
@@ -355,5 +387,21 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
             bf16_one_call_rows = 2**31
             reasons.append(f"bf16 decode steps in one call at every width: bfloat16 {figures.float32_ms / figures.bfloat16_ms:.2f}x "
                            "float32's speed")
+    if dense_kernel not in ("auto", *KERNELS):
+        raise ValueError(f"dense_kernel={dense_kernel!r} is not one of {['auto', *KERNELS]}")
+    if dense_kernel == "blockdot":
+        if blockdot.library() is None or device.type != "cpu":
+            raise ValueError(f"dense_kernel='blockdot' runs on a CPU build of the blockdot kernel; device={device.type!r}, "
+                             f"build: {blockdot.failure() or 'ok'}")
+        reasons.append("dense kernel blockdot: as configured")
+    elif dense_kernel == "auto":
+        dense_kernel = "torch"
+        if device.type == "cpu" and dtype in ("float32", "bfloat16") and blockdot.library() is not None:
+            if figures is None or figures.kernel_dtype != dtype:
+                figures = probe(kernel_dtype=dtype)
+            if figures.dense_panels_ms is not None:
+                dense_kernel = "blockdot" if figures.dense_panels_ms <= figures.dense_torch_ms else "torch"
+                reasons.append(f"dense kernel {dense_kernel}: blockdot's dense panels "
+                               f"{figures.dense_torch_ms / figures.dense_panels_ms:.2f}x torch's speed at {DENSE_ROWS} rows")
     return Precision(dtype, quantization, "; ".join(reasons), figures, chosen, max_kernel_rows, bf16_one_call_rows,
-                     dense_copies)
+                     dense_copies, dense_kernel)

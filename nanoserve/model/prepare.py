@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.model import blockdot
-from nanoserve.model.fused_decode import DENSE_ONE_CALL_ROWS, fused_decode
+from nanoserve.model.fused_decode import fused_decode
 from nanoserve.model.llama import LayerWeights, LlamaModel, Weight, decoder_layer, embedding_scale
 from nanoserve.model.quant import (
     ChannelInt8,
@@ -46,6 +46,8 @@ class Layout:
         panels dequantized per call).
     kernels: "torch" or "blockdot", who runs the quantized linears' few-row passes (quant_linear).
     int16_rows: from this many rows blockdot rounds the activations to int16 (None: never).
+    dense_panels: dense matrices (float32 or bf16, on the CPU) become blockdot's DensePanels, which
+        run them at every width, in place of torch's (oneDNN-packed where pack_weights).
     """
 
     dtype: torch.dtype
@@ -55,12 +57,13 @@ class Layout:
     kernels: str = "torch"
     int16_rows: int | None = None
     dense_copies: bool = True
+    dense_panels: bool = False
 
 
 def _linear_weight(w: Weight, layout: Layout, head: bool) -> Weight:
     if isinstance(w, AllReduced):  # a tensor-parallel slice: its matrix laid out, its all-reduce kept
         return w.with_inner(_linear_weight(w.inner, layout, head))
-    if isinstance(w, QuantLinear) or (isinstance(w, torch.Tensor) and w.is_mkldnn):
+    if isinstance(w, (QuantLinear, blockdot.DensePanels)) or (isinstance(w, torch.Tensor) and w.is_mkldnn):
         return w  # already prepared
     stored: Stored | None = None
     if layout.quantization == "keep" and not isinstance(w, torch.Tensor):
@@ -73,6 +76,8 @@ def _linear_weight(w: Weight, layout: Layout, head: bool) -> Weight:
         return quant_linear(stored, layout.dtype, layout.max_kernel_rows, layout.pack_weights, layout.kernels,
                             layout.int16_rows, layout.dense_copies)
     dense = dense_of(w).to(layout.dtype)
+    if layout.dense_panels and dense.dtype in blockdot.DTYPES and dense.device.type == "cpu":
+        return blockdot.pack_dense(dense)
     return pack_linear_weight(dense) if layout.pack_weights and can_pack(dense) else dense
 
 
@@ -119,11 +124,15 @@ def compiled(model: LlamaModel) -> LlamaModel:
     dynamic in T, B and L); the first steps of each new shape kind pay the compile.
 
     Raises:
-        ValueError: when the weights are packed: the compiled graph reads plain tensors.
+        ValueError: when the weights are packed (for oneDNN, or in dense panels): the compiled graph
+            reads plain tensors.
     """
     if model.packed:
         raise ValueError("the model's weights are packed for oneDNN (pack_weights=True); torch.compile needs "
                          "plain weights: build the engine from the loaded model with pack_weights=False")
+    if any(isinstance(w, blockdot.DensePanels) for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+        raise ValueError("the model's dense matrices are in blockdot's dense panels (dense_kernel='blockdot'); "
+                         "torch.compile needs plain weights: build the engine from the loaded model with dense_kernel='torch'")
     if model.layer_fn is not decoder_layer:
         return model
     prepared = copy.copy(model)
@@ -146,20 +155,23 @@ def is_quantized(model: LlamaModel) -> bool:
     """Whether any matmul weight of a loaded model is a quantized matrix as stored."""
     weights = [model.lm_head_weight] + [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     weights = [w.inner if isinstance(w, AllReduced) else w for w in weights]
-    return any(not isinstance(w, (torch.Tensor, QuantLinear, blockdot.DenseRows)) for w in weights)
+    return any(not isinstance(w, (torch.Tensor, QuantLinear, blockdot.DensePanels)) for w in weights)
 
 
 def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype: torch.dtype | None = None,
                   quantization: str | None = None, max_kernel_rows: int | None = None,
                   kernels: str = "torch", int16_rows: int | None = None, fuse_decode: bool = False,
-                  bf16_one_call_rows: int | None = None, dense_copies: bool = True) -> LlamaModel:
+                  bf16_one_call_rows: int | None = None, dense_copies: bool = True,
+                  dense_kernel: str = "torch") -> LlamaModel:
     """The model an engine runs: laid out in `dtype` (default: the model's own) with the weights'
     quantization, then compiled, or `model` itself when nothing changes. fuse_decode: decode steps
     run their glue in C where the family allows it (nanoserve.model.fused_decode; bf16_one_call_rows:
-    a bf16 model's one-call width, None for its default)."""
+    a bf16 model's one-call width, None for its default). dense_kernel "blockdot": the dense matrices
+    on blockdot's dense panels (Layout.dense_panels), "torch": on torch's linears."""
     dtype = dtype or model.dtype
+    dense_panels = dense_kernel == "blockdot" and not compile
     # A checkpoint's matrices as stored always need a form (kernels, or dense when quantization is None).
-    needs_layout = dtype != model.dtype or quantization is not None or is_quantized(model)
+    needs_layout = dtype != model.dtype or quantization is not None or is_quantized(model) or dense_panels
     if compile:  # torch's kernels: a compiled graph cannot trace blockdot's foreign call
         if needs_layout:
             model = laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights=False))
@@ -168,19 +180,11 @@ def prepare_model(model: LlamaModel, *, pack_weights: bool, compile: bool, dtype
         prepared = packed(model) if pack_weights else model
     else:
         prepared = laid_out(model, Layout(dtype, quantization, max_kernel_rows, pack_weights, kernels, int16_rows,
-                                          dense_copies))
+                                          dense_copies, dense_panels))
     fused = fused_decode(prepared, bf16_one_call_rows) if fuse_decode else None  # None where why_not(prepared) says it cannot run
     if fused is not None or prepared.fused_layers is not None:  # a given model's own is not this engine's
         prepared = copy.copy(prepared) if prepared is model else prepared
         prepared.fused_layers = fused
-    head = prepared.lm_head_weight
-    if fused is not None and prepared.dtype == torch.bfloat16 and fused.max_rows >= DENSE_ONE_CALL_ROWS[torch.float32] \
-            and isinstance(head, torch.Tensor) and head.dtype == torch.bfloat16 and not head.is_mkldnn \
-            and head.is_contiguous() and head.shape[1] % 16 == 0:
-        # bf16 decodes in one call at every width because the probe timed torch's bf16 slower than float32
-        # (emulated): the head, [V, E] and most of a wide step's remaining time there, takes the same dense rows
-        prepared = copy.copy(prepared) if prepared is model else prepared
-        prepared.lm_head_weight = blockdot.DenseRows(head, fused.kernel)
     return prepared
 
 
@@ -189,8 +193,8 @@ def _nbytes(w: Weight) -> dict[str, int]:
         return _nbytes(w.inner)
     if isinstance(w, QuantLinear):
         return {"quantized": w.kernel_bytes, "dense_copies": w.dense_bytes}
-    if isinstance(w, blockdot.DenseRows):
-        return _nbytes(w.weight)
+    if isinstance(w, blockdot.DensePanels):
+        return {"dense": w.nbytes}
     if isinstance(w, torch.Tensor):
         return {"dense": w.numel() * w.element_size()}  # numel: an oneDNN-packed tensor has no plain storage
     parts = [w.codes, w.scales] + ([w.mins] if getattr(w, "mins", None) is not None else [])
@@ -198,16 +202,16 @@ def _nbytes(w: Weight) -> dict[str, int]:
 
 
 def weight_bytes(model: LlamaModel) -> dict[str, int]:
-    """Bytes the model's weights hold, by form: dense (plain or oneDNN-packed), quantized (the
+    """Bytes the model's weights hold, by form: dense (plain, oneDNN-packed or dense panels), quantized (the
     kernels' layouts), dense_copies (what quantized linears keep to read past max_kernel_rows), stored
     (quantized matrices as loaded, such as a GGUF embedding that lookups dequantize by row) and
-    fused_copies (plain copies of oneDNN-packed matrices, what a dense model's one-call decode reads)."""
+    fused_copies (dense panels copied from torch's dense matrices, what a dense model's one-call
+    decode reads where torch runs its other steps)."""
     total = {"dense": 0, "quantized": 0, "dense_copies": 0, "stored": 0,
              "fused_copies": getattr(model.fused_layers, "copy_bytes", 0)}
     weights: list[Weight] = [model.embed, model.norm]
-    head = model.lm_head_weight
-    if (head.weight if isinstance(head, blockdot.DenseRows) else head) is not model.embed:
-        weights.append(head)
+    if model.lm_head_weight is not model.embed:
+        weights.append(model.lm_head_weight)
     for layer in model.layers:
         weights += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
         weights += [w for w in (layer.qkv_bias, layer.o_bias, layer.q_norm, layer.k_norm, layer.attn_out_norm,
