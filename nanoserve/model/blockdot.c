@@ -498,9 +498,10 @@ INLINE vf dense_k(const void *p, int64_t k, const int bf16) {
   return bf16 ? vbf16((const uint16_t *)p + 16 * k) : vload((const float *)p + 16 * k);
 }
 /* Rows r0 .. r0 + MR - 1 of x against panel p: y[r, n0 .. n0 + nn - 1]. Up to 3 rows, two sums a row
-   (even and odd k) so that enough FMAs are in flight. */
+   (even and odd k) so that enough FMAs are in flight. `next` (or NULL): the panel to fetch to L2 on
+   the way, a line a step. */
 INLINE void dense_tile(const float *x, int64_t K, const void *p, const int bf16, int64_t r0, const int MR, float *y,
-                       int64_t N, int64_t n0, int64_t nn) {
+                       int64_t N, int64_t n0, int64_t nn, const char *next) {
   enum { U = 2 };
   const int u = MR <= 3 ? 2 : 1;
   vf acc[U][DP_MR];
@@ -508,8 +509,10 @@ INLINE void dense_tile(const float *x, int64_t K, const void *p, const int bf16,
     for (int r = 0; r < MR; r++) acc[s][r] = vzero();
   const float *xr = x + r0 * K;
   int64_t k = 0;
+  const int64_t line = bf16 ? 32 : 64;  /* bytes of a k in the panel: a k or two a cache line */
   for (; k + u <= K; k += u)
     for (int s = 0; s < u; s++) {
+      if (next) prefetch(next + (k + s) * line);
       const vf wv = dense_k(p, k + s, bf16);
       for (int r = 0; r < MR; r++) acc[s][r] = vfma(wv, vset1(xr[r * K + k + s]), acc[s][r]);
     }
@@ -528,7 +531,7 @@ INLINE void dense_tile(const float *x, int64_t K, const void *p, const int bf16,
   }
 }
 INLINE void dense_panel(const float *x, int64_t M, int64_t K, const void *p, const int bf16, float *y, int64_t N,
-                        int64_t n0) {
+                        int64_t n0, const char *next) {
   if (M <= 0) return;
   const int64_t nn = N - n0 < P ? N - n0 : P;
   const int64_t tiles = (M + DP_MR - 1) / DP_MR, base = M / tiles, extra = M % tiles;  /* tiles as even as they go */
@@ -536,7 +539,7 @@ INLINE void dense_panel(const float *x, int64_t M, int64_t K, const void *p, con
   for (int64_t t = 0; t < tiles; t++) {
     const int mr = (int)(base + (t < extra));
     switch (mr) {  /* each width its own unrolled tile */
-#define TILE(n) case n: dense_tile(x, K, p, bf16, r0, n, y, N, n0, nn); break;
+#define TILE(n) case n: dense_tile(x, K, p, bf16, r0, n, y, N, n0, nn, t == 0 ? next : NULL); break;
       TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 #if DP_MR > 6
       TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12)
@@ -555,11 +558,14 @@ void blockdot_dense(const float *x, int64_t M, int64_t K, int64_t N, const void 
 
 void dense_tasks(const float *x, int64_t M, int64_t K, int64_t N, const void *w, int w_bf16, float *y) {
   const int64_t panels = (N + P - 1) / P, bytes = K * P * (w_bf16 ? 2 : 4);  /* a task: one panel, every row of x */
+  /* Static: each thread's panels are one run, so while its first tile of rows reads a panel (from
+     memory: a step's weights are not in cache) it fetches the next to L2; the hardware's prefetchers
+     alone left the panels' FMAs waiting on memory in whole decode steps. */
   #pragma omp for schedule(static)
   for (int64_t g = 0; g < panels; g++) {
-    const char *p = (const char *)w + g * bytes;
-    if (w_bf16) dense_panel(x, M, K, p, 1, y, N, P * g);
-    else dense_panel(x, M, K, p, 0, y, N, P * g);
+    const char *p = (const char *)w + g * bytes, *next = g + 1 < panels ? p + bytes : NULL;
+    if (w_bf16) dense_panel(x, M, K, p, 1, y, N, P * g, next);
+    else dense_panel(x, M, K, p, 0, y, N, P * g, next);
   }
 }
 
