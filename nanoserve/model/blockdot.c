@@ -499,9 +499,10 @@ INLINE vf dense_k(const void *p, int64_t k, const int bf16) {
 }
 /* Rows r0 .. r0 + MR - 1 of x against panel p: y[r, n0 .. n0 + nn - 1]. Up to 3 rows, two sums a row
    (even and odd k) so that enough FMAs are in flight. `next` (or NULL): the panel to fetch to L2 on
-   the way, a line a step. */
+   the way, a line every `stride` steps of k from byte *cursor up to `end` (the cursor goes on from
+   one tile of the panel to the next). */
 INLINE void dense_tile(const float *x, int64_t K, const void *p, const int bf16, int64_t r0, const int MR, float *y,
-                       int64_t N, int64_t n0, int64_t nn, const char *next) {
+                       int64_t N, int64_t n0, int64_t nn, const char *next, int64_t *cursor, int64_t end, int stride) {
   enum { U = 2 };
   const int u = MR <= 3 ? 2 : 1;
   vf acc[U][DP_MR];
@@ -509,10 +510,11 @@ INLINE void dense_tile(const float *x, int64_t K, const void *p, const int bf16,
     for (int r = 0; r < MR; r++) acc[s][r] = vzero();
   const float *xr = x + r0 * K;
   int64_t k = 0;
-  const int64_t line = bf16 ? 32 : 64;  /* bytes of a k in the panel: a k or two a cache line */
+  int64_t c = *cursor;
+  int countdown = stride;
   for (; k + u <= K; k += u)
     for (int s = 0; s < u; s++) {
-      if (next) prefetch(next + (k + s) * line);
+      if (next && --countdown == 0) { countdown = stride; if (c < end) { prefetch(next + c); c += 64; } }
       const vf wv = dense_k(p, k + s, bf16);
       for (int r = 0; r < MR; r++) acc[s][r] = vfma(wv, vset1(xr[r * K + k + s]), acc[s][r]);
     }
@@ -520,6 +522,7 @@ INLINE void dense_tile(const float *x, int64_t K, const void *p, const int bf16,
     const vf wv = dense_k(p, k, bf16);
     for (int r = 0; r < MR; r++) acc[0][r] = vfma(wv, vset1(xr[r * K + k]), acc[0][r]);
   }
+  *cursor = c;
   for (int r = 0; r < MR; r++) {
     const vf sum = u == 2 ? vadd(acc[0][r], acc[1][r]) : acc[0][r];
     if (nn == P) vstore(y + (r0 + r) * N + n0, sum);
@@ -536,10 +539,16 @@ INLINE void dense_panel(const float *x, int64_t M, int64_t K, const void *p, con
   const int64_t nn = N - n0 < P ? N - n0 : P;
   const int64_t tiles = (M + DP_MR - 1) / DP_MR, base = M / tiles, extra = M % tiles;  /* tiles as even as they go */
   int64_t r0 = 0;
+  /* the next panel's lines spread evenly over all the tiles of this one: end / 64 lines in tiles * K
+     steps of k. Fetched all in the first tile, the next panel's 576 lines (float32, K = 576) queued
+     behind that tile's own misses: 1.25x slower at 32 rows, 1.4x at 16, streamed (notes/fused_decode.md). */
+  const int64_t end = K * P * (bf16 ? 2 : 4);
+  int64_t cursor = 0;
+  const int stride = (int)((tiles * K * 64) / end > 1 ? (tiles * K * 64) / end : 1);
   for (int64_t t = 0; t < tiles; t++) {
     const int mr = (int)(base + (t < extra));
     switch (mr) {  /* each width its own unrolled tile */
-#define TILE(n) case n: dense_tile(x, K, p, bf16, r0, n, y, N, n0, nn, t == 0 ? next : NULL); break;
+#define TILE(n) case n: dense_tile(x, K, p, bf16, r0, n, y, N, n0, nn, next, &cursor, end, stride); break;
       TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 #if DP_MR > 6
       TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12)
@@ -558,9 +567,9 @@ void blockdot_dense(const float *x, int64_t M, int64_t K, int64_t N, const void 
 
 void dense_tasks(const float *x, int64_t M, int64_t K, int64_t N, const void *w, int w_bf16, float *y) {
   const int64_t panels = (N + P - 1) / P, bytes = K * P * (w_bf16 ? 2 : 4);  /* a task: one panel, every row of x */
-  /* Static: each thread's panels are one run, so while its first tile of rows reads a panel (from
-     memory: a step's weights are not in cache) it fetches the next to L2; the hardware's prefetchers
-     alone left the panels' FMAs waiting on memory in whole decode steps. */
+  /* Static: each thread's panels are one run, so while it reads a panel (from memory: a step's
+     weights are not in cache) it fetches the next to L2; the hardware's prefetchers alone left the
+     panels' FMAs waiting on memory in whole decode steps. */
   #pragma omp for schedule(static)
   for (int64_t g = 0; g < panels; g++) {
     const char *p = (const char *)w + g * bytes, *next = g + 1 < panels ? p + bytes : NULL;
