@@ -354,3 +354,16 @@ def test_the_other_builds_fused_decode_equals_transformers(build, quantization):
     assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 6
     captured, outputs = run_and_capture(engine, PROMPTS[:2], max_tokens=6)  # two rows: one call
     assert assert_logits_match(hf, captured, outputs) == 2 * 6
+
+
+@needs_build
+def test_an_engine_over_a_quantized_engines_model_keeps_its_head_and_layers_as_they_are():
+    # An engine built over another's laid-out model (abbench, peerbench do this) runs its matrices as
+    # they are: a dense_kernel of blockdot lays out no dense copy of the int8 head or the int4 layers.
+    first = fused_engine(make_hf_llama(seed=19))
+    head, qkv = first.model.lm_head_weight, first.model.layers[0].qkv
+    assert isinstance(head, QuantLinear) and isinstance(qkv, QuantLinear)
+    second = Engine(first.model, None, EngineConfig(dtype="float32", quantization=None, num_kv_blocks=16,
+                                                    dense_kernel="blockdot"))
+    assert second.model.lm_head_weight is head and second.model.layers[0].qkv is qkv
+    assert second.memory()["dense"] == first.memory()["dense"]

@@ -99,7 +99,7 @@ def laid_out(model: LlamaModel, layout: Layout) -> LlamaModel:
     prepared.layers = [_laid_out_layer(layer, layout) for layer in model.layers]
     prepared.embed = model.embed.to(dtype) if isinstance(model.embed, torch.Tensor) else model.embed
     prepared.lm_head = prepared.embed if model.lm_head is model.embed else model.lm_head
-    prepared.lm_head_weight = _linear_weight(model.lm_head, layout, True)
+    prepared.lm_head_weight = _linear_weight(model.lm_head_weight, layout, True)  # a prepared head stays as it is
     prepared.dtype = dtype
     prepared.shape = dataclasses.replace(model.shape, dtype=dtype)
     prepared.embed_scale = embedding_scale(model.config, dtype)
