@@ -236,14 +236,14 @@ def fused_decode(model: LlamaModel, bf16_one_call_rows: int | None = None) -> Fu
         # past max_kernel_rows the quantized linears' dense matrices are faster; past DENSE_ONE_CALL_ROWS
         # oneDNN's packed dense linears
         dense_rows = DENSE_ONE_CALL_ROWS | ({torch.bfloat16: bf16_one_call_rows} if bf16_one_call_rows else {})
-        on_torch = [w for w in weights if isinstance(w, torch.Tensor)]  # dense matrices torch runs past the one call
-        max_rows = min([dense_rows[model.dtype]] * bool(on_torch)
+        on_torch = any(isinstance(w, torch.Tensor) for w in weights)  # dense matrices torch runs past the one call
+        max_rows = min([dense_rows[model.dtype]] * on_torch
                        + [w.max_kernel_rows for w in weights if isinstance(w, QuantLinear) and w.max_kernel_rows is not None]
                        + [2**31])
         c_shape.int16_rows = panels[0].int16_rows if panels else 0  # the panels' int16 path, from as many rows
         forms = [[_one_call_form(getattr(layer, name), blockdot.library()) for name in MATMULS] for layer in model.layers]
         copy_bytes = sum(t.nbytes for w, (t, _) in zip(weights, (f for fs in forms for f in fs), strict=True)
-                         if isinstance(w, torch.Tensor))  # on_torch's, regrouped
+                         if isinstance(w, torch.Tensor))  # torch's matrices, regrouped into panels
     switches = [tuple(None if t is None else t.float().contiguous() for t in (layer.qkv_bias, layer.q_norm, layer.k_norm))
                 for layer in model.layers]
     windows = [config.sliding_window if i in model.sliding_layers else 0 for i in range(config.num_layers)]

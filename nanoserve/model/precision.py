@@ -396,7 +396,7 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
         reasons.append("dense kernel blockdot: as configured")
     elif dense_kernel == "auto":
         dense_kernel = "torch"
-        if device.type == "cpu" and dtype in ("float32", "bfloat16") and blockdot.library() is not None:
+        if device.type == "cpu" and DTYPES[dtype] in blockdot.DTYPES and blockdot.library() is not None:
             if figures is None or figures.kernel_dtype != dtype:
                 figures = probe(kernel_dtype=dtype)
             if figures.dense_panels_ms is not None:
