@@ -15,6 +15,10 @@ product to the bound the rounding allows, sum over k of |w[n, k]| amax(k's block
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from test_quant import random_stored
@@ -35,22 +39,44 @@ def _cpu_has(flag: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="module", params=list(blockdot.BUILDS))
-def kernel(request):
-    if request.param == "avx2" and not _cpu_has("avx2"):
+# The AVX-512 branch on a CPU without AVX-512: its intrinsics emulated by SIMDe's headers, where
+# NANOSERVE_SIMDE names a directory holding simde/ (a checkout of github.com/simd-everywhere/simde).
+# Built on AVX2 where the CPU has it; the library then holds no AVX-512 instruction, and reports 512.
+SIMDE = os.environ.get("NANOSERVE_SIMDE")
+PRELUDE = Path(__file__).with_name("simde_avx512.h")
+EMULATED = {"avx512-simde": [], "avx512vnni-simde": ["-DEMULATE_VNNI"]}
+
+
+def build(name: str) -> blockdot.Library:
+    """blockdot built as `name` (one of blockdot.BUILDS or EMULATED), or the test skipped with the reason."""
+    if name == "avx2" and not _cpu_has("avx2"):
         pytest.skip("this CPU has no AVX2")
-    if request.param == "avx512" and not _cpu_has("avx512bw"):
+    if name == "avx512" and not _cpu_has("avx512bw"):
         pytest.skip("this CPU has no AVX-512 BW")
+    if name in EMULATED and not (SIMDE and (Path(SIMDE) / "simde" / "x86" / "avx512.h").exists()):
+        pytest.skip("AVX-512 under emulation needs NANOSERVE_SIMDE=<a directory holding SIMDe's simde/>")
+    flags = blockdot.BUILDS.get(name)
+    if flags is None:
+        vector = ["-mavx2", "-mfma", "-mf16c"] if _cpu_has("avx2") and _cpu_has("fma") else []
+        digest = hashlib.sha256(PRELUDE.read_bytes()).hexdigest()[:12]  # in the flags, so in the cache key
+        flags = [*blockdot._BASE, *vector, "-Wno-psabi", f"-I{SIMDE}", *EMULATED[name], f"-DPRELUDE={digest}",
+                 "-include", str(PRELUDE)]
     try:
-        return request.param, blockdot.load(blockdot.BUILDS[request.param])
+        return blockdot.load(flags)
     except OSError as exc:
         pytest.skip(f"no C compiler here: {exc}")
+
+
+@pytest.fixture(scope="module", params=[*blockdot.BUILDS, *EMULATED])
+def kernel(request):
+    return request.param, build(request.param)
 
 
 def test_each_build_has_the_vector_width_its_flags_ask_for(kernel):
     name, built = kernel
     native = 512 if _cpu_has("avx512f") else 256 if _cpu_has("avx2") and _cpu_has("fma") else None
-    expected = {"avx512": 512, "avx2": 256, "plain": 0, "native": native}[name]
+    expected = {"avx512": 512, "avx2": 256, "plain": 0, "native": native, "avx512-simde": 512,
+                "avx512vnni-simde": 512}[name]
     if expected is None:
         pytest.skip("neither AVX-512 nor AVX2 here: what -march=native gives is the compiler's to say")
     assert built.simd == expected

@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import CharTokenizer, make_hf_llama, make_hf_model, nanoserve_model_from_hf
 from test_blockdot import block_mins, int16_rounded
+from test_blockdot import build as build_kernel
 from test_llama import assert_logits_match, run_and_capture
 from test_precision import fake as fake_probe
 
@@ -335,21 +336,16 @@ def test_an_engine_over_another_engines_model_builds_its_own_fused_decode_or_non
 
 @needs_build
 @pytest.mark.parametrize("quantization", ["int4", None], ids=["panels", "dense"])
-@pytest.mark.parametrize("build", ["avx512", "avx2", "plain"])
+@pytest.mark.parametrize("build", ["avx512", "avx2", "plain", "avx512-simde", "avx512vnni-simde"])
 def test_the_other_builds_fused_decode_equals_transformers(build, quantization):
-    # What a CPU without AVX-512 (or a compiler without -march=native) would run: the same C built
-    # with test_blockdot's flags, both the one-call and the per-layer entries.
-    from test_blockdot import _cpu_has
-
-    if build == "avx2" and not _cpu_has("avx2"):
-        pytest.skip("this CPU has no AVX2")
-    if build == "avx512" and not _cpu_has("avx512bw"):
-        pytest.skip("this CPU has no AVX-512 BW")
+    # What another CPU (or a compiler without -march=native) would run: the same C built with
+    # test_blockdot's flags, both the one-call and the per-layer entries; AVX-512 also under SIMDe.
+    kernel = build_kernel(build)
     hf = make_hf_llama(seed=19)
     engine = fused_engine(hf, max_kernel_rows=2, quantization=quantization)
     if quantization:
         load_engine_weights_into(hf, engine)
-    engine.model.fused_layers.kernel = blockdot.load(blockdot.BUILDS[build])
+    engine.model.fused_layers.kernel = kernel
     captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=6)  # four rows: per layer; then fewer
     assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 6
     captured, outputs = run_and_capture(engine, PROMPTS[:2], max_tokens=6)  # two rows: one call
