@@ -96,6 +96,30 @@ def test_fused_decode_logits_equal_transformers_on_the_same_weights(block_size):
     assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
+@needs_build
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("family, overrides", [("llama", {}), ("mistral", {"sliding_window": 5})], ids=["llama", "window"])
+def test_contexts_split_over_the_threads_merge_to_transformers_logits(family, overrides, threads):
+    # Under four rows a thread, each row's context is split into a part a thread and the parts merged;
+    # from four rows a thread, or on one thread, each row's heads are one task. Nine requests: steps of
+    # 9 rows down to 1 (at 2 threads: the rows as tasks from 8 rows, the split below). At 3 threads a
+    # 2-key context (a 1-token prompt's first decode) leaves a part with no keys, which must weigh nothing.
+    hf = make_hf_model(family, seed=21, **overrides)
+    engine = fused_engine(hf, max_num_seqs=9)
+    load_engine_weights_into(hf, engine)
+    prompts = [[5], [7, 8], PROMPTS[2], [3] * 9, [4, 6, 9], PROMPTS[0], [1] * 17, [2, 3], [9]]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused_rows = count_fused_steps(engine)
+        captured, outputs = run_and_capture(engine, prompts, max_tokens=[6, 9, 4, 8, 7, 5, 9, 3, 11])
+    finally:
+        torch.set_num_threads(before)
+    assert assert_logits_match(hf, captured, outputs) == 6 + 9 + 4 + 8 + 7 + 5 + 9 + 3 + 11
+    assert 9 in fused_rows and 1 in fused_rows
+    engine.check_invariants()
+
+
 def do_int16_paths_arithmetic(hf, rounding: bool = True) -> None:
     """Each of hf's decoder linears becomes nanoserve's int4 of its weight (what the engine built
     from the same model holds), computing blockdot's int16 path in float64: x rounded to int16 per

@@ -27,8 +27,9 @@ ARCHITECTURES = {
 PROMPTS = [[5, 9, 13, 22, 7, 41, 3, 8, 60, 33, 21], [17, 4], [30 + i % 50 for i in range(40)], [11, 12, 13, 14, 15]]
 
 
-def run_and_capture(engine: Engine, prompts, max_tokens: int):
-    """Runs greedy generation; returns {request_id: [(num_tokens, logits_row)]} and the final outputs."""
+def run_and_capture(engine: Engine, prompts, max_tokens: int | list[int]):
+    """Runs greedy generation (max_tokens for every prompt, or one each); returns {request_id:
+    [(num_tokens, logits_row)]} and the final outputs."""
     captured: dict[str, list[tuple[int, torch.Tensor]]] = {}
     original = engine._sample
 
@@ -38,7 +39,8 @@ def run_and_capture(engine: Engine, prompts, max_tokens: int):
         return original(logits, rows, *args)
 
     engine._sample = spy
-    outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    each = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    outputs = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in each])
     return captured, outputs
 
 

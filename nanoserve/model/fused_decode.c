@@ -156,23 +156,37 @@ INLINE void values_run(float *out, const float *p, const void *cache, int64_t at
   }
 }
 
-/* c query heads h0 .. h0 + c - 1, q [c, D], over keys first .. L - 1 (through the block table): out
-   [c, D] = softmax(scale q . k_j) V per head, head h reading kv head h / (H / Hkv), the scores kept in
-   `scores` [c, L - first] between the two passes. The keys are walked a run of one block at a time (a
-   block's slots are consecutive, one cache row Hkv D apart), every head meeting a run while it is in
-   L1: with c = H, one contiguous read of each block's K and V, where a task per head read a third of
-   every row, once a head. */
+/* A row's H query heads, q [H, D], over keys first .. L - 1 (through the block table): out [H, D] =
+   softmax(scale q . k_j) V per head, head h reading kv head h / (H / Hkv), the scores kept in `scores`
+   [H, L - first] between the two passes. The keys are walked a run of one block at a time (a block's
+   slots are consecutive, one cache row Hkv D apart), every head meeting a run while it is in L1: one
+   contiguous read of each block's K and V. Where `part` is not NULL the keys are one part of a longer
+   context: out is left unnormalized, sum_j e^(s_j - m) v_j, and part [H, 2] gets each head's m (the
+   part's largest score; -inf for no keys) and sum_j e^(s_j - m), for `merge` to combine the parts. */
+/* The cache rows of the block `PREFETCH_BLOCKS` after the one holding key j, the keys of it before L,
+   on their way to L2: a context's blocks lie anywhere in the pool, so the hardware's prefetcher,
+   which follows a run of addresses, meets each block cold. */
+#define PREFETCH_BLOCKS 2
+INLINE void prefetch_block(const void *cache, const int64_t *table, int64_t j, int64_t L, int64_t bs, int64_t row,
+                           const int bf16) {
+  const int64_t b = j / bs + PREFETCH_BLOCKS, keys = L - b * bs < bs ? L - b * bs : bs;
+  if (keys <= 0) return;
+  const char *at = (const char *)cache + table[b] * bs * row * (bf16 ? 2 : 4);
+  for (int64_t byte = 0; byte < keys * row * (bf16 ? 2 : 4); byte += 64) __builtin_prefetch(at + byte, 0, 2);
+}
+
 INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
-                      const int64_t *table, int64_t first, int64_t L, int64_t h0, int64_t c, float *scores, float *out,
+                      const int64_t *table, int64_t first, int64_t L, float *scores, float *out, float *part,
                       const int bf16) {
-  const int64_t D = s->D, bs = s->block_size, row = s->Hkv * D, n = L - first, group = s->H / s->Hkv;
+  const int64_t D = s->D, bs = s->block_size, row = s->Hkv * D, n = L - first, H = s->H, group = H / s->Hkv;
   for (int64_t j = first, run; j < L; j += run) {
     run = bs - j % bs < L - j ? bs - j % bs : L - j;
     const int64_t at = (table[j / bs] * bs + j % bs) * row;
-    for (int64_t h = 0; h < c; h++)
-      scores_run(q + h * D, k_cache, at + (h0 + h) / group * D, row, run, D, s->scale, scores + h * n + j - first, bf16);
+    prefetch_block(k_cache, table, j, L, bs, row, bf16);
+    for (int64_t h = 0; h < H; h++)
+      scores_run(q + h * D, k_cache, at + h / group * D, row, run, D, s->scale, scores + h * n + j - first, bf16);
   }
-  for (int64_t h = 0; h < c; h++) {
+  for (int64_t h = 0; h < H; h++) {
     float *p = scores + h * n, max = -INFINITY, total = 0;
     for (int64_t j = 0; j < n; j++) max = p[j] > max ? p[j] : max;
     #pragma omp simd reduction(+ : total)
@@ -180,35 +194,66 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
       p[j] = exp_fast(p[j] - max);
       total += p[j];
     }
+    if (part) {
+      part[2 * h] = max, part[2 * h + 1] = total;
+      continue;
+    }
     #pragma omp simd
     for (int64_t j = 0; j < n; j++) p[j] /= total;
   }
-  for (int64_t i = 0; i < c * D; i++) out[i] = 0;
+  for (int64_t i = 0; i < H * D; i++) out[i] = 0;
   for (int64_t j = first, run; j < L; j += run) {
     run = bs - j % bs < L - j ? bs - j % bs : L - j;
     const int64_t at = (table[j / bs] * bs + j % bs) * row;
-    for (int64_t h = 0; h < c; h++)
-      values_run(out + h * D, scores + h * n + j - first, v_cache, at + (h0 + h) / group * D, row, run, D, bf16);
+    prefetch_block(v_cache, table, j, L, bs, row, bf16);
+    for (int64_t h = 0; h < H; h++)
+      values_run(out + h * D, scores + h * n + j - first, v_cache, at + h / group * D, row, run, D, bf16);
   }
 }
 
 static void attend(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
-                   const int64_t *table, int64_t first, int64_t L, int64_t h0, int64_t c, float *scores, float *out) {
-  if (s->kv_bf16) attend_as(s, q, k_cache, v_cache, table, first, L, h0, c, scores, out, 1);
-  else attend_as(s, q, k_cache, v_cache, table, first, L, h0, c, scores, out, 0);
+                   const int64_t *table, int64_t first, int64_t L, float *scores, float *out, float *part) {
+  if (s->kv_bf16) attend_as(s, q, k_cache, v_cache, table, first, L, scores, out, part, 1);
+  else attend_as(s, q, k_cache, v_cache, table, first, L, scores, out, part, 0);
+}
+
+/* out [D] = softmax attention of one head over a context in S parts, from each part's unnormalized
+   out (o [S] at a stride of `stride` floats) and its m and sum (part [S] at a stride of `pstride`):
+   sum_s e^(m_s - m) o_s / sum_s e^(m_s - m) sum_s, m the largest m_s; a part with no keys weighs 0. */
+static void merge(float *out, const float *o, int64_t stride, const float *part, int64_t pstride, int64_t S, int64_t D) {
+  float m = -INFINITY, total = 0;
+  for (int64_t t = 0; t < S; t++) m = part[t * pstride] > m ? part[t * pstride] : m;
+  for (int64_t i = 0; i < D; i++) out[i] = 0;
+  for (int64_t t = 0; t < S; t++) {
+    if (part[t * pstride] == -INFINITY) continue;
+    const float weight = exp_fast(part[t * pstride] - m);
+    total += weight * part[t * pstride + 1];
+    #pragma omp simd
+    for (int64_t i = 0; i < D; i++) out[i] += weight * o[t * stride + i];
+  }
+  #pragma omp simd
+  for (int64_t i = 0; i < D; i++) out[i] /= total;
+}
+
+/* Floats of scratch `attention` needs for T rows, the longest context max_len, on nthreads threads:
+   each thread's scores [H max_len], and the parts of a split context, [T, nthreads, H] of D + 2. */
+static int64_t attention_scratch(const struct fused_shape *s, int64_t T, int64_t max_len, int64_t nthreads) {
+  return nthreads * s->H * max_len + T * nthreads * s->H * (s->D + 2);
 }
 
 /* A decode step's attention for one layer w, inside a parallel region: each row's q, k, v
    [T, (H + 2 Hkv) D] biased, its q and k heads normed and rotated in place, its new k and v written
    to the cache at its slot (an `omp for` over rows and kv heads), then each of its query heads
-   attended over its context (the last W keys of it in a windowed layer) into att [T, H D] (an `omp
-   for` over rows, each task all of a row's heads, where that gives at least four tasks a thread; else
-   over rows and kv heads, each task a kv head's group of query heads, where that does; else over rows
-   and query heads: nine tasks for one row of SmolLM, so two threads share them evenly). scores:
-   [threads, H max_len] scratch, one row per thread of the region, max_len the step's longest context. */
+   attended over its context (the last W keys of it in a windowed layer) into att [T, H D]: an `omp
+   for` over rows, each task all of a row's heads, where that gives at least four tasks a thread;
+   else over rows and parts of their contexts (flash-decoding's split), each thread a part of every
+   row with all of its heads, then the parts merged, an `omp for` over rows and heads. (Before the
+   split, one row of SmolLM was nine tasks of one query head: five to one thread, four to the other,
+   each reading a third of every cache row.) scratch: attention_scratch's floats, max_len the step's
+   longest context. */
 static void attention(const struct fused_shape *s, const struct fused_layer *w, float *qkv, float *att, int64_t T,
                       const int64_t *positions, const int64_t *slot_mapping, const int64_t *tables, int64_t nb,
-                      const float *cos, const float *sin, float *scores, int64_t max_len) {
+                      const float *cos, const float *sin, float *scratch, int64_t max_len) {
   const int64_t H = s->H, Hkv = s->Hkv, D = s->D, group = H / Hkv, NQKV = (H + 2 * Hkv) * D;
   #pragma omp for schedule(static)
   for (int64_t task = 0; task < T * Hkv; task++) {
@@ -229,14 +274,29 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
     store_kv(w->k_cache, at, k, D, (int)s->kv_bf16);
     store_kv(w->v_cache, at, v, D, (int)s->kv_bf16);
   }
-  const int64_t enough = 4 * omp_get_num_threads();
-  const int64_t c = T >= enough ? H : T * Hkv >= enough ? group : 1, per_row = H / c;  /* heads a task, tasks a row */
+  const int64_t S = omp_get_num_threads(), thread = omp_get_thread_num();
+  float *mine = scratch + thread * H * max_len, *parts = scratch + S * H * max_len;  /* parts: [T, S, H, D + 2] */
+  if (T >= 4 * S || S == 1) {
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < T; r++) {
+      const int64_t L = positions[r] + 1, first = w->window && L > w->window ? L - w->window : 0;
+      attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, first, L, mine, att + r * H * D, NULL);
+    }
+    return;
+  }
+  #pragma omp for schedule(static, 1)  /* task r S + t to thread t: part t of every row, whatever their lengths */
+  for (int64_t task = 0; task < T * S; task++) {
+    const int64_t r = task / S, t = task % S, L = positions[r] + 1;
+    const int64_t first = w->window && L > w->window ? L - w->window : 0, n = L - first;
+    float *part = parts + task * H * (D + 2);
+    attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, first + n * t / S, first + n * (t + 1) / S,
+           mine, part, part + H * D);
+  }
   #pragma omp for schedule(static)
-  for (int64_t task = 0; task < T * per_row; task++) {
-    const int64_t r = task / per_row, h = task % per_row * c, L = positions[r] + 1;
-    const int64_t first = w->window && L > w->window ? L - w->window : 0;
-    attend(s, qkv + r * NQKV + h * D, w->k_cache, w->v_cache, tables + r * nb, first, L, h, c,
-           scores + omp_get_thread_num() * H * max_len, att + r * H * D + h * D);
+  for (int64_t task = 0; task < T * H; task++) {
+    const int64_t r = task / H, h = task % H;
+    const float *part = parts + r * S * H * (D + 2);
+    merge(att + task * D, part + h * D, H * (D + 2), part + H * D + 2 * h, H * (D + 2), S, D);
   }
 }
 
@@ -256,7 +316,7 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
   const int64_t NQKV = (H + 2 * Hkv) * D, K_MAX = I > E ? (I > H * D ? I : H * D) : (E > H * D ? E : H * D);
   const int64_t max_len = longest(positions, T);
   const int64_t sizes[] = {T * K_MAX, blockdot_scratch_floats(T, K_MAX), T * NQKV, T * H * D, T * E, T * 2 * I,
-                           nthreads * H * max_len};
+                           attention_scratch(s, T, max_len, nthreads)};
   int64_t total = 0;
   for (int i = 0; i < 7; i++) total += sizes[i];
   float *scratch = malloc(sizeof(float) * total);
@@ -332,7 +392,7 @@ int fused_attention(const struct fused_shape *s, const struct fused_layer *w, co
                     const float *cos, const float *sin, int nthreads) {
   const int64_t NQKV = (s->H + 2 * s->Hkv) * s->D, HD = s->H * s->D;
   const int64_t max_len = longest(positions, T);
-  float *scratch = malloc(sizeof(float) * (T * (NQKV + HD) + nthreads * s->H * max_len));
+  float *scratch = malloc(sizeof(float) * (T * (NQKV + HD) + attention_scratch(s, T, max_len, nthreads)));
   if (!scratch) return -1;
   widen(qkv, scratch, T * NQKV, io_bf16);
   #pragma omp parallel num_threads(nthreads)
