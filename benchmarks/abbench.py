@@ -9,13 +9,15 @@ the change off (A) and on (B), alternating A B A B ... in one process, and repor
     python benchmarks/abbench.py --change int16      # blockdot's int16 path against its float32 path
     python benchmarks/abbench.py --change dequantize # wide steps on panels dequantized per call against dense copies
     python benchmarks/abbench.py --change dense      # dense matrices on blockdot's dense panels against torch's (oneDNN)
+    python benchmarks/abbench.py --change kv16       # a float16 K/V cache against the model's dtype's
 
 --phase prefill times the steps that prefill the prompts (each slot's whole prompt, several
 prompts a step) in place of the decode steps that follow.
 
-Every change but fused and int16 runs the default model in float32, dense; fused runs it at the
-default precision (the GGUF's blocks on the kernels the probe picks, and their dense copies), both
-engines over the same laid-out weights; int16 too, each engine laying the file's blocks out itself
+Every change but fused, kv16 and int16 runs the default model in float32, dense; fused and kv16 run
+it at the default precision (the GGUF's blocks on the kernels the probe picks, and their dense
+copies), both engines over the same laid-out weights (kv16: EngineConfig.kv_cache_dtype "float16"
+against "auto"); int16 too, each engine laying the file's blocks out itself
 (EngineConfig.blockdot_int16_rows 1 against None); dequantize the same way (EngineConfig.dense_copies
 False against True). packed and compile measure torch's dense linears (EngineConfig.dense_kernel
 "torch" on both sides); dense puts them against blockdot's dense panels ("torch" against "blockdot").
@@ -38,7 +40,7 @@ from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.instruments.csv_writer import write_csv
 from nanoserve.model.weights import load_checkpoint
 
-CHANGES = ("groups", "deferred", "compile", "packed", "fused", "int16", "dequantize", "dense")
+CHANGES = ("groups", "deferred", "compile", "packed", "fused", "int16", "dequantize", "dense", "kv16")
 
 
 def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
@@ -46,10 +48,11 @@ def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
     Each engine prepares its own model from them (packed or compiled), so A and B never share a change.
     Compile is measured against the best eager engine, the packed one; packing against plain. fused:
     `base` is at the default precision, laid out already; both engines run its weights as they are."""
-    if change == "fused":
+    if change in ("fused", "kv16"):
+        setting = {"fused_decode": on} if change == "fused" else {"kv_cache_dtype": "float16" if on else "auto"}
         return Engine(base.model, base.tokenizer, EngineConfig(
             dtype=base.precision.dtype, quantization=None, max_num_seqs=slots, max_model_len=2048,
-            max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, fused_decode=on))
+            max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, **setting))
     if change in ("int16", "dequantize"):
         setting = {"blockdot_int16_rows": 1 if on else None} if change == "int16" else {"dense_copies": not on}
         return Engine(base.model, base.tokenizer, EngineConfig(
@@ -101,8 +104,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.change == "fused":
-        base = Engine.from_pretrained(args.model, EngineConfig(max_model_len=2048, fused_decode=False))
+    if args.change in ("fused", "kv16"):
+        base = Engine.from_pretrained(args.model, EngineConfig(max_model_len=2048, fused_decode=args.change == "kv16"))
     elif args.change in ("int16", "dequantize"):  # the checkpoint as loaded: each engine lays it out
         model, tokenizer = load_checkpoint(args.model, "cpu", max_positions=2048)
         base = SimpleNamespace(model=model, tokenizer=tokenizer)

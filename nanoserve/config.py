@@ -38,6 +38,12 @@ class EngineConfig:
     # 32, scale and zero; the head in int8), "auto" (a checkpoint's own quantization kept where its
     # kernel outruns the dense matmul, dense otherwise).
     quantization: str | None = "auto"
+    # The K/V cache's dtype: "auto" (the model's dtype, as above), "float32", "bfloat16" or
+    # "float16" (2 bytes a value: llama.cpp's default; the same memory holds twice float32's tokens,
+    # and a long context's attention reads half the bytes). Attention computes in the model's dtype
+    # (float32 in the fused decode), each value widened as it is read; quantbench reports what it
+    # costs (notes/quantbench.md).
+    kv_cache_dtype: str = "auto"
     # A quantized linear runs its kernels up to this many rows and the dense matrix in the dtype
     # above it (the kernels are shaped for few rows: benchmarks/matmulbench.py --quant); None: the
     # kernels at every width (slow prefill); "auto": the widest of 16, 32, 64 the start-up probe
@@ -99,6 +105,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {list(_DTYPES)}")
+        if self.kv_cache_dtype not in _DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {list(_DTYPES)}")
         if self.quantization not in _QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} is not one of {list(_QUANTIZATIONS)}")
         if self.kernels not in _KERNELS:
@@ -134,6 +142,9 @@ class EngineConfig:
                              "its shard out on torch's kernels; use kernels='auto' or 'torch'")
         if not isinstance(self.fused_decode, bool):
             raise ValueError(f"fused_decode={self.fused_decode!r} must be True or False")
+        if self.tensor_parallel_size > 1 and self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} with tensor_parallel_size="
+                             f"{self.tensor_parallel_size}: each rank's cache is in its model's dtype; use 'auto'")
         if self.tensor_parallel_size > 1 and self.compile:
             raise ValueError(f"compile=True with tensor_parallel_size={self.tensor_parallel_size}: the compiled layer "
                              "would have to trace the all-reduces inside it; use compile=False")

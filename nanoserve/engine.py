@@ -98,10 +98,11 @@ class Engine:
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        kv_dtype = model.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_memory_bytes // bytes_per_block(model.config, config.block_size, model.dtype)
+            1, config.kv_cache_memory_bytes // bytes_per_block(model.config, config.block_size, kv_dtype)
         )
-        self.kv = KVCache(model.config, num_blocks, config.block_size, model.dtype, self.device)
+        self.kv = KVCache(model.config, num_blocks, config.block_size, kv_dtype, self.device)
         if isinstance(model, TensorParallelModel):  # each worker lays its shard out alike, with as many blocks
             start(model, self.precision.dtype, self.precision.quantization, self.precision.max_kernel_rows,
                   config.pack_weights, num_blocks, config.block_size)

@@ -18,16 +18,17 @@ def base():
 
 
 # (pack_weights, compile, deferred_output, decode_group_min_rows, fused_decode, blockdot_int16_rows,
-# dense_copies, dense_kernel) of A (off) and B (on), from abbench's usage
+# dense_copies, dense_kernel, kv_cache_dtype) of A (off) and B (on), from abbench's usage
 PAIRS = {
-    "groups": ((True, False, False, None, True, 1, "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto")),
-    "deferred": ((True, False, False, 8, True, 1, "auto", "auto"), (True, False, True, 8, True, 1, "auto", "auto")),
-    "compile": ((True, False, False, 8, True, 1, "auto", "torch"), (False, True, False, 8, True, 1, "auto", "torch")),
-    "packed": ((False, False, False, 8, True, 1, "auto", "torch"), (True, False, False, 8, True, 1, "auto", "torch")),
-    "fused": ((True, False, False, 8, False, 1, "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto")),
-    "int16": ((True, False, False, 8, True, None, "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto")),
-    "dequantize": ((True, False, False, 8, True, 1, True, "auto"), (True, False, False, 8, True, 1, False, "auto")),
-    "dense": ((True, False, False, 8, True, 1, "auto", "torch"), (True, False, False, 8, True, 1, "auto", "blockdot")),
+    "groups": ((True, False, False, None, True, 1, "auto", "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto", "auto")),
+    "deferred": ((True, False, False, 8, True, 1, "auto", "auto", "auto"), (True, False, True, 8, True, 1, "auto", "auto", "auto")),
+    "compile": ((True, False, False, 8, True, 1, "auto", "torch", "auto"), (False, True, False, 8, True, 1, "auto", "torch", "auto")),
+    "packed": ((False, False, False, 8, True, 1, "auto", "torch", "auto"), (True, False, False, 8, True, 1, "auto", "torch", "auto")),
+    "fused": ((True, False, False, 8, False, 1, "auto", "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto", "auto")),
+    "int16": ((True, False, False, 8, True, None, "auto", "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto", "auto")),
+    "dequantize": ((True, False, False, 8, True, 1, True, "auto", "auto"), (True, False, False, 8, True, 1, False, "auto", "auto")),
+    "dense": ((True, False, False, 8, True, 1, "auto", "torch", "auto"), (True, False, False, 8, True, 1, "auto", "blockdot", "auto")),
+    "kv16": ((True, False, False, 8, True, 1, "auto", "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto", "float16")),
 }
 
 
@@ -40,7 +41,7 @@ def test_each_side_differs_only_in_its_change(base, change):
     for on, expected in zip((False, True), PAIRS[change], strict=True):
         c = make_engine(base, change, on, slots=2).config
         assert (c.pack_weights, c.compile, c.deferred_output, c.decode_group_min_rows, c.fused_decode,
-                c.blockdot_int16_rows, c.dense_copies, c.dense_kernel) == expected, (change, on)
+                c.blockdot_int16_rows, c.dense_copies, c.dense_kernel, c.kv_cache_dtype) == expected, (change, on)
         assert c.max_num_seqs == 2
 
 

@@ -192,6 +192,39 @@ def test_fused_decode_with_a_bfloat16_cache_stays_within_bf16_precision():
     assert sum(fused_rows) == len(PROMPTS) * 7
 
 
+@needs_build
+@pytest.mark.parametrize("quantization", ["int4", None], ids=["panels", "dense"])
+def test_a_float16_cache_is_read_alike_by_the_fused_decode_and_llama_py(quantization):
+    # Both round K/V to float16 on the way in (to nearest even: C's _Float16, torch's .to) and widen
+    # them on the way out, so the fused decode and llama.py's decoder_layer agree to float32's 1e-4;
+    # against transformers' float32, whose K/V are not rounded, both are within float16's rounding
+    # (2^-11 of a value) of logits of ~0.5: 5e-4, where they measured 3e-5 (a float32 cache: 1e-7, so
+    # the rounding is there to see). The 40-token prompt is prefilled in chunks of 16, so llama.py also
+    # reads its earlier chunks back from the cache.
+    hf = make_hf_llama(seed=12)
+    runs = []
+    for fused in (True, False):
+        engine = fused_engine(hf, kv_cache_dtype="float16", quantization=quantization, fused_decode=fused,
+                              max_num_batched_tokens=16)
+        assert engine.kv.k.dtype == torch.float16 and engine.model.dtype == torch.float32
+        assert isinstance(engine.model.fused_layers, FusedDecode) == fused
+        if quantization:
+            load_engine_weights_into(hf, engine)
+        fused_rows = count_fused_steps(engine) if fused else []
+        runs.append(run_and_capture(engine, PROMPTS, max_tokens=8))
+        assert (max(fused_rows, default=0) == 4) == fused  # decode-only steps in C; those beside a chunk in llama.py
+        engine.check_invariants()
+    (ours, outputs), (theirs, their_outputs) = runs
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in their_outputs]
+    for out, their_out in zip(outputs, their_outputs, strict=True):
+        for (n, row), (m, their_row) in zip(ours[out.request_id], theirs[their_out.request_id], strict=True):
+            assert n == m
+            torch.testing.assert_close(row, their_row, atol=1e-4, rtol=1e-4)
+    assert assert_logits_match(hf, *runs[0], atol=5e-4) == len(PROMPTS) * 8
+    assert assert_logits_match(hf, *runs[1], atol=5e-4) == len(PROMPTS) * 8
+    assert logits_error(hf, *runs[0]) > 1e-6
+
+
 def count_one_call_steps(engine: Engine) -> list[int]:
     """Counts the steps fused_decode.c's one-call entry runs (their row counts)."""
     fused, rows = engine.model.fused_layers, []
@@ -360,20 +393,21 @@ def test_an_engine_over_another_engines_model_builds_its_own_fused_decode_or_non
 
 @needs_build
 @pytest.mark.parametrize("quantization", ["int4", None], ids=["panels", "dense"])
+@pytest.mark.parametrize("kv_cache_dtype, atol", [("auto", 1e-4), ("float16", 5e-4)])
 @pytest.mark.parametrize("build", ["avx512", "avx2", "plain", "avx512-simde", "avx512vnni-simde"])
-def test_the_other_builds_fused_decode_equals_transformers(build, quantization):
+def test_the_other_builds_fused_decode_equals_transformers(build, quantization, kv_cache_dtype, atol):
     # What another CPU (or a compiler without -march=native) would run: the same C built with
     # test_blockdot's flags, both the one-call and the per-layer entries; AVX-512 also under SIMDe.
     kernel = build_kernel(build)
     hf = make_hf_llama(seed=19)
-    engine = fused_engine(hf, max_kernel_rows=2, quantization=quantization)
+    engine = fused_engine(hf, max_kernel_rows=2, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     if quantization:
         load_engine_weights_into(hf, engine)
     engine.model.fused_layers.kernel = kernel
     captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=6)  # four rows: per layer; then fewer
-    assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 6
+    assert assert_logits_match(hf, captured, outputs, atol) == len(PROMPTS) * 6
     captured, outputs = run_and_capture(engine, PROMPTS[:2], max_tokens=6)  # two rows: one call
-    assert assert_logits_match(hf, captured, outputs) == 2 * 6
+    assert assert_logits_match(hf, captured, outputs, atol) == 2 * 6
 
 
 @needs_build

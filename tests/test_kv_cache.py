@@ -83,3 +83,10 @@ def test_the_engine_sizes_its_pool_from_the_memory_budget(budget, expected_block
     assert engine.allocator.num_blocks == expected_blocks
     assert engine.kv.num_blocks == expected_blocks
     assert engine.kv.nbytes == expected_blocks * 1024
+
+
+def test_a_float16_cache_holds_twice_the_blocks_of_float32_in_the_same_budget():
+    # block_size 4 of the tiny config: 1024 bytes a block in float32 (above), 512 in float16
+    engine = make_tiny_engine(num_kv_blocks=None, kv_cache_memory_bytes=10_000, kv_cache_dtype="float16")
+    assert engine.kv.k.dtype == engine.kv.v.dtype == torch.float16 and engine.model.dtype == torch.float32
+    assert engine.allocator.num_blocks == 10_000 // 512 and engine.kv.nbytes == 19 * 512

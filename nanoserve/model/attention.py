@@ -66,9 +66,11 @@ def paged_attention(
     The new K/V are written before the read, so a token attends to itself and to the tokens
     forwarded with it in this step exactly as it will to cached ones in later steps. Scores q . k
     are multiplied by `scale` (None: D ** -0.5) and, with `softcap` c, become c tanh(scores / c).
+    A cache in another dtype than q's (EngineConfig.kv_cache_dtype) is written rounded to its own
+    and read back in q's; a prompt with nothing cached attends to its K/V as computed.
     """
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     groups = meta.decode_groups
     if len(groups) == 1 and groups[0].rows is None:  # a decode step in one group: T == B, no scatter
         return _decode(q, k_cache, v_cache, groups[0], meta.block_size, scale, softcap)
@@ -82,8 +84,8 @@ def paged_attention(
         if run.block_table is None:  # nothing cached: the new tokens are the whole context
             keys, values = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
         else:
-            keys = _gather_blocks(k_cache, run.block_table, meta.block_size)  # [1, Hkv, L, D]
-            values = _gather_blocks(v_cache, run.block_table, meta.block_size)
+            keys = _gather_blocks(k_cache, run.block_table, meta.block_size).to(q.dtype)  # [1, Hkv, L, D]
+            values = _gather_blocks(v_cache, run.block_table, meta.block_size).to(q.dtype)
         is_causal = run.block_table is None and run.mask is None
         result = _attend(queries, keys, values, run.mask, is_causal, scale, softcap)  # [1, H, Tq, D]
         out[rows] = result[0].transpose(0, 1)
@@ -95,8 +97,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
     """One query per sequence: q [Bg, H, D] -> [Bg, H, D]."""
     # The context is read whole blocks at a time: one row of bs * Hkv * D per block is a plain
     # memcpy, 1.5-2x faster than indexing token by token on this machine.
-    keys = _gather_blocks(k_cache, group.block_table, block_size)  # [Bg, Hkv, Lg, D]
-    values = _gather_blocks(v_cache, group.block_table, block_size)
+    keys = _gather_blocks(k_cache, group.block_table, block_size).to(q.dtype)  # [Bg, Hkv, Lg, D]
+    values = _gather_blocks(v_cache, group.block_table, block_size).to(q.dtype)
     return _attend(q.unsqueeze(2), keys, values, group.mask, False, scale, softcap).squeeze(2)
 
 

@@ -14,7 +14,7 @@
  * The arithmetic is llama.py's decoder_layer, with the activations in float32 throughout (the
  * matmuls read the blocks' codes and fp16 scales exactly, as blockdot does, rounding x to int16 per
  * block where the shape's int16_rows says; dense panels are read as stored), and the K/V written to
- * and read from the paged cache in its own dtype (float32 or bf16, rounded to nearest even as torch
+ * and read from the paged cache in its own dtype (float32, bf16 or fp16, rounded to nearest even as torch
  * rounds). Softmax is two-pass, over a per-thread scratch of the scores. Per layer, for rows r of T:
  *   x = rms_norm(h) * input_norm;  q, k, v = x @ qkv^T (+ qkv_bias);  q, k heads normed (q_norm,
  *   k_norm) and rotated (rotate-half, cos/sin of r's position);  k, v written to the cache at
@@ -25,6 +25,9 @@
  */
 #include <math.h>
 #include <omp.h>
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -34,7 +37,7 @@ struct fused_layer {  /* one layer's weights and cache, as fused_decode.py lays 
   const float *input_norm, *post_norm;           /* [E] float32 */
   const uint8_t *qkv, *o, *gate_up, *down;       /* blockdot panels or dense panels (NULL where torch's linears run) */
   int64_t qkv_planes, o_planes, gate_up_planes, down_planes;  /* panels: 1 (4-bit codes) or 2 (int8); dense: DENSE_F32, DENSE_BF16 */
-  void *k_cache, *v_cache;                       /* [slots, Hkv, D] float32, or bf16 where kv_bf16 */
+  void *k_cache, *v_cache;                       /* [slots, Hkv, D] in the shape's kv_kind */
   /* the family's switches, NULL or 0 where it has none */
   const float *qkv_bias;                         /* [(H + 2 Hkv) D] float32 (Qwen2) */
   const float *q_norm, *k_norm;                  /* [D] float32: RMSNorm of each q and k head before rope (Qwen3) */
@@ -42,7 +45,8 @@ struct fused_layer {  /* one layer's weights and cache, as fused_decode.py lays 
 };
 
 struct fused_shape {
-  int64_t E, H, Hkv, D, I, block_size, kv_bf16;
+  int64_t E, H, Hkv, D, I, block_size;
+  int64_t kv_kind;     /* the K/V cache's dtype: KV_F32, KV_BF16 or KV_F16 */
   int64_t int16_rows;  /* from this many rows the matmuls take blockdot's int16 path (0: never) */
   float eps, scale;
 };
@@ -65,9 +69,15 @@ static void rope(float *x, const float *cos, const float *sin, int64_t D) {
   }
 }
 
-static void store_kv(void *cache, int64_t at, const float *x, int64_t D, int bf16) {
+#define KV_F32 0
+#define KV_BF16 1
+#define KV_F16 2 /* IEEE binary16, as C's _Float16 (gcc 12, clang 15): converted with F16C's instructions where
+                    the build has them, in software elsewhere; to nearest even both ways, as torch rounds */
+
+static void store_kv(void *cache, int64_t at, const float *x, int64_t D, int kind) {
   for (int64_t i = 0; i < D; i++) {
-    if (bf16) ((uint16_t *)cache)[at + i] = f32_to_bf16(x[i]);
+    if (kind == KV_BF16) ((uint16_t *)cache)[at + i] = f32_to_bf16(x[i]);
+    else if (kind == KV_F16) ((_Float16 *)cache)[at + i] = (_Float16)x[i];
     else ((float *)cache)[at + i] = x[i];
   }
 }
@@ -108,51 +118,53 @@ static void matmul(const struct xin *in, const float *x, int64_t T, int64_t K, i
   else dense_tasks(x, T, K, N, w, planes == DENSE_BF16, y);
 }
 
-/* element i of a cache, float32 or bf16: `bf16` is a constant wherever this is inlined, so each
-   loop below is compiled once per cache dtype */
-INLINE float kv(const void *cache, int64_t i, const int bf16) {
-  return bf16 ? bf16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
+/* element i of a cache in its kind: `kind` is a constant wherever this is inlined, so each loop below
+   is compiled once per cache dtype */
+INLINE float kv(const void *cache, int64_t i, const int kind) {
+  if (kind == KV_BF16) return bf16_to_f32(((const uint16_t *)cache)[i]);
+  if (kind == KV_F16) return (float)((const _Float16 *)cache)[i];
+  return ((const float *)cache)[i];
 }
 
 /* scores[j] = scale q . k_j for n keys at cache offsets at + j stride: four keys at a time, so four
    independent sums are in flight rather than one chain of D / lanes dependent additions */
 INLINE void scores_run(const float *q, const void *cache, int64_t at, int64_t stride, int64_t n, int64_t D,
-                       float scale, float *scores, const int bf16) {
+                       float scale, float *scores, const int kind) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     const int64_t k = at + j * stride;
     float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
     #pragma omp simd reduction(+ : s0, s1, s2, s3)
     for (int64_t i = 0; i < D; i++) {
-      s0 += q[i] * kv(cache, k + i, bf16);
-      s1 += q[i] * kv(cache, k + stride + i, bf16);
-      s2 += q[i] * kv(cache, k + 2 * stride + i, bf16);
-      s3 += q[i] * kv(cache, k + 3 * stride + i, bf16);
+      s0 += q[i] * kv(cache, k + i, kind);
+      s1 += q[i] * kv(cache, k + stride + i, kind);
+      s2 += q[i] * kv(cache, k + 2 * stride + i, kind);
+      s3 += q[i] * kv(cache, k + 3 * stride + i, kind);
     }
     scores[j] = scale * s0, scores[j + 1] = scale * s1, scores[j + 2] = scale * s2, scores[j + 3] = scale * s3;
   }
   for (; j < n; j++) {
     float sum = 0;
     #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < D; i++) sum += q[i] * kv(cache, at + j * stride + i, bf16);
+    for (int64_t i = 0; i < D; i++) sum += q[i] * kv(cache, at + j * stride + i, kind);
     scores[j] = scale * sum;
   }
 }
 
 /* out += sum_j p[j] v_j over n values at cache offsets at + j stride, four at a time */
 INLINE void values_run(float *out, const float *p, const void *cache, int64_t at, int64_t stride, int64_t n,
-                       int64_t D, const int bf16) {
+                       int64_t D, const int kind) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     const int64_t v = at + j * stride;
     #pragma omp simd
     for (int64_t i = 0; i < D; i++)
-      out[i] += p[j] * kv(cache, v + i, bf16) + p[j + 1] * kv(cache, v + stride + i, bf16)
-                + p[j + 2] * kv(cache, v + 2 * stride + i, bf16) + p[j + 3] * kv(cache, v + 3 * stride + i, bf16);
+      out[i] += p[j] * kv(cache, v + i, kind) + p[j + 1] * kv(cache, v + stride + i, kind)
+                + p[j + 2] * kv(cache, v + 2 * stride + i, kind) + p[j + 3] * kv(cache, v + 3 * stride + i, kind);
   }
   for (; j < n; j++) {
     #pragma omp simd
-    for (int64_t i = 0; i < D; i++) out[i] += p[j] * kv(cache, at + j * stride + i, bf16);
+    for (int64_t i = 0; i < D; i++) out[i] += p[j] * kv(cache, at + j * stride + i, kind);
   }
 }
 
@@ -168,23 +180,46 @@ INLINE void values_run(float *out, const float *p, const void *cache, int64_t at
    which follows a run of addresses, meets each block cold. */
 #define PREFETCH_BLOCKS 2
 INLINE void prefetch_block(const void *cache, const int64_t *table, int64_t j, int64_t L, int64_t bs, int64_t row,
-                           const int bf16) {
+                           const int kind) {
   const int64_t b = j / bs + PREFETCH_BLOCKS, keys = L - b * bs < bs ? L - b * bs : bs;
   if (keys <= 0) return;
-  const char *at = (const char *)cache + table[b] * bs * row * (bf16 ? 2 : 4);
-  for (int64_t byte = 0; byte < keys * row * (bf16 ? 2 : 4); byte += 64) __builtin_prefetch(at + byte, 0, 2);
+  const char *at = (const char *)cache + table[b] * bs * row * (kind == KV_F32 ? 4 : 2);
+  for (int64_t byte = 0; byte < keys * row * (kind == KV_F32 ? 4 : 2); byte += 64) __builtin_prefetch(at + byte, 0, 2);
+}
+
+/* n float16 values widened to float32: eight an instruction where the build has F16C (gcc 12 converts
+   a _Float16 loop one value at a time, which made a float16 cache's attention 1.3-1.4x slower than
+   float32's), one at a time elsewhere */
+static void widen_f16(const _Float16 *x, float *out, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
+#endif
+  for (; i < n; i++) out[i] = (float)x[i];
+}
+
+/* The keys of a run of one block that start at j, up to L; a float16 cache's at most RUN_F16 keys,
+   widened whole into a float32 scratch on the stack before its heads read it. */
+#define RUN_F16 16
+INLINE int64_t run_at(int64_t j, int64_t L, int64_t bs, const int kind) {
+  const int64_t run = bs - j % bs < L - j ? bs - j % bs : L - j;
+  return kind == KV_F16 && run > RUN_F16 ? RUN_F16 : run;
 }
 
 INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
                       const int64_t *table, int64_t first, int64_t L, float *scores, float *out, float *part,
-                      const int bf16) {
+                      const int kind) {
   const int64_t D = s->D, bs = s->block_size, row = s->Hkv * D, n = L - first, H = s->H, group = H / s->Hkv;
+  const int read = kind == KV_F16 ? KV_F32 : kind;  /* what the loops read: a float16 run as its float32 widening */
+  float wide[kind == KV_F16 ? RUN_F16 * row : 1];
   for (int64_t j = first, run; j < L; j += run) {
-    run = bs - j % bs < L - j ? bs - j % bs : L - j;
-    const int64_t at = (table[j / bs] * bs + j % bs) * row;
-    prefetch_block(k_cache, table, j, L, bs, row, bf16);
+    run = run_at(j, L, bs, kind);
+    int64_t at = (table[j / bs] * bs + j % bs) * row;
+    prefetch_block(k_cache, table, j, L, bs, row, kind);
+    const void *keys = k_cache;
+    if (kind == KV_F16) widen_f16((const _Float16 *)k_cache + at, wide, run * row), keys = wide, at = 0;
     for (int64_t h = 0; h < H; h++)
-      scores_run(q + h * D, k_cache, at + h / group * D, row, run, D, s->scale, scores + h * n + j - first, bf16);
+      scores_run(q + h * D, keys, at + h / group * D, row, run, D, s->scale, scores + h * n + j - first, read);
   }
   for (int64_t h = 0; h < H; h++) {
     float *p = scores + h * n, max = -INFINITY, total = 0;
@@ -203,18 +238,23 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
   }
   for (int64_t i = 0; i < H * D; i++) out[i] = 0;
   for (int64_t j = first, run; j < L; j += run) {
-    run = bs - j % bs < L - j ? bs - j % bs : L - j;
-    const int64_t at = (table[j / bs] * bs + j % bs) * row;
-    prefetch_block(v_cache, table, j, L, bs, row, bf16);
+    run = run_at(j, L, bs, kind);
+    int64_t at = (table[j / bs] * bs + j % bs) * row;
+    prefetch_block(v_cache, table, j, L, bs, row, kind);
+    const void *values = v_cache;
+    if (kind == KV_F16) widen_f16((const _Float16 *)v_cache + at, wide, run * row), values = wide, at = 0;
     for (int64_t h = 0; h < H; h++)
-      values_run(out + h * D, scores + h * n + j - first, v_cache, at + h / group * D, row, run, D, bf16);
+      values_run(out + h * D, scores + h * n + j - first, values, at + h / group * D, row, run, D, read);
   }
 }
 
 static void attend(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
                    const int64_t *table, int64_t first, int64_t L, float *scores, float *out, float *part) {
-  if (s->kv_bf16) attend_as(s, q, k_cache, v_cache, table, first, L, scores, out, part, 1);
-  else attend_as(s, q, k_cache, v_cache, table, first, L, scores, out, part, 0);
+  switch (s->kv_kind) {
+    case KV_BF16: attend_as(s, q, k_cache, v_cache, table, first, L, scores, out, part, KV_BF16); break;
+    case KV_F16: attend_as(s, q, k_cache, v_cache, table, first, L, scores, out, part, KV_F16); break;
+    default: attend_as(s, q, k_cache, v_cache, table, first, L, scores, out, part, KV_F32);
+  }
 }
 
 /* out [D] = softmax attention of one head over a context in S parts, from each part's unnormalized
@@ -271,8 +311,8 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
     if (w->k_norm) rms_norm(k, w->k_norm, k, D, s->eps);
     rope(k, cos + pos * D, sin + pos * D, D);
     const int64_t at = (slot_mapping[r] * Hkv + g) * D;
-    store_kv(w->k_cache, at, k, D, (int)s->kv_bf16);
-    store_kv(w->v_cache, at, v, D, (int)s->kv_bf16);
+    store_kv(w->k_cache, at, k, D, (int)s->kv_kind);
+    store_kv(w->v_cache, at, v, D, (int)s->kv_kind);
   }
   const int64_t S = omp_get_num_threads(), thread = omp_get_thread_num();
   float *mine = scratch + thread * H * max_len, *parts = scratch + S * H * max_len;  /* parts: [T, S, H, D + 2] */

@@ -43,7 +43,7 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 class _Shape(ctypes.Structure):  # struct fused_shape
-    _fields_ = [(name, _i64) for name in ("E", "H", "Hkv", "D", "I", "block_size", "kv_bf16", "int16_rows")] + [
+    _fields_ = [(name, _i64) for name in ("E", "H", "Hkv", "D", "I", "block_size", "kv_kind", "int16_rows")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -58,6 +58,8 @@ MATMULS = ("qkv", "o", "gate_up", "down")
 
 # fused_decode.c's forms of a dense matmul (a struct fused_layer's *_planes; blockdot's panels are 1 or 2)
 DENSE_F32, DENSE_BF16 = -1, -2
+# fused_decode.c's KV_F32, KV_BF16, KV_F16: the cache dtypes it reads and writes
+KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # A dense model whose matrices torch runs decodes in one call up to this many rows, by its dtype;
 # wider steps take oneDNN's packed linears (one on blockdot's dense panels decodes in one call at
 # every width). Measured (notes/fused_decode.md): in float32 the one call was faster at
@@ -152,7 +154,7 @@ class FusedDecode:
             return None
         if self._cache is not kv:
             self._table, self._cache = self._layer_table(kv), kv
-            self.shape.block_size = kv.block_size
+            self.shape.block_size, self.shape.kv_kind = kv.block_size, KV_KINDS[kv.k.dtype]
         h = h.contiguous()  # [T, E] float32, updated in place by the C calls
         T = h.shape[0]
         tables = _row_tables(inputs, T)  # [T, nb]
@@ -227,7 +229,7 @@ def fused_decode(model: LlamaModel, bf16_one_call_rows: int | None = None) -> Fu
     config, shape = model.config, model.shape
     scale = shape.attn_scale if shape.attn_scale is not None else shape.head_dim ** -0.5
     c_shape = _Shape(config.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                     config.intermediate_size, 0, int(model.dtype == torch.bfloat16), 0, shape.eps, scale)
+                     config.intermediate_size, 0, 0, 0, shape.eps, scale)  # block_size, kv_kind: from the cache
     cos, sin = rope_table(config, model.cos.shape[0], torch.float32, model.device)
     max_rows, forms, copy_bytes = 0, [], 0
     if why_not_in_one_call(model) is None:
