@@ -59,6 +59,9 @@ PRECISIONS = {
     "gguf-q4_1-int16": {"blockdot_int16_rows": 1},
     "gguf-q4_1-float": {"blockdot_int16_rows": None},
     "gguf-q4_1-torch": {"kernels": "torch"},  # on torch's kernels (bf16 scales, Q8_0 as two int4 passes)
+    # the K/V cache in float16 (llama.cpp's default), beside the default and beside exact float32
+    "gguf-q4_1-kv16": {"kv_cache_dtype": "float16"},
+    "float32-kv16": {"dtype": "float32", "quantization": None, "kv_cache_dtype": "float16"},
 }
 PROMPTS = [
     "The capital of France is", "def fibonacci(n):", "Once upon a time", "The three laws of thermodynamics are",
@@ -128,16 +131,20 @@ def main() -> None:
     rows = []
     for name in args.precisions:
         # One token a step and 8 slots: a quantized precision is scored on what serves its decode
-        # steps, not on the dense copy that serves wider steps (scored apart as the dense dtype's own row).
+        # steps, not on the dense copy that serves wider steps (scored apart as the dense dtype's own row);
+        # so is a cache in another dtype than the model's, every position reading its rounded K/V.
         engine = engine_for(name, max_model_len=8192, max_num_seqs=8)
-        chunk = 1 if engine.precision.quantization else 512
-        report = compare(reference, teacher_forced_logits(engine.model, token_ids, chunk=chunk)[:-1], targets)
+        kv_dtype = engine.kv.k.dtype
+        chunk = 1 if engine.precision.quantization or kv_dtype != engine.model.dtype else 512
+        logits = teacher_forced_logits(engine.model, token_ids, chunk=chunk, kv_dtype=kv_dtype)
+        report = compare(reference, logits[:-1], targets)
+        del logits
         agreement = greedy_agreement(reference_runs, [o.token_ids for o in engine.generate(prompts, greedy)])
         precision = engine.precision
         del engine
         measured = run_child(name, args.slots, steps, args.threads)
         rows.append(accuracy_row(name, precision.dtype, precision.quantization, report) | {
-            "kernels": precision.kernels if precision.quantization else "",
+            "kernels": precision.kernels if precision.quantization else "", "kv_cache": str(kv_dtype).removeprefix("torch."),
             "greedy_mean_prefix": agreement["mean_common_prefix"], "greedy_full_match": agreement["full_match"],
             **{f"decode_tok_s_{s}": measured["rates"][str(s)] for s in args.slots},
             "rss_mb": measured["rss_bytes"] / 2**20,

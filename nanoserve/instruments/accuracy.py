@@ -26,8 +26,10 @@ BLOCK_SIZE = 16  # tokens per KV block; the blocks are 0 .. nb - 1 in order, so 
 COMPARE_ROWS = 256  # positions per float64 slice in compare: bounds its temporaries at 2 x 256 x V doubles
 
 
-def teacher_forced_logits(model: LlamaModel, token_ids: Sequence[int], chunk: int = 512) -> torch.Tensor:
-    """The next-token logits at every position of token_ids: [T, V] float32 on the CPU.
+def teacher_forced_logits(model: LlamaModel, token_ids: Sequence[int], chunk: int = 512,
+                          kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The next-token logits at every position of token_ids: [T, V] float32 on the CPU, the K/V
+    cached in kv_dtype (None: the model's dtype; EngineConfig.kv_cache_dtype).
 
     The text is fed as one sequence in chunks of `chunk` tokens, the way chunked prefill feeds a long
     prompt: each chunk after the first attends to the cached K/V of everything before it. chunk=1
@@ -57,7 +59,7 @@ def teacher_forced_logits(model: LlamaModel, token_ids: Sequence[int], chunk: in
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     device = model.device
     num_blocks = -(-num_tokens // BLOCK_SIZE)
-    kv = KVCache(model.config, num_blocks, BLOCK_SIZE, model.dtype, device)
+    kv = KVCache(model.config, num_blocks, BLOCK_SIZE, kv_dtype or model.dtype, device)
     ids = torch.tensor(list(token_ids), dtype=torch.int64)  # [T]
     logits = torch.empty(num_tokens, vocab_size, dtype=torch.float32)  # [T, V]
     with torch.inference_mode():
