@@ -19,7 +19,7 @@ from nanoserve.detokenize import IncrementalDetokenizer
 from nanoserve.inputs import build_inputs
 from nanoserve.model.kv_cache import KVCache, bytes_per_block
 from nanoserve.model.llama import LlamaModel
-from nanoserve.model.precision import resolve
+from nanoserve.model.precision import DTYPES, resolve
 from nanoserve.model.prepare import is_quantized, prepare_model, weight_bytes
 from nanoserve.output_processor import OutputProcessor, make_output
 from nanoserve.parallel import TensorParallelModel, WorkerFailure, load_tensor_parallel, start
@@ -75,7 +75,8 @@ class Engine:
         self.precision = resolve(config.dtype, config.quantization, self.device, is_quantized(model),
                                  kernels="torch" if world_size > 1 else config.kernels,
                                  max_kernel_rows=config.max_kernel_rows, dense_copies=config.dense_copies,
-                                 dense_kernel="torch" if world_size > 1 or config.compile else config.dense_kernel)
+                                 dense_kernel="torch" if world_size > 1 or config.compile else config.dense_kernel,
+                                 kv_cache_dtype=config.kv_cache_dtype, fused_decode=config.fused_decode and world_size == 1)
         logger.info("nanoserve: computing in %s, quantization %s (%s)%s", self.precision.dtype,
                     self.precision.quantization, self.precision.reason,
                     f"; probe {self.precision.probe.describe()}" if self.precision.probe else "")
@@ -98,7 +99,7 @@ class Engine:
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        kv_dtype = model.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+        kv_dtype = DTYPES[self.precision.kv_cache_dtype]
         num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_memory_bytes // bytes_per_block(model.config, config.block_size, kv_dtype)
         )

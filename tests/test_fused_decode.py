@@ -43,7 +43,8 @@ PROMPTS = [[5, 9, 13, 22, 7, 41, 3, 8, 60, 33, 21], [17, 4], [30 + i % 50 for i 
 def fused_engine(hf, dtype: str = "float32", block_size: int = 4, **overrides) -> Engine:
     config = EngineConfig(**({"dtype": dtype, "quantization": "int4", "kernels": "blockdot", "pack_weights": False,
                               "block_size": block_size, "num_kv_blocks": 256 // block_size + 8, "max_num_seqs": 4,
-                              "decode_group_min_rows": 2, "blockdot_int16_rows": None, "dense_kernel": "torch"} | overrides))
+                              "decode_group_min_rows": 2, "blockdot_int16_rows": None, "dense_kernel": "torch",
+                              "kv_cache_dtype": dtype} | overrides))  # the cache in the dtype unless a test asks
     return Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), config)
 
 

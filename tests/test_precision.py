@@ -200,3 +200,32 @@ def test_dense_kernel_refusals():
     with pytest.raises(ValueError, match="dense_kernel='mkl' is not one of \\['auto', 'torch', 'blockdot'\\]"):
         resolve("float32", None, CPU, False, probe=fake(0.2, 0.3), dense_kernel="mkl")
     assert resolve("float16", None, CPU, False, probe=fake(0.2, 0.3)).dense_kernel == "torch"  # panels hold no fp16
+
+
+@pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
+def test_auto_kv_cache_is_float16_only_for_quantized_weights_on_blockdot_in_float32(monkeypatch):
+    # Half float32's bytes where the fused decode widens float16 K/V in vectors; the dtype's
+    # elsewhere: the exact path (dense float32), bf16, the per-operation path, a plain-C build.
+    figures = fake(0.31, 1.7, int4_ms=1.02, blockdot_ms=0.055, quantized_ms=0.060, dense_ms=0.141)
+    kept = resolve("auto", "auto", CPU, True, probe=figures)
+    assert (kept.quantization, kept.kernels, kept.kv_cache_dtype) == ("keep", "blockdot", "float16")
+    assert "kv cache float16: quantized weights on blockdot in float32" in kept.reason
+    assert resolve("float32", None, CPU, True, probe=figures).kv_cache_dtype == "float32"
+    assert resolve("bfloat16", "int4", CPU, False, probe=figures).kv_cache_dtype == "bfloat16"
+    assert resolve("auto", "auto", CPU, True, probe=figures, fused_decode=False).kv_cache_dtype == "float32"
+    assert resolve("float32", "int4", CPU, False, probe=figures, kernels="torch").kv_cache_dtype == "float32"
+    assert resolve("float32", None, CPU, False, probe=figures, kv_cache_dtype="float16").kv_cache_dtype == "float16"
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='int8' is not one of \['auto', 'float32'"):
+        resolve("float32", None, CPU, False, probe=figures, kv_cache_dtype="int8")
+    plain = blockdot.Library(blockdot.library().lib, 0, blockdot.library().path)  # a build without vectors
+    monkeypatch.setattr(blockdot, "library", lambda: plain)
+    assert resolve("auto", "auto", CPU, True, probe=figures).kv_cache_dtype == "float32"
+
+
+def test_the_engine_allocates_its_cache_in_the_precisions_kv_dtype():
+    hf = make_hf_llama(seed=3)
+    exact = Engine(nanoserve_model_from_hf(hf), None, EngineConfig(dtype="float32", quantization=None, num_kv_blocks=8))
+    assert exact.kv.k.dtype == torch.float32 and exact.precision.kv_cache_dtype == "float32"
+    asked = Engine(nanoserve_model_from_hf(hf), None, EngineConfig(dtype="float32", quantization=None, num_kv_blocks=8,
+                                                                   kv_cache_dtype="float16"))
+    assert asked.kv.k.dtype == torch.float16 and "kv cache float16: as configured" in asked.precision.reason

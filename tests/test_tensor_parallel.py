@@ -229,7 +229,9 @@ def test_tp2_logits_equal_tp1(tmp_path, monkeypatch, case):
     if quantization == "keep":  # the file's blocks in the int4 kernels: "auto" with a probe that favours them
         monkeypatch.setattr(precision, "probe_cpu", fake(1.0, 2.0, int4_ms=0.01, dense_ms=1.0))
     config = {"quantization": "auto" if quantization == "keep" else quantization}
-    with Engine.from_pretrained(path, tiny_config(**config)) as one:
+    # one process's cache in float32, as the ranks' (kv_cache_dtype "auto" would make it float16 where
+    # its int4 runs on blockdot; the ranks keep torch's kernels)
+    with Engine.from_pretrained(path, tiny_config(**config, kv_cache_dtype="float32")) as one:
         assert one.precision.quantization == quantization
         want, want_outputs = run_and_capture(one, PROMPTS, max_tokens=6)
     with Engine.from_pretrained(path, tiny_config(2, **config)) as two:

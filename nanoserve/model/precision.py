@@ -137,6 +137,8 @@ class Precision:
     # packs them; the one-call decode reads panel copies), or "blockdot" (the matrices themselves
     # regrouped into blockdot's dense panels, at every width: one copy of each).
     dense_kernel: str = "torch"
+    # The K/V cache's dtype: the dtype's, or float16 (EngineConfig.kv_cache_dtype).
+    kv_cache_dtype: str = "float32"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -265,7 +267,7 @@ def _probe(kernel_dtype: str | None, rows: int, K: int, N: int) -> Probe:
 def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoint_quantized: bool,
             probe: Callable[..., Probe] | None = None, kernels: str = "auto",
             max_kernel_rows: int | str | None = "auto", dense_copies: bool | str = "auto",
-            dense_kernel: str = "auto") -> Precision:
+            dense_kernel: str = "auto", kv_cache_dtype: str = "auto", fused_decode: bool = True) -> Precision:
     """Turns the config's "auto" values into a Precision.
 
     dtype "auto": bfloat16 on a CUDA device that supports it; on a CPU, bfloat16 when the probe
@@ -286,6 +288,11 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
     dense_kernel "auto": on a CPU, blockdot's dense panels where the probe times them no slower than
     torch's dense matmul at DENSE_ROWS rows in the chosen dtype, torch's otherwise; "blockdot" asks
     for them (a ValueError where the kernel cannot be built), "torch" for torch's.
+    kv_cache_dtype "auto": float16 where quantized weights on blockdot compute in float32 on a CPU
+    whose blockdot build has vectors (fused_decode.c widens a float16 cache with F16C's instructions):
+    half float32's bytes a token, llama.cpp's default, and no loss quantbench can see (perplexity
+    +0.00%, top-1 agreement with float32 99.96%, notes/quantbench.md); the dtype elsewhere, the
+    exact path's float32 included.
     """
     probe = probe or probe_cpu  # looked up at call time, so a test can stand in for it
     figures: Probe | None = None
@@ -403,5 +410,15 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
                 dense_kernel = "blockdot" if figures.dense_panels_ms <= figures.dense_torch_ms else "torch"
                 reasons.append(f"dense kernel {dense_kernel}: blockdot's dense panels "
                                f"{figures.dense_torch_ms / figures.dense_panels_ms:.2f}x torch's speed at {DENSE_ROWS} rows")
+    if kv_cache_dtype == "auto":
+        library = blockdot.library() if on_blockdot and fused_decode and dtype == "float32" else None
+        kv_cache_dtype = "float16" if library is not None and library.simd > 0 else dtype
+        reasons.append("kv cache float16: quantized weights on blockdot in float32, whose fused decode widens float16 "
+                       "K/V in vectors (half float32's bytes a token)" if kv_cache_dtype == "float16"
+                       else f"kv cache {dtype}: the dtype's")
+    elif kv_cache_dtype not in DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {['auto', *DTYPES]}")
+    else:
+        reasons.append(f"kv cache {kv_cache_dtype}: as configured")
     return Precision(dtype, quantization, "; ".join(reasons), figures, chosen, max_kernel_rows, bf16_one_call_rows,
-                     dense_copies, dense_kernel)
+                     dense_copies, dense_kernel, kv_cache_dtype)
