@@ -17,6 +17,9 @@ the pairs interleaved round by round; the report is medians and their ratio.
 --kernels runs nanoserve once per value on the quantized files (EngineConfig.kernels: auto, torch,
 blockdot), each against the same llama.cpp runs; --unfused adds a run of each with
 EngineConfig.fused_decode=False (decode steps through llama.py's decoder_layer, not fused_decode.c).
+--kv-cache-dtype float16 gives nanoserve's dense files the K/V cache llama.cpp runs them with (its
+default, f16); nanoserve's "auto" keeps a dense model's cache in its dtype (the exact path's float32)
+and makes a quantized one's float16 (the precision column says /kv16).
 """
 
 from __future__ import annotations
@@ -50,12 +53,12 @@ import psutil, torch
 from nanoserve import Engine, EngineConfig
 from nanoserve.instruments.runners import decode_rate
 
-gguf, dtype, quantization, kernels, fused, pp, tg, threads = *sys.argv[1:6], *map(int, sys.argv[6:9])
-slots_list = [int(s) for s in sys.argv[9:]]
+gguf, dtype, quantization, kernels, fused, kv, pp, tg, threads = *sys.argv[1:7], *map(int, sys.argv[7:10])
+slots_list = [int(s) for s in sys.argv[10:]]
 torch.set_num_threads(threads)
 config = EngineConfig(dtype=dtype, quantization=None if quantization == "none" else quantization,
                       max_num_seqs=max(slots_list), max_model_len=pp + tg + 8, kernels=kernels,
-                      fused_decode=fused == "fused")
+                      fused_decode=fused == "fused", kv_cache_dtype=kv)
 engine = Engine.from_pretrained(gguf, config)
 rates = {slots: decode_rate(engine, slots, tg - 2, pp) for slots in slots_list}
 # VmHWM: this process's own peak (execve starts a new one; ru_maxrss would keep the parent's)
@@ -63,7 +66,7 @@ peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.s
 print(json.dumps({"rates": rates, "rss_mib": psutil.Process().memory_info().rss / 2**20, "peak_rss_mib": peak,
                   "dtype": engine.precision.dtype, "quantization": engine.precision.quantization,
                   "kernels": engine.precision.kernels, "fused": engine.model.fused_layers is not None,
-                  "memory": engine.memory()}))
+                  "kv_cache_dtype": engine.precision.kv_cache_dtype, "memory": engine.memory()}))
 """
 
 # transformers' generate on the same weights (the converted float32 directory), in float32 and bf16:
@@ -123,15 +126,17 @@ def gguf_files() -> dict[str, Path]:
 
 
 def nanoserve_rates(gguf: Path, dtype: str, quantization: str | None, pp: int, tg: int, threads: int,
-                    slots: list[int], kernels: str = "auto", fused: bool = True) -> dict:
+                    slots: list[int], kernels: str = "auto", fused: bool = True, kv_cache_dtype: str = "auto") -> dict:
     proc = subprocess.run([sys.executable, "-c", CHILD, str(gguf), dtype, quantization or "none", kernels,
-                           "fused" if fused else "unfused", str(pp), str(tg), str(threads), *map(str, slots)],
+                           "fused" if fused else "unfused", kv_cache_dtype, str(pp), str(tg), str(threads),
+                           *map(str, slots)],
                           capture_output=True, text=True, cwd=ROOT, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"nanoserve child on {gguf.name} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     quantized = f"/{result['kernels']}" if result["quantization"] else ""
     quantized += "/fused" if result["fused"] else ""  # the glue in C (nanoserve.model.fused_decode)
+    quantized += "/kv16" if result["kv_cache_dtype"] == "float16" else ""  # a float16 K/V cache, as llama.cpp's
     return {"rates": {int(k): v for k, v in result["rates"].items()}, "rss_mib": result["rss_mib"],
             "peak_rss_mib": result["peak_rss_mib"], "kv_pool_mib": result["memory"]["kv_cache"] / 2**20,
             "precision": f"{result['dtype']}/{result['quantization']}{quantized}"}
@@ -173,6 +178,8 @@ def main() -> None:
                         help="nanoserve's kernels on the quantized files, one run each")
     parser.add_argument("--unfused", action="store_true",
                         help="also run each of those with fused_decode=False")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="nanoserve's EngineConfig.kv_cache_dtype (llama.cpp's cache is float16, its default)")
     parser.add_argument("--out", default="runs/peerbench_precision.csv")
     args = parser.parse_args()
     if args.rounds < 1 or min(args.slots) < 1:
@@ -188,7 +195,8 @@ def main() -> None:
             for system in order:
                 if system.startswith("nanoserve"):
                     result = nanoserve_rates(files[name], dtype, quantization, args.pp, args.tg, args.threads,
-                                             args.slots, system.split(":")[1], not system.endswith(":unfused"))
+                                             args.slots, system.split(":")[1], not system.endswith(":unfused"),
+                                             args.kv_cache_dtype)
                 else:
                     result = llama_rates(files[name], args.pp, args.tg, args.threads, args.slots)
                 got.setdefault((name, system), []).append(result)
