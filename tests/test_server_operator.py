@@ -140,6 +140,18 @@ def test_server_config_refuses_bad_values():
         ServerConfig(drain_timeout_s=-1)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: invalid choice: 'fp8'"),
+    (["--kv-cache-dtype", "float16", "--tensor-parallel-size", "2"], "kv_cache_dtype='float16' with tensor_parallel_size=2"),
+])
+def test_serve_refuses_a_bad_kv_cache_dtype_by_name_before_loading_anything(capsys, flags, message):
+    from nanoserve.serving.cli import serve_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        serve_main(flags)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 # ---- the real server: key, queue bound, fields, tokenize ----------------------------------------------------
 
 

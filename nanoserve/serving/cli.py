@@ -31,6 +31,9 @@ def serve_main(argv: list[str]) -> None:
     parser.add_argument("--kernels", default="auto", choices=["auto", "torch", "blockdot"],
                         help="who runs quantized linears at few rows: auto takes nanoserve's blockdot unless the "
                              "start-up probe times torch's int4 kernel 1.3x faster")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the K/V cache's dtype; auto: float16 where quantized weights on blockdot compute in "
+                             "float32 on a CPU, the model's dtype elsewhere")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
@@ -73,7 +76,8 @@ def serve_main(argv: list[str]) -> None:
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             dtype=args.dtype, quantization=None if args.quantization == "none" else args.quantization,
-            kernels=args.kernels, device=args.device, seed=args.seed, tensor_parallel_size=tensor_parallel_size,
+            kernels=args.kernels, kv_cache_dtype=args.kv_cache_dtype, device=args.device, seed=args.seed,
+            tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_timeout_s=args.tensor_parallel_timeout,
             tensor_parallel_threads=args.num_threads if tensor_parallel_size > 1 else None,
         )
