@@ -350,3 +350,28 @@ def test_no_build_falls_back_to_torch_and_an_explicit_ask_is_refused(monkeypatch
         precision.resolve("bfloat16", "int4", cpu, False, kernels="blockdot")
     figures = precision._probe("bfloat16", 4, 64, 64)
     assert figures.blockdot_ms is None and "not built (OSError: cc not found (faked))" in figures.blockdot_note
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_kv_cache_rounds_and_widens_as_torch_does_on_every_build(kernel, dtype):
+    # fused_decode.c writes K and V into a float16 cache with F16C's vcvtps2ph where the build has it,
+    # in blockdot.h's software elsewhere (the plain build): both to nearest even, bit for bit as
+    # torch's .to(). Values at every scale: float16's subnormals and their ties, 65,504 and the
+    # 65,520 that rounds to infinity, zeros, infinities and NaN.
+    _, kernel = kernel
+    kinds = {torch.float16: 2, torch.bfloat16: 1}  # fused_decode.c's KV_F16, KV_BF16
+    gen = torch.Generator().manual_seed(5)
+    scales = 2.0 ** torch.arange(-30, 20, dtype=torch.float32)
+    x = (torch.randn(50, 200, generator=gen) * scales[:, None]).flatten()
+    ties = torch.arange(0, 2048, dtype=torch.float32) * 2.0**-25  # every half-step of float16's subnormals
+    edges = torch.tensor([0.0, -0.0, 65504.0, 65519.0, 65520.0, -65520.0, 1e6, float("inf"), -float("inf"),
+                          2.0**-14, 2.0**-24, 2.0**-25, 3 * 2.0**-25, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11])
+    x = torch.cat([x, ties, -ties, edges, torch.tensor([float("nan")])])
+    cache = torch.empty(x.numel(), dtype=dtype)
+    kernel.lib.fused_kv_store(x.data_ptr(), cache.data_ptr(), x.numel(), kinds[dtype])
+    expected = x.to(dtype)
+    assert torch.equal(cache[:-1].view(torch.int16), expected[:-1].view(torch.int16))
+    assert cache[-1].isnan()
+    back = torch.empty(x.numel())
+    kernel.lib.fused_kv_widen(cache.data_ptr(), back.data_ptr(), x.numel(), kinds[dtype])
+    assert torch.equal(back[:-1], expected[:-1].float()) and back[-1].isnan()

@@ -148,15 +148,7 @@ static inline vf vzero(void) { vf r = {{0}}; return r; }
 static inline vf vset1(float a) { vf r; for (int j = 0; j < 16; j++) r.v[j] = a; return r; }
 static inline void vstore(float *p, vf x) { memcpy(p, x.v, sizeof x.v); }
 static inline vf vfma(vf x, vf y, vf z) { for (int j = 0; j < 16; j++) z.v[j] += x.v[j] * y.v[j]; return z; }
-static inline float half(uint16_t h) {  /* IEEE binary16 -> float32, exact */
-  const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
-  float f;
-  if (exp == 0) { f = (float)man / (1 << 24); return sign ? -f : f; }
-  const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
-  memcpy(&f, &bits, 4);
-  return f;
-}
-static inline vf vhalf(const uint16_t *p) { vf r; for (int j = 0; j < 16; j++) r.v[j] = half(p[j]); return r; }
+static inline vf vhalf(const uint16_t *p) { vf r; for (int j = 0; j < 16; j++) r.v[j] = f16_to_f32(p[j]); return r; }
 static inline vf vload(const float *p) { vf r; memcpy(r.v, p, sizeof r.v); return r; }
 static inline vf vbf16(const uint16_t *p) { vf r; for (int j = 0; j < 16; j++) r.v[j] = bf16_to_f32(p[j]); return r; }
 static inline float vsum(vf x) { float s = 0; for (int j = 0; j < 16; j++) s += x.v[j]; return s; }

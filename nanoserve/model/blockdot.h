@@ -46,4 +46,32 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
   if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
+/* IEEE binary16 in software, for builds without F16C (and compilers without _Float16: gcc 11 has
+   none on x86). Widening is exact; narrowing rounds to nearest even, as torch's .half() and F16C's
+   vcvtps2ph do: past 65,504 (from 65,520) to infinity, below 2^-14 to a subnormal step of 2^-24. */
+static inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+  float f;
+  if (exp == 0) { f = (float)man / (1 << 24); return sign ? -f : f; }
+  const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  memcpy(&f, &bits, 4);
+  return f;
+}
+static inline uint16_t f32_to_f16(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x > 0x7f800000u) return sign | 0x7e00u | (uint16_t)((x >> 13) & 0x3ffu);  /* NaN stays NaN, quiet */
+  if (x >= 0x477ff000u) return sign | 0x7c00u;                                    /* from 65,520: infinity */
+  if (x >= 0x38800000u) {                                                         /* from 2^-14: a normal */
+    const uint32_t r = x - 0x38000000u;                                           /* exponent bias 127 -> 15 */
+    return sign | (uint16_t)((r + 0x0fffu + ((r >> 13) & 1u)) >> 13);
+  }
+  float scaled;                       /* a subnormal (or zero): steps of 2^-24, x 2^24 exact in float */
+  memcpy(&scaled, &x, 4);
+  scaled *= 16777216.0f;
+  const uint32_t q = (uint32_t)scaled, rest = scaled - (float)q > 0.5f || (scaled - (float)q == 0.5f && (q & 1u));
+  return sign | (uint16_t)(q + rest);  /* 1024: rounds up into the smallest normal, its bits alike */
+}
 #endif

@@ -146,6 +146,11 @@ def _load(path: Path) -> Library:
     # slot_mapping, tables, nb, cos, sin, nthreads
     lib.fused_decode.argtypes = [p, p, i64, p, i64, p, p, p, i64, p, p, i32]
     lib.fused_decode.restype = i32
+    # the cache's rounding and widening (x, cache, n, kind) and (cache, out, n, kind): for the tests
+    lib.fused_kv_store.argtypes = [p, p, i64, i32]
+    lib.fused_kv_store.restype = None
+    lib.fused_kv_widen.argtypes = [p, p, i64, i32]
+    lib.fused_kv_widen.restype = None
     # ... and its pieces for steps whose matmuls torch runs: shape, layer, qkv, att, io_bf16, T, positions,
     # slot_mapping, tables, nb, cos, sin, nthreads; h, add, w, x, io_bf16, T, E, eps, nthreads; gu, out, io_bf16, T, I,
     # nthreads

@@ -71,13 +71,22 @@ static void rope(float *x, const float *cos, const float *sin, int64_t D) {
 
 #define KV_F32 0
 #define KV_BF16 1
-#define KV_F16 2 /* IEEE binary16, as C's _Float16 (gcc 12, clang 15): converted with F16C's instructions where
-                    the build has them, in software elsewhere; to nearest even both ways, as torch rounds */
+#define KV_F16 2 /* IEEE binary16 in uint16_t: converted with F16C's instructions where the build has them,
+                    in software elsewhere (blockdot.h); to nearest even, as torch rounds */
+#if defined(__F16C__) && defined(__AVX__)
+#define F16C 1
+static inline float kv_f16(uint16_t h) { return _cvtsh_ss(h); }
+static inline uint16_t kv_to_f16(float f) { return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+#else
+#define F16C 0
+static inline float kv_f16(uint16_t h) { return f16_to_f32(h); }
+static inline uint16_t kv_to_f16(float f) { return f32_to_f16(f); }
+#endif
 
 static void store_kv(void *cache, int64_t at, const float *x, int64_t D, int kind) {
   for (int64_t i = 0; i < D; i++) {
     if (kind == KV_BF16) ((uint16_t *)cache)[at + i] = f32_to_bf16(x[i]);
-    else if (kind == KV_F16) ((_Float16 *)cache)[at + i] = (_Float16)x[i];
+    else if (kind == KV_F16) ((uint16_t *)cache)[at + i] = kv_to_f16(x[i]);
     else ((float *)cache)[at + i] = x[i];
   }
 }
@@ -122,7 +131,7 @@ static void matmul(const struct xin *in, const float *x, int64_t T, int64_t K, i
    is compiled once per cache dtype */
 INLINE float kv(const void *cache, int64_t i, const int kind) {
   if (kind == KV_BF16) return bf16_to_f32(((const uint16_t *)cache)[i]);
-  if (kind == KV_F16) return (float)((const _Float16 *)cache)[i];
+  if (kind == KV_F16) return kv_f16(((const uint16_t *)cache)[i]);
   return ((const float *)cache)[i];
 }
 
@@ -187,15 +196,15 @@ INLINE void prefetch_block(const void *cache, const int64_t *table, int64_t j, i
   for (int64_t byte = 0; byte < keys * row * (kind == KV_F32 ? 4 : 2); byte += 64) __builtin_prefetch(at + byte, 0, 2);
 }
 
-/* n float16 values widened to float32: eight an instruction where the build has F16C (gcc 12 converts
-   a _Float16 loop one value at a time, which made a float16 cache's attention 1.3-1.4x slower than
-   float32's), one at a time elsewhere */
-static void widen_f16(const _Float16 *x, float *out, int64_t n) {
+/* n float16 values widened to float32: eight an instruction where the build has F16C (read in place,
+   one value at a time, a float16 cache's attention ran 1.3-1.4x slower than float32's), one at a
+   time elsewhere */
+static void widen_f16(const uint16_t *x, float *out, int64_t n) {
   int64_t i = 0;
-#if defined(__F16C__) && defined(__AVX__)
+#if F16C
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
 #endif
-  for (; i < n; i++) out[i] = (float)x[i];
+  for (; i < n; i++) out[i] = kv_f16(x[i]);
 }
 
 /* The keys of a run of one block that start at j, up to L; a float16 cache's at most RUN_F16 keys,
@@ -217,7 +226,7 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
     int64_t at = (table[j / bs] * bs + j % bs) * row;
     prefetch_block(k_cache, table, j, L, bs, row, kind);
     const void *keys = k_cache;
-    if (kind == KV_F16) widen_f16((const _Float16 *)k_cache + at, wide, run * row), keys = wide, at = 0;
+    if (kind == KV_F16) widen_f16((const uint16_t *)k_cache + at, wide, run * row), keys = wide, at = 0;
     for (int64_t h = 0; h < H; h++)
       scores_run(q + h * D, keys, at + h / group * D, row, run, D, s->scale, scores + h * n + j - first, read);
   }
@@ -242,7 +251,7 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
     int64_t at = (table[j / bs] * bs + j % bs) * row;
     prefetch_block(v_cache, table, j, L, bs, row, kind);
     const void *values = v_cache;
-    if (kind == KV_F16) widen_f16((const _Float16 *)v_cache + at, wide, run * row), values = wide, at = 0;
+    if (kind == KV_F16) widen_f16((const uint16_t *)v_cache + at, wide, run * row), values = wide, at = 0;
     for (int64_t h = 0; h < H; h++)
       values_run(out + h * D, scores + h * n + j - first, values, at + h / group * D, row, run, D, read);
   }
@@ -478,4 +487,12 @@ void fused_silu_mul(const void *gu, void *out, int io_bf16, int64_t T, int64_t I
       if (io_bf16) ((uint16_t *)out)[r * I + i] = f32_to_bf16(y);
       else ((float *)out)[r * I + i] = y;
     }
+}
+
+/* n float32 values rounded into a cache of `kind` as a decode step writes K and V, and read back as
+   its attention reads them: for the tests (every build's float16 rounding against torch's). */
+void fused_kv_store(const float *x, void *cache, int64_t n, int kind) { store_kv(cache, 0, x, n, kind); }
+void fused_kv_widen(const void *cache, float *out, int64_t n, int kind) {
+  if (kind == KV_F16) widen_f16((const uint16_t *)cache, out, n);
+  else for (int64_t i = 0; i < n; i++) out[i] = kind == KV_BF16 ? kv(cache, i, KV_BF16) : kv(cache, i, KV_F32);
 }
