@@ -215,18 +215,27 @@ INLINE int64_t run_at(int64_t j, int64_t L, int64_t bs, const int kind) {
   return kind == KV_F16 && run > RUN_F16 ? RUN_F16 : run;
 }
 
+/* The cache rows of the `run` keys from j, the blocks ahead of them prefetched: where the loops read
+   them, from cache offset *at, or, in a float16 cache, widened into `wide` (offset 0). */
+INLINE const void *run_rows(const void *cache, const int64_t *table, int64_t j, int64_t run, int64_t L, int64_t bs,
+                            int64_t row, float *wide, int64_t *at, const int kind) {
+  *at = (table[j / bs] * bs + j % bs) * row;
+  prefetch_block(cache, table, j, L, bs, row, kind);
+  if (kind != KV_F16) return cache;
+  widen_f16((const uint16_t *)cache + *at, wide, run * row);
+  *at = 0;
+  return wide;
+}
+
 INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
                       const int64_t *table, int64_t first, int64_t L, float *scores, float *out, float *part,
                       const int kind) {
   const int64_t D = s->D, bs = s->block_size, row = s->Hkv * D, n = L - first, H = s->H, group = H / s->Hkv;
   const int read = kind == KV_F16 ? KV_F32 : kind;  /* what the loops read: a float16 run as its float32 widening */
   float wide[kind == KV_F16 ? RUN_F16 * row : 1];
-  for (int64_t j = first, run; j < L; j += run) {
+  for (int64_t j = first, run, at; j < L; j += run) {
     run = run_at(j, L, bs, kind);
-    int64_t at = (table[j / bs] * bs + j % bs) * row;
-    prefetch_block(k_cache, table, j, L, bs, row, kind);
-    const void *keys = k_cache;
-    if (kind == KV_F16) widen_f16((const uint16_t *)k_cache + at, wide, run * row), keys = wide, at = 0;
+    const void *keys = run_rows(k_cache, table, j, run, L, bs, row, wide, &at, kind);
     for (int64_t h = 0; h < H; h++)
       scores_run(q + h * D, keys, at + h / group * D, row, run, D, s->scale, scores + h * n + j - first, read);
   }
@@ -246,12 +255,9 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
     for (int64_t j = 0; j < n; j++) p[j] /= total;
   }
   for (int64_t i = 0; i < H * D; i++) out[i] = 0;
-  for (int64_t j = first, run; j < L; j += run) {
+  for (int64_t j = first, run, at; j < L; j += run) {
     run = run_at(j, L, bs, kind);
-    int64_t at = (table[j / bs] * bs + j % bs) * row;
-    prefetch_block(v_cache, table, j, L, bs, row, kind);
-    const void *values = v_cache;
-    if (kind == KV_F16) widen_f16((const uint16_t *)v_cache + at, wide, run * row), values = wide, at = 0;
+    const void *values = run_rows(v_cache, table, j, run, L, bs, row, wide, &at, kind);
     for (int64_t h = 0; h < H; h++)
       values_run(out + h * D, scores + h * n + j - first, values, at + h / group * D, row, run, D, read);
   }
