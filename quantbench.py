@@ -59,8 +59,9 @@ PRECISIONS = {
     "gguf-q4_1-int16": {"blockdot_int16_rows": 1},
     "gguf-q4_1-float": {"blockdot_int16_rows": None},
     "gguf-q4_1-torch": {"kernels": "torch"},  # on torch's kernels (bf16 scales, Q8_0 as two int4 passes)
-    # the K/V cache in float16 (llama.cpp's default), beside the default and beside exact float32
-    "gguf-q4_1-kv16": {"kv_cache_dtype": "float16"},
+    # the default with its K/V cache in float32 (its own, "auto", is float16 where its blocks are on
+    # blockdot in float32), and exact float32 with a float16 cache (llama.cpp's default)
+    "gguf-q4_1-kv32": {"kv_cache_dtype": "float32"},
     "float32-kv16": {"dtype": "float32", "quantization": None, "kv_cache_dtype": "float16"},
 }
 PROMPTS = [

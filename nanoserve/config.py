@@ -38,9 +38,10 @@ class EngineConfig:
     # 32, scale and zero; the head in int8), "auto" (a checkpoint's own quantization kept where its
     # kernel outruns the dense matmul, dense otherwise).
     quantization: str | None = "auto"
-    # The K/V cache's dtype: "auto" (the model's dtype, as above), "float32", "bfloat16" or
-    # "float16" (2 bytes a value: llama.cpp's default; the same memory holds twice float32's tokens,
-    # and a long context's attention reads half the bytes). Attention computes in the model's dtype
+    # The K/V cache's dtype: "float32", "bfloat16", "float16" (2 bytes a value: llama.cpp's default;
+    # the same memory holds twice float32's tokens, and a long context's attention reads half the
+    # bytes), or "auto": float16 where quantized weights on blockdot compute in float32 on a CPU, the
+    # model's dtype elsewhere (precision.resolve). Attention computes in the model's dtype
     # (float32 in the fused decode), each value widened as it is read; quantbench reports what it
     # costs (notes/quantbench.md).
     kv_cache_dtype: str = "auto"

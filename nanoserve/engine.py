@@ -67,6 +67,7 @@ class Engine:
         if model.device.type != self.device.type:
             raise ValueError(f"the model is on {model.device}, the config asks for device={config.device!r}")
         world_size = model.group.world_size if isinstance(model, TensorParallelModel) else 1
+        fuse_decode = config.fused_decode and world_size == 1  # tensor-parallel ranks run decoder_layer
         if world_size != config.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} but the model is split over {world_size} "
                              "process(es): a tensor-parallel engine is built by Engine.from_pretrained(path, config)")
@@ -76,7 +77,7 @@ class Engine:
                                  kernels="torch" if world_size > 1 else config.kernels,
                                  max_kernel_rows=config.max_kernel_rows, dense_copies=config.dense_copies,
                                  dense_kernel="torch" if world_size > 1 or config.compile else config.dense_kernel,
-                                 kv_cache_dtype=config.kv_cache_dtype, fused_decode=config.fused_decode and world_size == 1)
+                                 kv_cache_dtype=config.kv_cache_dtype, fused_decode=fuse_decode)
         logger.info("nanoserve: computing in %s, quantization %s (%s)%s", self.precision.dtype,
                     self.precision.quantization, self.precision.reason,
                     f"; probe {self.precision.probe.describe()}" if self.precision.probe else "")
@@ -84,7 +85,7 @@ class Engine:
                                            dtype=self.precision.torch_dtype, quantization=self.precision.quantization,
                                            max_kernel_rows=self.precision.max_kernel_rows, kernels=self.precision.kernels,
                                            int16_rows=config.blockdot_int16_rows,
-                                           fuse_decode=config.fused_decode and world_size == 1,
+                                           fuse_decode=fuse_decode,
                                            bf16_one_call_rows=self.precision.bf16_one_call_rows,
                                            dense_copies=self.precision.dense_copies,
                                            dense_kernel=self.precision.dense_kernel)
