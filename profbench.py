@@ -118,7 +118,7 @@ def profile_slots(
         max_num_batched_tokens=max(2048, slots * len(prompt_ids)),  # every prompt in one step
         max_model_len=max_len,
         device=engine.config.device,
-        dtype=engine.precision.dtype,  # the model is laid out already: the same precision, nothing redone
+        dtype=engine.plan.dtype,  # the model is laid out already: the same precision, nothing redone
         quantization=engine.config.quantization,
     )
     bench = Engine(engine.model, engine.tokenizer, config)
@@ -265,8 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # per-run warm-up steps the profile drops.
     profile_slots(engine, 1, prompt_ids, args.warmup + 2, args.warmup, args.threads)
 
-    print(f"profbench: {model_name}, {args.device} {engine.precision.dtype} quantization "
-          f"{engine.precision.quantization} ({engine.precision.reason}), {torch.get_num_threads()} threads; "
+    print(f"profbench: {model_name}, {args.device} {engine.plan.dtype} quantization "
+          f"{engine.plan.quantization} ({engine.plan.reason}), {torch.get_num_threads()} threads; "
           f"B requests x {output_tokens} tokens on a {args.prompt_tokens}-token prompt, greedy, EOS ignored; "
           f"{args.warmup} warm-up steps dropped, decode steps only")
     results = []

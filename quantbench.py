@@ -82,8 +82,8 @@ def child(name: str, slots_list: list[int], steps: int) -> None:
     engine = engine_for(name, max_num_seqs=max(slots_list), max_model_len=1024)
     rates = {slots: decode_rate(engine, slots, steps) for slots in slots_list}
     print(json.dumps({"rates": rates, "rss_bytes": psutil.Process().memory_info().rss, "memory": engine.memory(),
-                      "dtype": engine.precision.dtype, "quantization": engine.precision.quantization,
-                      "reason": engine.precision.reason}))
+                      "dtype": engine.plan.dtype, "quantization": engine.plan.quantization,
+                      "reason": engine.plan.reason}))
 
 
 def run_child(name: str, slots_list: list[int], steps: int, threads: int) -> dict:
@@ -136,12 +136,12 @@ def main() -> None:
         # so is a cache in another dtype than the model's, every position reading its rounded K/V.
         engine = engine_for(name, max_model_len=8192, max_num_seqs=8)
         kv_dtype = engine.kv.k.dtype
-        chunk = 1 if engine.precision.quantization or kv_dtype != engine.model.dtype else 512
+        chunk = 1 if engine.plan.quantization or kv_dtype != engine.model.dtype else 512
         logits = teacher_forced_logits(engine.model, token_ids, chunk=chunk, kv_dtype=kv_dtype)
         report = compare(reference, logits[:-1], targets)
         del logits
         agreement = greedy_agreement(reference_runs, [o.token_ids for o in engine.generate(prompts, greedy)])
-        precision = engine.precision
+        precision = engine.plan
         del engine
         measured = run_child(name, args.slots, steps, args.threads)
         rows.append(accuracy_row(name, precision.dtype, precision.quantization, report) | {

@@ -51,7 +51,7 @@ def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
     if change in ("fused", "kv16"):
         setting = {"fused_decode": on} if change == "fused" else {"kv_cache_dtype": "float16" if on else "auto"}
         return Engine(base.model, base.tokenizer, EngineConfig(
-            dtype=base.precision.dtype, quantization=None, max_num_seqs=slots, max_model_len=2048,
+            dtype=base.plan.dtype, quantization=None, max_num_seqs=slots, max_model_len=2048,
             max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, **setting))
     if change in ("int16", "dequantize"):
         setting = {"blockdot_int16_rows": 1 if on else None} if change == "int16" else {"dense_copies": not on}

@@ -61,11 +61,11 @@ def main() -> None:
                 decode_step_times(engine, slots, 2)  # fills the cache for these shapes
                 glue.append(statistics.median(decode_step_times(engine, slots, args.steps)))
         step_ms, glue_ms = 1e3 * statistics.median(full), 1e3 * statistics.median(glue)
-        rows.append({"slots": slots, "dtype": engine.precision.dtype, "quantization": engine.precision.quantization,
+        rows.append({"slots": slots, "dtype": engine.plan.dtype, "quantization": engine.plan.quantization,
                      "step_ms": step_ms, "without_linears_ms": glue_ms, "linears_ms": step_ms - glue_ms,
                      "linears_share": (step_ms - glue_ms) / step_ms, "rounds": args.rounds, "steps": args.steps,
                      "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()})
-    print(f"gluebench: {engine.precision.dtype}, quantization {engine.precision.quantization}, "
+    print(f"gluebench: {engine.plan.dtype}, quantization {engine.plan.quantization}, "
           f"{torch.get_num_threads()} threads, medians of {args.rounds} rounds x {args.steps} decode steps")
     print(f"{'slots':>6}{'step ms':>10}{'without linears':>17}{'linears ms':>12}{'share':>8}")
     for r in rows:

@@ -45,14 +45,8 @@ import torch.nn.functional as F
 
 from nanoserve.instruments.csv_writer import write_csv
 from nanoserve.model import blockdot
-from nanoserve.model.quant import (
-    QuantLinear,
-    can_pack,
-    pack_linear_weight,
-    quant_linear,
-    quantize_int4,
-    quantize_int8,
-)
+from nanoserve.model.forms import pack
+from nanoserve.model.quant import QuantLinear, dense_weight, quant_linear, quantize_int4, quantize_int8
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [N, K]: qkv, o, gate_up, down
 HEAD_SHAPE = (49152, 576)
@@ -63,7 +57,7 @@ QUANT_LAYOUTS = ("int8", "int4", "blockdot", "blockdot-i16", "dense")  # the las
 def prepare(weights: list[torch.Tensor], layout: str, dtype: torch.dtype = torch.bfloat16,
             kernel: blockdot.Library | None = None) -> list:
     if layout == "dense":
-        return [pack_linear_weight(w.to(dtype)) if can_pack(w.to(dtype)) else w.to(dtype) for w in weights]
+        return [dense_weight(w.to(dtype), packed=True) for w in weights]
     if layout in ("blockdot", "blockdot-i16"):
         return [blockdot.pack(quantize_int4(w), kernel, int16_rows=1 if layout == "blockdot-i16" else None)
                 for w in weights]
@@ -73,22 +67,20 @@ def prepare(weights: list[torch.Tensor], layout: str, dtype: torch.dtype = torch
     if layout == "xWt":
         return [w.t().contiguous() for w in weights]
     if layout == "packed":
-        return [pack_linear_weight(w) for w in weights]
+        return [pack(w) for w in weights]
     return weights
 
 
 def apply(layout: str, x: torch.Tensor, w: torch.Tensor | QuantLinear) -> torch.Tensor:
-    if isinstance(w, QuantLinear | blockdot.Panels):
-        return w(x)
-    if layout == "dense":
-        return F.linear(x, w) if not w.is_mkldnn else torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    if layout in ("dense", "packed") or isinstance(w, QuantLinear | blockdot.Panels):
+        return w(x)  # a weight form (nanoserve.model.forms), or blockdot's panels
     if layout == "linear":
         return F.linear(x, w)
     if layout == "skinny":
         return torch.mm(w, x.t()).t().contiguous()
     if layout == "xWt":
         return x @ w
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    raise ValueError(f"layout={layout!r} is not one of {LAYOUTS + QUANT_LAYOUTS}")
 
 
 def time_pass(layout: str, weights: list[torch.Tensor], xs: dict[int, torch.Tensor]) -> float:

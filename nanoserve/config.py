@@ -14,7 +14,12 @@ _KERNELS = ("auto", "torch", "blockdot")
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs. Values discovered at run time (how many KV blocks fit) are
-    returned by the engine, never written back here."""
+    returned by the engine, never written back here.
+
+    What a user chooses: dtype, quantization, kv_cache_dtype (and the scheduling fields). The
+    fields from pack_weights to fused_decode are overrides of the execution plan's choices, for
+    experiments (benchmarks/abbench.py): "auto" leaves each to the plan (nanoserve.model.plan), which
+    Engine.plan holds and `nanoserve plan` prints."""
 
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_bytes
@@ -32,7 +37,7 @@ class EngineConfig:
     decode_group_min_rows: int | None = 8
     compile: bool = False  # torch.compile the decoder layer (warm-up: Engine.warmup() reports the cost)
     # "auto": bfloat16 where the device computes it faster than float32 (a CUDA device with bf16;
-    # on a CPU, a start-up probe of a few ms decides), float32 elsewhere. Engine.precision says why.
+    # on a CPU, a start-up probe decides), float32 elsewhere. Engine.plan says why.
     dtype: str = "auto"
     # Weight-only quantization: None (dense in dtype), "int8" (per output channel), "int4" (groups of
     # 32, scale and zero; the head in int8), "auto" (a checkpoint's own quantization kept where its
@@ -76,12 +81,12 @@ class EngineConfig:
     # float32). None: float32 at every row count.
     blockdot_int16_rows: int | None = 1
     # Decode-only steps run their glue in C (nanoserve/model/fused_decode.c) for Llama, Mistral and
-    # Qwen2/3 layers: every layer in one call up to max_kernel_rows rows where the quantized linears
-    # are on blockdot (a dense model's too: on blockdot's dense panels at every width, or, where torch
-    # runs its matrices, float32 at every width and bf16 up to 2 rows, from copies in dense panels),
-    # three calls a layer between torch's linears otherwise. False keeps them on llama.py's
-    # decoder_layer (to compare, or to profile per operation). Tensor-parallel ranks keep it.
-    fused_decode: bool = True
+    # Qwen2/3 layers: every layer in one call up to the plan's one-call width where every matmul has a
+    # C form (blockdot's panels, or dense panels), three calls a layer between the weights' own linears
+    # otherwise. "auto": on, except on the exact path (dtype="float32", quantization=None), which runs
+    # torch's ops only; True asks for it there too; False keeps decoder_layer (to compare, or to profile
+    # per operation). Tensor-parallel ranks and compile keep decoder_layer.
+    fused_decode: bool | str = "auto"
     device: str = "cpu"
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
     # Every layer split across this many processes (nanoserve.parallel): rank 0 is this one and
@@ -141,8 +146,8 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.kernels == "blockdot":
             raise ValueError(f"kernels='blockdot' with tensor_parallel_size={self.tensor_parallel_size}: each rank lays "
                              "its shard out on torch's kernels; use kernels='auto' or 'torch'")
-        if not isinstance(self.fused_decode, bool):
-            raise ValueError(f"fused_decode={self.fused_decode!r} must be True or False")
+        if not (isinstance(self.fused_decode, bool) or self.fused_decode == "auto"):
+            raise ValueError(f"fused_decode={self.fused_decode!r} must be True, False or 'auto'")
         if self.tensor_parallel_size > 1 and self.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} with tensor_parallel_size="
                              f"{self.tensor_parallel_size}: each rank's cache is in its model's dtype; use 'auto'")

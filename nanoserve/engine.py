@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,13 +14,15 @@ import torch
 from tqdm import tqdm
 
 from nanoserve.blocks import BlockAllocator
+from nanoserve.chat import as_conversations, encode_chat, render_chat
 from nanoserve.config import EngineConfig
 from nanoserve.detokenize import IncrementalDetokenizer
 from nanoserve.inputs import build_inputs
 from nanoserve.model.kv_cache import KVCache, bytes_per_block
 from nanoserve.model.llama import LlamaModel
-from nanoserve.model.precision import DTYPES, resolve
-from nanoserve.model.prepare import is_quantized, prepare_model, weight_bytes
+from nanoserve.model.plan import check_laid_out, resolve_plan
+from nanoserve.model.precision import DTYPES
+from nanoserve.model.prepare import prepare_model, weight_bytes
 from nanoserve.output_processor import OutputProcessor, make_output
 from nanoserve.parallel import TensorParallelModel, WorkerFailure, load_tensor_parallel, start
 from nanoserve.params import SamplingParams
@@ -48,7 +50,7 @@ class Engine:
 
     Args:
         model: a LlamaModel on config.device, as loaded: the engine runs a copy laid out in the
-            precision `config` resolves to (Engine.precision), packed or compiled as it asks. With
+            execution plan `config` resolves to (Engine.plan). With
             config.tensor_parallel_size > 1, rank 0's TensorParallelModel, as Engine.from_pretrained
             loads it: the engine then starts the workers' step loops, and close() ends them.
         tokenizer: a Hugging Face tokenizer, or None (then prompts must be token ids and text is "").
@@ -67,28 +69,17 @@ class Engine:
         if model.device.type != self.device.type:
             raise ValueError(f"the model is on {model.device}, the config asks for device={config.device!r}")
         world_size = model.group.world_size if isinstance(model, TensorParallelModel) else 1
-        fuse_decode = config.fused_decode and world_size == 1  # tensor-parallel ranks run decoder_layer
         if world_size != config.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} but the model is split over {world_size} "
                              "process(es): a tensor-parallel engine is built by Engine.from_pretrained(path, config)")
-        # The precision is chosen once (dtype and quantization "auto" by a probe) and the model laid
-        # out for it: a new model, the one given is left as it was.
-        self.precision = resolve(config.dtype, config.quantization, self.device, is_quantized(model),
-                                 kernels="torch" if world_size > 1 else config.kernels,
-                                 max_kernel_rows=config.max_kernel_rows, dense_copies=config.dense_copies,
-                                 dense_kernel="torch" if world_size > 1 or config.compile else config.dense_kernel,
-                                 kv_cache_dtype=config.kv_cache_dtype, fused_decode=fuse_decode)
-        logger.info("nanoserve: computing in %s, quantization %s (%s)%s", self.precision.dtype,
-                    self.precision.quantization, self.precision.reason,
-                    f"; probe {self.precision.probe.describe()}" if self.precision.probe else "")
-        model = self.model = prepare_model(model, pack_weights=config.pack_weights, compile=config.compile,
-                                           dtype=self.precision.torch_dtype, quantization=self.precision.quantization,
-                                           max_kernel_rows=self.precision.max_kernel_rows, kernels=self.precision.kernels,
-                                           int16_rows=config.blockdot_int16_rows,
-                                           fuse_decode=fuse_decode,
-                                           bf16_one_call_rows=self.precision.bf16_one_call_rows,
-                                           dense_copies=self.precision.dense_copies,
-                                           dense_kernel=self.precision.dense_kernel)
+        # How every step runs is decided once (dtype and quantization "auto" by a probe), the model
+        # laid out as the plan says (a new model: the one given is left as it was) and held to it.
+        self.plan = resolve_plan(config, model, world_size)
+        logger.info("nanoserve: execution plan\n%s", self.plan.render())
+        model = self.model = prepare_model(model, self.plan)
+        mismatches = check_laid_out(model, self.plan)
+        if mismatches:
+            raise RuntimeError(f"the laid-out model differs from its execution plan: {mismatches[:4]}")
         num_positions = model.cos.shape[0]
         self.max_model_len = config.max_model_len or num_positions
         if self.max_model_len > num_positions:
@@ -100,14 +91,13 @@ class Engine:
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        kv_dtype = DTYPES[self.precision.kv_cache_dtype]
+        kv_dtype = DTYPES[self.plan.kv_cache_dtype]
         num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_memory_bytes // bytes_per_block(model.config, config.block_size, kv_dtype)
         )
         self.kv = KVCache(model.config, num_blocks, config.block_size, kv_dtype, self.device)
         if isinstance(model, TensorParallelModel):  # each worker lays its shard out alike, with as many blocks
-            start(model, self.precision.dtype, self.precision.quantization, self.precision.max_kernel_rows,
-                  config.pack_weights, num_blocks, config.block_size)
+            start(model, self.plan, num_blocks, config.block_size)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
@@ -384,7 +374,14 @@ class Engine:
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Runs every prompt to completion; returns the final outputs in input order (a prompt with
-        n > 1 contributes its n completions, in index order)."""
+        n > 1 contributes its n completions, in index order). A single str is one prompt.
+
+        Raises:
+            ValueError: as many SamplingParams as prompts were not given, or whatever add_request
+                refuses for any prompt (then none of them is left queued).
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]  # not one prompt per character
         params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
@@ -411,3 +408,27 @@ class Engine:
                     bar.update(1)
         bar.close()
         return [final[i] for i in ids]
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Runs one conversation, or a list of them, to completion (vLLM's `LLM.chat`): each is
+        written out by the tokenizer's chat template with the assistant's turn opened, encoded with
+        no special tokens added (the template wrote them), and run by generate.
+
+        Args:
+            messages: a conversation ({"role", "content"} dicts, oldest first) or a list of them.
+            params: as for generate: one SamplingParams for every conversation, or one each.
+            use_tqdm: a progress bar over the completions.
+            chat_template_kwargs: arguments to the template (`add_generation_prompt`, `tools`,
+                `continue_final_message`, a model's own switches).
+        Returns:
+            generate's outputs, in conversation order.
+        Raises:
+            ValueError: no tokenizer or no chat template, messages that are not conversations, a
+                conversation the template rejected, or whatever generate refuses.
+        """
+        kwargs = chat_template_kwargs or {}
+        prompts = [encode_chat(self.tokenizer, render_chat(self.tokenizer, conversation, **kwargs))
+                   for conversation in as_conversations(messages)]
+        return self.generate(prompts, params, use_tqdm)

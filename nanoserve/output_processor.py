@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nanoserve.readback import Readback, TokenBatch, check_in_row_order
-from nanoserve.request import FinishReason, Request, RequestOutput
+from nanoserve.request import FinishReason, ListView, Request, RequestOutput
 
 
 @dataclass
@@ -128,7 +128,12 @@ def check_stop_strings(request: Request, now: float) -> bool:
 
 
 def make_output(request: Request) -> RequestOutput:
-    """The caller's view of a request now: its tokens, text, stamps and logprobs so far."""
+    """The caller's view of a request now: its tokens, text, stamps and logprobs so far.
+
+    The token ids, stamps and logprobs are views of the request's own lists fixed at their
+    present length (ListView), not copies: one output costs O(1) in the request's length, and a
+    step O(rows) however long its requests have run.
+    """
     detokenizer = request.detokenizer
     if request.stop_text is not None:
         text = request.stop_text
@@ -141,7 +146,7 @@ def make_output(request: Request) -> RequestOutput:
     return RequestOutput(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
-        token_ids=request.output_token_ids,
+        token_ids=ListView(request.token_ids, request.num_prompt_tokens),
         text=text,
         finished=request.is_finished,
         finish_reason=request.finish_reason.value if request.finish_reason else None,
@@ -149,12 +154,12 @@ def make_output(request: Request) -> RequestOutput:
         first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,
         finished_time=request.finished_time,
-        token_times=list(request.token_times),
+        token_times=ListView(request.token_times),
         running_s=request.running_s,
         num_preemptions=request.num_preemptions,
         num_cached_tokens=request.num_cached_tokens,
         stop_reason=request.stop_reason,
-        logprobs=list(request.logprobs) if request.logprobs is not None else None,
+        logprobs=ListView(request.logprobs) if request.logprobs is not None else None,
         parent_id=request.parent_id,
         index=request.index,
     )

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import enum
+import itertools
+import operator
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from nanoserve.params import SamplingParams
@@ -30,6 +32,9 @@ class Request:
     output so far) and the KV cache holds the first `num_computed_tokens` of them. Prefill,
     a prefill chunk, a decode and a recompute after preemption are all "forward the tokens
     from num_computed_tokens up to num_tokens".
+
+    `token_ids`, `token_times` and `logprobs` only ever grow by appending: each step's
+    RequestOutput holds views of them (ListView) rather than copies.
     """
 
     def __init__(
@@ -93,11 +98,6 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def max_num_tokens(self) -> int:
-        """The most tokens this request can ever hold: what admission must be able to fit."""
-        return self.num_prompt_tokens + self.params.max_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
@@ -135,13 +135,68 @@ class Request:
         self.finished_time = now
 
 
+class ListView(Sequence):
+    """A read-only view of `items[start:stop]`, its bounds fixed when it is made.
+
+    Made in O(1) over a list that only grows by appending, it shows the same elements however the
+    list grows afterwards: a RequestOutput holds views of its request's lists, so building one
+    costs the same at the thousandth token as at the first, and an output kept from an earlier
+    step still reads as it did then. It compares equal to a list, tuple or view of the same
+    elements, concatenates with them into a list, and a slice of it is a list.
+    """
+
+    __slots__ = ("_items", "_start", "_stop")
+
+    def __init__(self, items: list, start: int = 0, stop: int | None = None) -> None:
+        self._items = items
+        self._start = start
+        self._stop = len(items) if stop is None else stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, index):
+        where = range(self._start, self._stop)[index]  # bounds and negative indices, as a list has them
+        if isinstance(where, int):
+            return self._items[where]
+        if where.step == 1:
+            return self._items[where.start : where.stop]
+        return [self._items[i] for i in where]
+
+    def __iter__(self) -> Iterator:
+        return itertools.islice(self._items, self._start, self._stop)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, (ListView, list, tuple)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # like a list's: equal to lists, so it cannot hash as they do not
+
+    def __add__(self, other: object) -> list:
+        return [*self, *other] if isinstance(other, (ListView, list, tuple)) else NotImplemented
+
+    def __radd__(self, other: object) -> list:
+        return [*other, *self] if isinstance(other, (ListView, list, tuple)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def __reduce__(self):
+        return ListView, (list(self),)  # only the viewed elements travel
+
+
 @dataclass
 class RequestOutput:
-    """What the caller sees of a request after a step (or at the end of generate)."""
+    """What the caller sees of a request after a step (or at the end of generate).
+
+    The engine fills `token_ids`, `token_times` and `logprobs` with ListViews of the request's own
+    lists (read-only, fixed at this step's length; `list(...)` makes a list of one).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]  # output tokens so far
+    token_ids: Sequence[int]  # output tokens so far
     text: str  # output text so far, special tokens skipped
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
@@ -149,33 +204,78 @@ class RequestOutput:
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float | None
-    token_times: list[float] = field(default_factory=list)  # one perf_counter stamp per output token
+    token_times: Sequence[float] = ()  # one perf_counter stamp per output token
     running_s: float = 0.0  # seconds holding a running slot
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
-    logprobs: list[dict[int, float]] | None = None  # per output token: sampled and top-k token -> logprob
+    logprobs: Sequence[dict[int, float]] | None = None  # per output token: sampled and top-k token -> logprob
     parent_id: str | None = None  # n > 1: the id add_request returned; request_id is f"{parent_id}.{index}"
     index: int = 0  # n > 1: which completion of the prompt
+
+
+PROMPT_TYPES = "prompt must be a str or a list of token ids (int)"
 
 
 def prompt_token_ids(prompt: str | Sequence[int], tokenizer: Any) -> list[int]:
     """The prompt as token ids: a string is encoded by the tokenizer, ids are taken as given.
 
+    Token ids come as a sequence (a list, a tuple, an output's token_ids) of ints, numpy and
+    torch integer scalars included, or as a 1-D integer array or tensor. A bool is not a token id.
+
     Raises:
-        ValueError: an empty prompt, or text with no tokenizer to encode it.
+        ValueError: a prompt of any other type (naming it, or the first element that is not a
+            token id), an empty prompt, or text with no tokenizer to encode it.
     """
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is empty: it needs at least 1 token")
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer; this engine has none, pass token ids")
-        token_ids = tokenizer.encode(prompt)
+        token_ids = list(tokenizer.encode(prompt))
     else:
-        token_ids = [int(t) for t in prompt]
+        token_ids = _token_ids(prompt)
     if not token_ids:
         raise ValueError("prompt is empty: it needs at least 1 token")
     return token_ids
+
+
+def _token_ids(prompt: Any) -> list[int]:
+    """Checks ids handed in as a prompt; see prompt_token_ids."""
+    container = _type_name(prompt)
+    if type(prompt) is list and all(type(t) is int for t in prompt):
+        return list(prompt)  # the common case: nothing to convert
+    if hasattr(prompt, "tolist") and hasattr(prompt, "ndim"):  # a numpy array or a torch tensor
+        if prompt.ndim != 1:
+            raise ValueError(f"{PROMPT_TYPES}; got a {prompt.ndim}-D {container}")
+        prompt = prompt.tolist()  # Python ints, or floats or bools that the loop below names
+    elif not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
+        hint = " (a mapping: pass its ['input_ids'])" if hasattr(prompt, "keys") and "input_ids" in prompt else ""
+        raise ValueError(f"{PROMPT_TYPES}; got {container}{hint}")
+    token_ids = []
+    for i, t in enumerate(prompt):
+        token_id = _as_token_id(t)
+        if token_id is None:
+            raise ValueError(f"{PROMPT_TYPES}; got a {container} holding {_type_name(t)} at index {i}")
+        token_ids.append(token_id)
+    return token_ids
+
+
+def _as_token_id(value: Any) -> int | None:
+    """`value` as an int if it is one (an int, a numpy or torch integer scalar), else None."""
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")) or getattr(value, "ndim", 0):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "None"
+    name, dtype = type(value).__name__, getattr(value, "dtype", None)
+    return name if dtype is None or str(dtype) == name else f"{name} of {dtype}"  # "Tensor of torch.float32", "int64"
 
 
 def check_request(token_ids: list[int], params: SamplingParams, *, has_tokenizer: bool, vocab_size: int,

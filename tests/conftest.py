@@ -24,6 +24,8 @@ from nanoserve.instruments.readback_guard import READBACK_ROUTES, ReadbackHappen
 from nanoserve.model import default
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.llama import LlamaModel
+from nanoserve.model.plan import check_laid_out, resolve_plan
+from nanoserve.model.prepare import prepare_model
 
 TINY = dict(
     vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -71,6 +73,20 @@ def nanoserve_model_from_hf(hf, max_positions: int | None = None, dtype: torch.d
     config = LlamaConfig.from_hf_dict(hf.config.to_dict())
     tensors = dict(hf.state_dict())
     return LlamaModel.from_state_dict(config, tensors, dtype, "cpu", max_positions)
+
+
+def prepared(model: LlamaModel, probe=None, **config) -> LlamaModel:
+    """`model` laid out by the execution plan EngineConfig(**config) resolves for it (probe: in place
+    of the start-up probe), as an Engine lays it out, and held to that plan."""
+    plan = resolve_plan(EngineConfig(**config), model, probe=probe)
+    laid = prepare_model(model, plan)
+    assert check_laid_out(laid, plan) == []
+    return laid
+
+
+def forms(model: LlamaModel) -> set[str]:
+    """The names of the forms a model's matmul weights are in."""
+    return {w.form.name for _, _, w in model.matrices()}
 
 
 class CharTokenizer:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_engine
+from conftest import forms, make_tiny_engine
 
 import nanoserve.inputs
 from benchmarks.abbench import CHANGES, make_engine, step_times
-from nanoserve.model import blockdot
+from nanoserve.model.forms import can_pack
 
 
 @pytest.fixture(scope="module")
@@ -20,15 +20,15 @@ def base():
 # (pack_weights, compile, deferred_output, decode_group_min_rows, fused_decode, blockdot_int16_rows,
 # dense_copies, dense_kernel, kv_cache_dtype) of A (off) and B (on), from abbench's usage
 PAIRS = {
-    "groups": ((True, False, False, None, True, 1, "auto", "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto", "auto")),
-    "deferred": ((True, False, False, 8, True, 1, "auto", "auto", "auto"), (True, False, True, 8, True, 1, "auto", "auto", "auto")),
-    "compile": ((True, False, False, 8, True, 1, "auto", "torch", "auto"), (False, True, False, 8, True, 1, "auto", "torch", "auto")),
-    "packed": ((False, False, False, 8, True, 1, "auto", "torch", "auto"), (True, False, False, 8, True, 1, "auto", "torch", "auto")),
+    "groups": ((True, False, False, None, "auto", 1, "auto", "auto", "auto"), (True, False, False, 8, "auto", 1, "auto", "auto", "auto")),
+    "deferred": ((True, False, False, 8, "auto", 1, "auto", "auto", "auto"), (True, False, True, 8, "auto", 1, "auto", "auto", "auto")),
+    "compile": ((True, False, False, 8, "auto", 1, "auto", "torch", "auto"), (False, True, False, 8, "auto", 1, "auto", "torch", "auto")),
+    "packed": ((False, False, False, 8, "auto", 1, "auto", "torch", "auto"), (True, False, False, 8, "auto", 1, "auto", "torch", "auto")),
     "fused": ((True, False, False, 8, False, 1, "auto", "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto", "auto")),
-    "int16": ((True, False, False, 8, True, None, "auto", "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto", "auto")),
-    "dequantize": ((True, False, False, 8, True, 1, True, "auto", "auto"), (True, False, False, 8, True, 1, False, "auto", "auto")),
-    "dense": ((True, False, False, 8, True, 1, "auto", "torch", "auto"), (True, False, False, 8, True, 1, "auto", "blockdot", "auto")),
-    "kv16": ((True, False, False, 8, True, 1, "auto", "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto", "float16")),
+    "int16": ((True, False, False, 8, "auto", None, "auto", "auto", "auto"), (True, False, False, 8, "auto", 1, "auto", "auto", "auto")),
+    "dequantize": ((True, False, False, 8, "auto", 1, True, "auto", "auto"), (True, False, False, 8, "auto", 1, False, "auto", "auto")),
+    "dense": ((True, False, False, 8, "auto", 1, "auto", "torch", "auto"), (True, False, False, 8, "auto", 1, "auto", "blockdot", "auto")),
+    "kv16": ((True, False, False, 8, "auto", 1, "auto", "auto", "auto"), (True, False, False, 8, "auto", 1, "auto", "auto", "float16")),
 }
 
 
@@ -50,16 +50,15 @@ def test_preparing_either_side_leaves_the_loaded_model_as_it_was(base):
     qkv, lm_head, fused = layer.qkv, base.model.lm_head_weight, base.model.fused_layers
     packed = make_engine(base, "packed", True, slots=2)
     plain = make_engine(base, "packed", False, slots=2)
-    # Nothing to lay out: the given model's own weights, in a shallow copy that carries the fused decode.
+    # Nothing to lay out: the given model's own weights.
     assert plain.model.layers is base.model.layers and plain.model.lm_head_weight is lm_head
-    assert base.model.packed is False and base.model.fused_layers is fused
+    assert forms(base.model) == {"torch"} and base.model.fused_layers is fused
     assert base.model.layers[0] is layer and layer.qkv is qkv and base.model.lm_head_weight is lm_head
-    if packed.model.packed:  # oneDNN present: B runs its own packed copy
-        assert packed.model is not base.model and packed.model.layers[0].qkv is not qkv
+    if can_pack(torch.float32):  # oneDNN present: B runs its own packed copy
+        assert forms(packed.model) == {"onednn"} and packed.model.layers[0].qkv is not qkv
     # dense: B regroups its own copy into dense panels, A runs torch's (packed as "packed" B is)
     on_panels, on_torch = (make_engine(base, "dense", on, slots=2) for on in (True, False))
-    assert isinstance(on_panels.model.layers[0].qkv, blockdot.DensePanels)
-    assert isinstance(on_torch.model.layers[0].qkv, torch.Tensor) and on_torch.model.packed == packed.model.packed
+    assert forms(on_panels.model) == {"dense-panels"} and forms(on_torch.model) == forms(packed.model)
     assert base.model.layers[0].qkv is qkv
 
 

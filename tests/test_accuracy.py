@@ -13,6 +13,7 @@ from conftest import (
     make_hf_llama,
     make_hf_model,
     nanoserve_model_from_hf,
+    prepared,
     requires_default_model,
 )
 
@@ -25,7 +26,6 @@ from nanoserve.instruments.accuracy import (
     worse_than,
 )
 from nanoserve.model import blockdot
-from nanoserve.model.prepare import prepare_model
 
 QUANTBENCH = Path(__file__).resolve().parents[1] / "data" / "quantbench.txt"
 
@@ -54,7 +54,7 @@ def test_teacher_forced_decode_steps_run_the_models_fused_decode():
     ids = random_ids(37)
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]  # [T, V]
-    model = prepare_model(nanoserve_model_from_hf(hf), pack_weights=False, compile=False, fuse_decode=True)
+    model = prepared(nanoserve_model_from_hf(hf), dtype="float32", quantization=None, pack_weights=False, fused_decode=True)
     fused, calls = model.fused_layers, []
     model.fused_layers = lambda h, inputs, kv: calls.append(h.shape[0]) or fused(h, inputs, kv)
     torch.testing.assert_close(teacher_forced_logits(model, ids, chunk=1), expected, atol=1e-4, rtol=1e-4)

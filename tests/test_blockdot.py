@@ -25,7 +25,6 @@ from test_quant import random_stored
 
 from nanoserve.model import blockdot, precision
 from nanoserve.model.gguf import BlockQuantized
-from nanoserve.model.prepare import Layout, laid_out
 from nanoserve.model.quant import QuantLinear, quant_linear, quantize_int4
 
 # Tests of this machine's own build; without a C compiler torch's kernels serve and they have nothing to run.
@@ -209,11 +208,11 @@ def test_dense_panels_against_float64(dtype, rows):
 
 @needs_build
 def test_dense_panels_from_a_onednn_packed_matrix():
-    from nanoserve.model.quant import can_pack, pack_linear_weight
+    from nanoserve.model.forms import can_pack, pack
     w = torch.randn(40, 64)
-    if not can_pack(w):
+    if not can_pack(w.dtype):
         pytest.skip("no oneDNN here")
-    assert torch.equal(blockdot.pack_dense(pack_linear_weight(w)).dense(), w)
+    assert torch.equal(blockdot.pack_dense(pack(w).weight).dense(), w)
 
 
 @needs_build
@@ -280,7 +279,7 @@ def test_quant_linear_takes_blockdot_when_asked_and_keeps_the_dense_copy_above()
     stored = random_stored("Q8_0", 32, 64)
     stored.scales = stored.scales.half().float()
     linear = quant_linear(stored, torch.bfloat16, 8, pack=False, kernels="blockdot")
-    assert [type(p) for p in linear.passes] == [blockdot.Panels] and linear.kernel_bytes == 2 * 2 * (64 + 512)
+    assert [type(p) for p in linear.passes] == [blockdot.Panels] and linear.nbytes_by_kind()["quantized"] == 2 * 2 * (64 + 512)
     torch_linear = quant_linear(stored, torch.bfloat16, 8, pack=False, kernels="torch")
     assert len(torch_linear.passes) == 2  # torch's: Q8_0 as two int4 passes
     x = torch.randn(4, 64).bfloat16()
@@ -314,8 +313,8 @@ def test_without_a_dense_copy_wide_rows_multiply_by_the_panels_dequantized(dtype
     stored.scales, stored.mins = stored.scales.half().float(), stored.mins.half().float()
     linear = quant_linear(stored, dtype, 4, pack=False, kernels="blockdot", int16_rows=1, dense_copy=False)
     copied = quant_linear(stored, dtype, 4, pack=False, kernels="blockdot", int16_rows=1)
-    assert linear.dense is None and linear.dense_bytes == 0 and linear.dequantizes
-    assert copied.dense_bytes == 40 * 64 * dtype.itemsize and not copied.dequantizes
+    assert linear.dense is None and linear.nbytes_by_kind()["dense_copies"] == 0 and linear.dequantizes
+    assert copied.nbytes_by_kind()["dense_copies"] == 40 * 64 * dtype.itemsize and not copied.dequantizes
     for rows in (5, 64):  # past max_kernel_rows: the same matmul as the dense copy's, exactly
         x = torch.randn(rows, 64).to(dtype)
         assert torch.equal(linear(x), torch.nn.functional.linear(x, stored.dequantize().to(dtype)))
@@ -325,18 +324,20 @@ def test_without_a_dense_copy_wide_rows_multiply_by_the_panels_dequantized(dtype
     # torch's kernels have no dequantizing of their own: they keep the copy whatever is asked
     assert quant_linear(stored, dtype, 4, pack=False, kernels="torch", dense_copy=False).dense is not None
     with pytest.raises(ValueError, match="needs a dense copy unless it runs on blockdot's panels alone"):
-        QuantLinear(copied.passes * 2, None, 4, (40, 64))
+        QuantLinear(copied.passes * 2, None, 4, (40, 64), dtype)
 
 
 @needs_build
 def test_a_model_laid_out_on_blockdot_gives_the_torch_kernels_logits():
-    from conftest import make_hf_llama, nanoserve_model_from_hf
+    from conftest import make_hf_llama, nanoserve_model_from_hf, prepared
     from test_quant import _logits
 
     model = nanoserve_model_from_hf(make_hf_llama(seed=3))
     tokens = [5, 17, 3, 60, 2]
-    ours = laid_out(model, Layout(torch.float32, "int4", max_kernel_rows=8, pack_weights=False, kernels="blockdot"))
-    theirs = laid_out(model, Layout(torch.float32, "int4", max_kernel_rows=8, pack_weights=False))
+    settings = dict(dtype="float32", quantization="int4", max_kernel_rows=8, pack_weights=False, fused_decode=False,
+                    blockdot_int16_rows=None, dense_copies=True)
+    ours = prepared(model, kernels="blockdot", **settings)
+    theirs = prepared(model, kernels="torch", **settings)
     assert any(isinstance(p, blockdot.Panels) for p in ours.layers[0].qkv.passes)
     # float32 activations: torch's int4 kernel is exact too, so the two agree to float32's rounding
     torch.testing.assert_close(_logits(ours, tokens), _logits(theirs, tokens), atol=1e-4, rtol=1e-4)

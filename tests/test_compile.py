@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_hf_llama, make_tiny_engine, nanoserve_model_from_hf
+from conftest import forms, make_hf_llama, make_tiny_engine, nanoserve_model_from_hf
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.model import blockdot
 from nanoserve.model.llama import decoder_layer
+from nanoserve.model.forms import can_pack
 
 pytestmark = pytest.mark.slow
 
@@ -26,17 +27,18 @@ def test_compiled_layer_gives_the_eager_tokens_for_prefill_chunks_and_decodes():
 
 def test_a_packed_model_refuses_compile_by_name():
     engine = make_tiny_engine(dense_kernel="torch")  # pack_weights defaults on: the engine's model holds oneDNN tensors
-    assert engine.model.packed
-    with pytest.raises(ValueError, match="packed.*pack_weights=False"):
+    assert forms(engine.model) == {"onednn" if can_pack(torch.float32) else "torch"}
+    with pytest.raises(ValueError, match="torch.compile traces torch's own forms.*onednn"):
         Engine(engine.model, None, EngineConfig(dtype="float32", quantization=None, compile=True, num_kv_blocks=8))
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids  # still serves
     if blockdot.library() is not None:  # and a model whose matrices are in blockdot's dense panels
         panels = make_tiny_engine(dense_kernel="blockdot")
-        with pytest.raises(ValueError, match="dense panels.*dense_kernel='torch'"):
+        with pytest.raises(ValueError, match="torch.compile traces torch's own forms.*dense-panels"):
             Engine(panels.model, None, EngineConfig(dtype="float32", quantization=None, compile=True, num_kv_blocks=8))
-    # a compiled engine's precision says torch runs its dense matmuls, as it does
+    # a compiled engine's plan says torch runs its dense matmuls and the compiled layer every step, as they do
     compiled = make_tiny_engine(compile=True)
-    assert compiled.precision.dense_kernel == "torch" and compiled.model.layer_fn is not decoder_layer
+    assert compiled.plan.decode == compiled.plan.mixed == "torch-compiled" and compiled.model.layer_fn is not decoder_layer
+    assert forms(compiled.model) == {"torch"} and compiled.model.fused_layers is None
 
 
 def test_two_engines_from_one_loaded_model_do_not_share_a_preparation():
@@ -47,8 +49,8 @@ def test_two_engines_from_one_loaded_model_do_not_share_a_preparation():
     compiled = Engine(model, None, EngineConfig(dtype="float32", quantization=None, compile=True, num_kv_blocks=8, block_size=4))
     packed = Engine(model, None, EngineConfig(dtype="float32", quantization=None, num_kv_blocks=8, block_size=4,
                                               dense_kernel="torch"))
-    # nothing to lay out: the loaded model's own weights, in a shallow copy that carries the fused decode
+    # nothing to lay out on the exact path: the loaded model itself, its own weights
     assert plain.model.layers is model.layers and model.fused_layers is None
-    assert model.layer_fn is decoder_layer and not model.packed
-    assert compiled.model.layer_fn is not decoder_layer and not compiled.model.packed
-    assert packed.model.packed == torch.backends.mkldnn.is_available() and packed.model.layer_fn is decoder_layer
+    assert model.layer_fn is decoder_layer and forms(model) == {"torch"}
+    assert compiled.model.layer_fn is not decoder_layer and forms(compiled.model) == {"torch"}
+    assert forms(packed.model) == {"onednn" if can_pack(torch.float32) else "torch"} and packed.model.layer_fn is decoder_layer

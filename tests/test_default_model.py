@@ -81,6 +81,6 @@ def test_the_gguf_served_as_stored_in_float32_equals_transformers_generate(refer
     the tokenizer built from the GGUF's metadata encodes the prompts as transformers' does."""
     engine = Engine.from_pretrained(None, EngineConfig(dtype="float32", quantization=None, max_num_seqs=8,
                                                        max_model_len=512))
-    assert (engine.precision.dtype, engine.precision.quantization) == ("float32", None)
+    assert (engine.plan.dtype, engine.plan.quantization) == ("float32", None)
     outputs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     assert [(out.prompt_token_ids, out.token_ids) for out in outputs] == reference

@@ -30,9 +30,9 @@ def test_the_default_precision_agrees_with_float32():
     token_ids = reference.tokenizer.encode(TEXT.read_text())[:512]
     report = compare(teacher_forced_logits(reference.model, token_ids)[:-1],
                      teacher_forced_logits(default.model, token_ids)[:-1], torch.tensor(token_ids[1:]))
-    assert report.top1_agreement >= 0.95, (default.precision, report)
-    assert abs(report.perplexity_change) <= 0.02, (default.precision, report)
+    assert report.top1_agreement >= 0.95, (default.plan, report)
+    assert abs(report.perplexity_change) <= 0.02, (default.plan, report)
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     agreement = greedy_agreement([o.token_ids for o in reference.generate(PROMPTS, greedy)],
                                  [o.token_ids for o in default.generate(PROMPTS, greedy)])
-    assert agreement["mean_common_prefix"] >= 16, (default.precision, agreement)
+    assert agreement["mean_common_prefix"] >= 16, (default.plan, agreement)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CharTokenizer, greedy, make_tiny_engine
+from test_request import BAD_PROMPTS, EXPECTED
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 
@@ -57,6 +58,10 @@ BAD_INPUTS = {
     "abort unknown": (lambda e: e.abort("nope"), "request_id 'nope' is not an unfinished request"),
     "duplicate id": (lambda e: e.add_request([5, 6], GREEDY8, request_id="live"), "request_id 'live' is already in use"),
 }
+# Prompts of a type that is neither text nor token ids (tests/test_request.py has the whole catalogue).
+WRONG_TYPES = ["dict", "BatchEncoding", "floats", "nested lists", "None", "bytes", "a bool"]
+BAD_INPUTS |= {f"prompt: {name}": (lambda e, prompt=BAD_PROMPTS[name][0]: e.add_request(prompt, GREEDY8),
+                                   EXPECTED + BAD_PROMPTS[name][1]) for name in WRONG_TYPES}
 
 
 @pytest.mark.parametrize("name", sorted(BAD_INPUTS))
@@ -109,6 +114,20 @@ def test_a_generate_call_refused_for_bad_input_leaves_nothing_behind():
         engine.generate([PROMPT, []], GREEDY8)
     assert not engine.has_unfinished()
     assert engine.stats().num_waiting == 0
+
+
+@pytest.mark.parametrize("name", WRONG_TYPES)
+def test_generate_refuses_a_prompt_of_another_type_and_leaves_nothing_behind(name):
+    prompt, names = BAD_PROMPTS[name]
+    engine = make_tiny_engine()
+    with pytest.raises(ValueError, match=EXPECTED + names):
+        engine.generate([PROMPT, prompt], GREEDY8)
+    assert not engine.has_unfinished() and engine.stats().num_waiting == 0
+
+
+def test_generate_takes_a_single_str_as_one_prompt():
+    outs = make_tiny_engine().generate("hello", greedy(3))
+    assert len(outs) == 1 and outs[0].prompt_token_ids == [3 + ord(c) % 94 for c in "hello"]
 
 
 # ---- finish reasons ----------------------------------------------------------------------------
@@ -261,6 +280,21 @@ def test_timestamps_are_ordered():
     assert outs[2].first_scheduled_time >= outs[1].finished_time  # it got the slot the second freed
 
 
+def test_an_output_kept_from_an_earlier_step_does_not_change():
+    engine = make_tiny_engine()
+    engine.add_request(PROMPT, greedy(6, logprobs=2))
+    kept = []
+    while engine.has_unfinished():
+        kept += engine.step()
+    final = kept[-1]
+    assert final.finished and len(final.token_ids) == 6
+    for i, out in enumerate(kept):  # output i was made when the request had i + 1 tokens
+        assert out.token_ids == final.token_ids[: i + 1]
+        assert out.token_times == final.token_times[: i + 1]
+        assert out.logprobs == final.logprobs[: i + 1]
+        assert out.finished == (i == 5)
+
+
 # ---- preemption ----------------------------------------------------------------------------------
 
 
@@ -298,8 +332,8 @@ def test_a_seeded_request_gives_the_same_tokens_with_company():
 def test_a_model_in_another_dtype_runs_as_a_copy_in_the_configured_dtype():
     model = make_tiny_engine().model  # float32 on cpu
     engine = Engine(model, None, EngineConfig(dtype="bfloat16", quantization=None, num_kv_blocks=8))
-    assert (engine.model.dtype, engine.kv.k.dtype, engine.precision.dtype) == ((torch.bfloat16,) * 2 + ("bfloat16",))
-    assert model.dtype == torch.float32 and model.layers[0].qkv.dtype == torch.float32  # the given model is unchanged
+    assert (engine.model.dtype, engine.kv.k.dtype, engine.plan.dtype) == ((torch.bfloat16,) * 2 + ("bfloat16",))
+    assert model.dtype == torch.float32 and model.layers[0].qkv.form.dtype == "float32"  # the given model is unchanged
 
 
 def test_decode_rows_split_by_length_keep_each_row_its_own_block_table():

@@ -201,7 +201,7 @@ def test_no_windowed_metadata_while_every_context_fits_the_window():
 def test_readme_lists_the_supported_and_refused_architectures():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     section = re.search(r"<!-- architectures -->(.*?)<!-- /architectures -->", readme, re.S).group(1)
-    supported = re.findall(r"^- supported: `(\w+)`", section, re.M)
-    refused = re.findall(r"^- refused: `(\w+)`", section, re.M)
+    supported = re.findall(r"^\| `(\w+)` \| supported \|", section, re.M)  # the table's rows, in order
+    refused = re.findall(r"^\| `(\w+)` \| refused \|", section, re.M)
     assert tuple(supported) == SUPPORTED_ARCHITECTURES
     assert tuple(refused) == tuple(REFUSED_ARCHITECTURES)

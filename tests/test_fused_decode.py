@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CharTokenizer, make_hf_llama, make_hf_model, nanoserve_model_from_hf
+from conftest import CharTokenizer, forms, make_hf_llama, make_hf_model, nanoserve_model_from_hf
 from test_blockdot import block_mins, int16_rounded
 from test_blockdot import build as build_kernel
 from test_llama import assert_logits_match, run_and_capture
@@ -24,15 +24,12 @@ from test_precision import fake as fake_probe
 
 from nanoserve import Engine, EngineConfig
 from nanoserve.model import blockdot, precision
-from nanoserve.model.fused_decode import (
-    DENSE_BF16,
-    DENSE_F32,
-    DENSE_ONE_CALL_ROWS,
-    FusedDecode,
-    why_not,
-    why_not_in_one_call,
-)
-from nanoserve.model.quant import QuantLinear, can_pack, quantize_int4, quantize_int8
+from nanoserve.model.forms import DENSE_BF16, DENSE_F32, can_pack
+from nanoserve.model.fused_decode import DENSE_ONE_CALL_ROWS, FusedDecode, why_not
+from nanoserve.model.precision import DTYPES
+from nanoserve.model.quant import QuantLinear, quantize_int4, quantize_int8
+
+CPU = torch.device("cpu")
 
 needs_build = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
 
@@ -44,13 +41,13 @@ def fused_engine(hf, dtype: str = "float32", block_size: int = 4, **overrides) -
     config = EngineConfig(**({"dtype": dtype, "quantization": "int4", "kernels": "blockdot", "pack_weights": False,
                               "block_size": block_size, "num_kv_blocks": 256 // block_size + 8, "max_num_seqs": 4,
                               "decode_group_min_rows": 2, "blockdot_int16_rows": None, "dense_kernel": "torch",
-                              "kv_cache_dtype": dtype} | overrides))  # the cache in the dtype unless a test asks
+                              "kv_cache_dtype": dtype, "fused_decode": True} | overrides))  # the cache in the dtype unless a test asks
     return Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), config)
 
 
 def dense(w) -> torch.Tensor:
     """A quantized linear's dense matrix: its copy, or its panels dequantized (what wide steps read)."""
-    return (w.dense if w.dense is not None else w.passes[0].dequantize()).float()
+    return w.dequantize()
 
 
 def load_engine_weights_into(hf, engine: Engine) -> None:
@@ -266,18 +263,20 @@ def test_a_dense_model_runs_decode_steps_in_one_call_up_to_its_dtypes_rows(dtype
     hf = make_hf_llama(seed=15)
     engine = fused_engine(hf, dtype=dtype, quantization=None, pack_weights=pack_weights, dense_kernel=dense_kernel)
     fused = engine.model.fused_layers
-    limit = engine.precision.bf16_one_call_rows if dtype == "bfloat16" else DENSE_ONE_CALL_ROWS[torch.float32]
+    limit = engine.plan.one_call_rows
     layer = engine.model.layers[0]
     assert isinstance(layer.qkv, blockdot.DensePanels) == (dense_kernel == "blockdot")
     # on the dense panels every width runs in one call; on torch's, up to its dtype's rows
-    assert fused.max_rows == (2**31 if dense_kernel == "blockdot" else limit) and why_not_in_one_call(engine.model) is None
+    if dense_kernel == "blockdot" or dtype == "float32":
+        assert limit == 2**31
+    assert fused.max_rows == limit and engine.plan.decode == "c-one-call"
     assert {planes for forms in fused.forms for _, planes in forms} == {DENSE_BF16 if dtype == "bfloat16" else DENSE_F32}
     # torch's matrices (plain or packed) are read through copies in dense panels, counted in memory(); the
     # model's own panels are read as they are
     assert (fused.copy_bytes > 0) == (dense_kernel == "torch") and engine.memory()["fused_copies"] == fused.copy_bytes
     if dense_kernel == "torch":
-        assert engine.model.packed == (pack_weights and can_pack(layer.qkv.to_dense() if layer.qkv.is_mkldnn else layer.qkv))
-        plain = layer.qkv.to_dense() if layer.qkv.is_mkldnn else layer.qkv
+        assert forms(engine.model) == {"onednn" if pack_weights and can_pack(DTYPES[dtype]) else "torch"}
+        plain = layer.qkv.dequantize(DTYPES[dtype])
         torch.testing.assert_close(fused.forms[0][0][0], blockdot.pack_dense(plain).data, atol=0, rtol=0)
     else:
         assert fused.forms[0][0][0] is layer.qkv.data
@@ -308,8 +307,11 @@ def test_a_bf16_model_takes_the_one_call_at_every_width_where_the_probe_times_bf
     head = engine.model.lm_head_weight
     assert isinstance(head, blockdot.DensePanels) != bf16_faster
     assert isinstance(engine.model.layers[0].down, blockdot.DensePanels) != bf16_faster
-    tensors = [engine.model.embed, getattr(head, "data", head), engine.model.norm] + [
-        getattr(w, "data", w) for layer in engine.model.layers
+    def storage(w):  # the tensor a weight holds its matrix in (dense panels' data, a Dense's weight), or a norm
+        return w.data if isinstance(w, blockdot.DensePanels) else getattr(w, "weight", w)
+
+    tensors = [engine.model.embed, storage(head), engine.model.norm] + [
+        storage(w) for layer in engine.model.layers
         for w in (layer.qkv, layer.o, layer.gate_up, layer.down, layer.input_norm, layer.post_norm)]
     assert engine.memory()["dense"] == sum({id(t): t.nbytes for t in tensors}.values())  # a tied head's copy counted
     one_call_rows = count_one_call_steps(engine)
@@ -340,7 +342,7 @@ def test_family_switches_equal_transformers(name, layout):
     config, in_one_call = LAYOUTS[layout]
     hf = make_hf_model(family, seed=16, **overrides)
     engine = fused_engine(hf, **config)
-    assert why_not_in_one_call(engine.model) is None
+    assert engine.plan.decode == "c-one-call"
     if config["quantization"]:
         load_engine_weights_into(hf, engine)
     one_call_rows = count_one_call_steps(engine)
@@ -356,16 +358,16 @@ def test_families_and_layouts_it_cannot_run_are_named():
     gemma = fused_engine(make_hf_model("gemma2", seed=14, sliding_window=6, query_pre_attn_scalar=12,
                                        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, head_dim=16))
     assert gemma.model.fused_layers is None
-    assert why_not(gemma.model) == "the family's ['sandwich_norms', 'attn_logit_softcap', 'activation'] are not in fused_decode.c"
+    why = "the family's ['sandwich_norms', 'attn_logit_softcap', 'activation'] are not in fused_decode.c"
+    assert why_not(gemma.model.config, CPU) == why and f"no C decode: {why}" in gemma.plan.reasons
     torch_kernels = fused_engine(make_hf_llama(seed=14), kernels="torch")
-    assert torch_kernels.model.fused_layers.max_rows == 0
-    assert why_not_in_one_call(torch_kernels.model) == ("layer 0's qkv is neither on blockdot's panels nor a dense "
-                                                        "float32 or bf16 matrix")
+    assert torch_kernels.model.fused_layers.max_rows == 0 and torch_kernels.plan.decode == "c-per-layer"
+    assert torch_kernels.plan.form_of(0, "qkv").name == "torch-int4"
     off = fused_engine(make_hf_llama(seed=14), fused_decode=False)
     assert off.model.fused_layers is None and isinstance(off.model.layers[0].qkv, QuantLinear)
     half = fused_engine(make_hf_llama(seed=14), dtype="float16", quantization=None)
-    assert half.model.fused_layers is None and why_not(half.model) == "the model computes in torch.float16"
-    with pytest.raises(ValueError, match="fused_decode='yes' must be True or False"):
+    assert half.model.fused_layers is None and "no C decode: the model computes in float16" in half.plan.reasons
+    with pytest.raises(ValueError, match="fused_decode='yes' must be True, False or 'auto'"):
         EngineConfig(fused_decode="yes")
 
 
@@ -375,7 +377,7 @@ def test_without_a_build_steps_run_decoder_layer(monkeypatch):
     hf = make_hf_llama(seed=17)
     engine = fused_engine(hf, quantization=None, kernels="auto")
     assert engine.model.fused_layers is None
-    assert why_not(engine.model) == "fused_decode.c could not be built: OSError: cc not found (faked)"
+    assert why_not(engine.model.config, CPU) == "fused_decode.c could not be built: OSError: cc not found (faked)"
     captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=4)
     assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 4
 

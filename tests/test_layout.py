@@ -1,6 +1,7 @@
 """The package's rooms and walls, read from the source with `ast`: no import cycle (function-local and
-TYPE_CHECKING imports included), the engine core never imports the instruments or serving, and the
-seeds' module names stay importable."""
+TYPE_CHECKING imports included), the engine core never imports the instruments or serving, the model
+knows nothing of requests, only the engine knows the whole core, and the seeds' module names stay
+importable."""
 
 from __future__ import annotations
 
@@ -73,6 +74,20 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def reached_from(graph: dict[str, set[str]], module: str) -> set[str]:
+    """Every module `module` pulls in, transitively."""
+    reached, todo = set(), [module]
+    while todo:
+        for nxt in graph[todo.pop()] - reached:
+            reached.add(nxt)
+            todo.append(nxt)
+    return reached
+
+
+def in_room(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
 def test_find_cycle_finds_a_hand_made_cycle_and_none_in_a_tree():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
@@ -100,17 +115,12 @@ def test_the_package_has_no_import_cycle():
 
 CORE = ["nanoserve.engine", "nanoserve.scheduler", "nanoserve.blocks", "nanoserve.inputs", "nanoserve.sampling",
         "nanoserve.output_processor", "nanoserve.recorder", "nanoserve.request", "nanoserve.params",
-        "nanoserve.config", "nanoserve.detokenize"]
+        "nanoserve.config", "nanoserve.detokenize", "nanoserve.chat"]
 
 
 @pytest.mark.parametrize("module", CORE)
 def test_the_core_imports_neither_instruments_nor_serving(module):
-    graph = import_graph()
-    reached, todo = set(), [module]
-    while todo:  # everything the module pulls in, transitively
-        for nxt in graph[todo.pop()] - reached:
-            reached.add(nxt)
-            todo.append(nxt)
+    reached = reached_from(import_graph(), module)
     outside = sorted(m for m in reached if m.startswith(("nanoserve.instruments", "nanoserve.serving")))
     assert outside == []
 
@@ -119,3 +129,37 @@ def test_the_core_imports_neither_instruments_nor_serving(module):
 def test_the_seeds_module_names_still_import(seed_module):
     module = importlib.import_module(seed_module)
     assert module.__all__ and all(hasattr(module, name) for name in module.__all__)
+
+
+# What the model must not know: the requests and everything that tracks, schedules, outputs, runs,
+# serves or measures them. The root package counts too: `import nanoserve` runs engine.py.
+NOT_FOR_THE_MODEL = ["nanoserve.request", "nanoserve.scheduler", "nanoserve.blocks", "nanoserve.output",
+                     "nanoserve.output_processor", "nanoserve.engine", "nanoserve.serving", "nanoserve.instruments"]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in all_modules() if in_room(m, "nanoserve.model")))
+def test_the_model_knows_nothing_of_requests(module):
+    graph = import_graph()
+    reached = reached_from(graph, module)
+    assert sorted(m for m in reached if m == "nanoserve" or any(in_room(m, room) for room in NOT_FOR_THE_MODEL)) == []
+
+
+# The rooms only the engine joins; "nanoserve.model" stands for any module of the model package.
+WHOLE_CORE = ["nanoserve.scheduler", "nanoserve.sampling", "nanoserve.output_processor", "nanoserve.model"]
+
+
+def knows_the_whole_core(imports: set[str]) -> bool:
+    return all(any(in_room(m, room) for m in imports) for room in WHOLE_CORE)
+
+
+def test_knows_the_whole_core_needs_every_room():
+    every = {"nanoserve.scheduler", "nanoserve.sampling", "nanoserve.output_processor", "nanoserve.model.llama"}
+    assert knows_the_whole_core(every)
+    assert not any(knows_the_whole_core(every - {m}) for m in every)
+
+
+def test_only_the_engine_knows_the_whole_core():
+    graph = import_graph()
+    assert knows_the_whole_core(graph["nanoserve.engine"])  # else this wall guards nothing
+    core = [m for m in graph if not in_room(m, "nanoserve.instruments") and not in_room(m, "nanoserve.serving")]
+    assert sorted(m for m in core if m != "nanoserve.engine" and knows_the_whole_core(graph[m])) == []

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LLAMA3_ROPE, TINY, CharTokenizer, make_hf_llama, nanoserve_model_from_hf
+from conftest import LLAMA3_ROPE, TINY, CharTokenizer, forms, make_hf_llama, nanoserve_model_from_hf, prepared
 
 from nanoserve import Engine, EngineConfig, SamplingParams
-from nanoserve.model import blockdot, llama
-from nanoserve.model.prepare import packed
-from nanoserve.model.quant import pack_linear_weight
+from nanoserve.model import blockdot
+from nanoserve.model.forms import Dense, can_pack, pack
 
 ARCHITECTURES = {
     "gqa": {},
@@ -70,8 +69,8 @@ def test_logits_equal_transformers_at_prefill_and_every_decode(arch, block_size,
     config = EngineConfig(dtype="float32", quantization=None, block_size=block_size, num_kv_blocks=256 // block_size + 8, max_num_seqs=4,
                           pack_weights=form == "packed", dense_kernel="blockdot" if form == "panels" else "torch")
     engine = Engine(nanoserve_model_from_hf(hf), CharTokenizer(TINY["vocab_size"]), config)
-    assert engine.model.packed == (form == "packed" and torch.backends.mkldnn.is_available())
-    assert isinstance(engine.model.layers[0].qkv, blockdot.DensePanels) == (form == "panels")
+    expected = {"panels": "dense-panels", "packed": "onednn" if can_pack(torch.float32) else "torch"}.get(form, "torch")
+    assert forms(engine.model) == {expected} and engine.plan.exact == (form != "panels")
     captured, outputs = run_and_capture(engine, PROMPTS, max_tokens=12)
     assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 12
     engine.check_invariants()
@@ -83,28 +82,31 @@ def test_packed_linear_equals_the_plain_matmul(rows):
     # Each row is a dot product done by hand in float64: the reference owes nothing to oneDNN or MKL.
     gen = torch.Generator().manual_seed(rows)
     weight, x = torch.randn(48, 40, generator=gen), torch.randn(rows, 40, generator=gen)
-    packed = pack_linear_weight(weight)
-    assert packed.is_mkldnn and not weight.is_mkldnn
+    if not can_pack(weight.dtype):
+        pytest.skip("no oneDNN here")
+    packed = pack(weight)
+    assert packed.weight.is_mkldnn and packed.form.name == "onednn" and not weight.is_mkldnn
     expected = torch.tensor([[sum(float(a) * float(b) for a, b in zip(xr, wr, strict=True)) for wr in weight] for xr in x],
                             dtype=torch.float64)
-    torch.testing.assert_close(llama.linear(x, packed).double(), expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(llama.linear(x, weight).double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed(x).double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(Dense(weight)(x).double(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(packed.dequantize(), weight)
 
 
 def test_packing_leaves_float16_and_the_embedding_plain():
     model = nanoserve_model_from_hf(make_hf_llama(seed=4, tie_word_embeddings=True))
-    prepared = packed(model)
-    assert prepared.packed and not model.packed  # a new model: the one given is unchanged
-    assert not any(w.is_mkldnn for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    assert not prepared.embed.is_mkldnn and prepared.lm_head is prepared.embed  # the lookup still reads plain rows
-    assert all(w.is_mkldnn for layer in prepared.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    assert packed(prepared) is prepared  # twice is once
+    laid = prepared(model, dtype="float32", quantization=None, dense_kernel="torch")
+    native = can_pack(torch.float32)
+    assert forms(laid) == {"onednn" if native else "torch"} and forms(model) == {"torch"}  # the given model unchanged
+    assert not laid.embed.is_mkldnn and laid.lm_head is laid.embed  # the lookup still reads plain rows
+    assert prepared(laid, dtype="float32", quantization=None, dense_kernel="torch") is laid  # twice is once
     half = nanoserve_model_from_hf(make_hf_llama(seed=4), dtype=torch.float16)
-    assert packed(half) is half and not half.packed
+    assert forms(prepared(half, dtype="float16", quantization=None)) == {"torch"}
     # bfloat16 packs where oneDNN computes it natively (a CPU with AVX-512 bf16 or AMX), else stays plain.
     bf16 = nanoserve_model_from_hf(make_hf_llama(seed=4), dtype=torch.bfloat16)
-    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert packed(bf16).packed == native and not bf16.packed
+    packs_bf16 = can_pack(torch.bfloat16)
+    assert forms(prepared(bf16, dtype="bfloat16", quantization=None, dense_kernel="torch", fused_decode=False)) == {
+        "onednn" if packs_bf16 else "torch"}
 
 
 def test_llama3_rope_reaches_scaled_positions():

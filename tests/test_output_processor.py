@@ -299,6 +299,44 @@ def test_logprobs_are_attached_from_their_own_journey():
     assert processor.readback.journeys == 2  # the tokens, then the logprobs
 
 
+
+class CountingList(list):
+    """A list that counts the elements copied out of it: by iteration (list(), tuple(), a loop)
+    and by slicing. Appending, len() and reading one element count nothing."""
+
+    def __init__(self, items=()) -> None:
+        super().__init__(items)
+        self.num_copied = 0
+
+    def __iter__(self):
+        self.num_copied += len(self)
+        return super().__iter__()
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            self.num_copied += len(range(len(self))[index])
+        return super().__getitem__(index)
+
+
+def test_a_steps_outputs_copy_nothing_of_the_requests_history():
+    """The output of each step is O(1) in the request's length: over 300 steps not one element of
+    the request's token ids, stamps or logprobs is copied (each copy was O(n), so O(n^2) a request)."""
+    processor = OutputProcessor()
+    request = _request("r", max_tokens=300, logprobs=0)
+    spies = [CountingList(request.token_ids), CountingList(request.token_times), CountingList(request.logprobs)]
+    request.token_ids, request.token_times, request.logprobs = spies
+    outs = []
+    for i in range(300):
+        packed = torch.tensor([[-0.5, -0.25, 17.0]])  # k = 1: [sampled logprob, top value, top id]
+        outs += _step(processor, [request], [10 + i % 20], ([0], packed)).outputs
+        assert [spy.num_copied for spy in spies] == [0, 0, 0], f"step {i}"
+    final = outs[-1]
+    assert final.finished and final.token_ids == [10 + i % 20 for i in range(300)]
+    assert len(final.token_times) == len(final.logprobs) == 300 and final.logprobs[0] == {10: -0.5}
+    assert len(outs[9].token_ids) == len(outs[9].token_times) == len(outs[9].logprobs) == 10  # as made at step 10
+    list(final.token_times)  # a copy the caller makes is seen: the spy can fail
+    assert spies[1].num_copied == 300
+
 # --------------------------------------------------------------------------------------------
 # The journey home on a GPU: a pinned, non-blocking copy started at build, waited on in collect
 # --------------------------------------------------------------------------------------------

@@ -175,11 +175,12 @@ def test_the_engine_reports_and_logs_its_choice(monkeypatch, caplog):
     model = nanoserve_model_from_hf(make_hf_llama(seed=1))
     with caplog.at_level(logging.INFO, logger="nanoserve"):
         engine = Engine(model, None, EngineConfig(num_kv_blocks=8))
-    assert (engine.precision.dtype, engine.model.dtype) == ("float32", torch.float32)
-    assert any("computing in float32" in r.message and "0.01x" in r.message for r in caplog.records)
+    assert (engine.plan.dtype, engine.model.dtype) == ("float32", torch.float32)
+    logged = [r.message for r in caplog.records if "execution plan" in r.message]
+    assert len(logged) == 1 and engine.plan.render() in logged[0] and "dtype float32: bfloat16 0.01x" in logged[0]
     monkeypatch.setattr(precision, "probe_cpu", fake(0.2, 0.05))
     engine = Engine(model, None, EngineConfig(num_kv_blocks=8))
-    assert (engine.precision.dtype, engine.model.dtype, engine.kv.k.dtype) == ("bfloat16",) + (torch.bfloat16,) * 2
+    assert (engine.plan.dtype, engine.model.dtype, engine.kv.k.dtype) == ("bfloat16",) + (torch.bfloat16,) * 2
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -225,7 +226,7 @@ def test_auto_kv_cache_is_float16_only_for_quantized_weights_on_blockdot_in_floa
 def test_the_engine_allocates_its_cache_in_the_precisions_kv_dtype():
     hf = make_hf_llama(seed=3)
     exact = Engine(nanoserve_model_from_hf(hf), None, EngineConfig(dtype="float32", quantization=None, num_kv_blocks=8))
-    assert exact.kv.k.dtype == torch.float32 and exact.precision.kv_cache_dtype == "float32"
+    assert exact.kv.k.dtype == torch.float32 and exact.plan.kv_cache_dtype == "float32"
     asked = Engine(nanoserve_model_from_hf(hf), None, EngineConfig(dtype="float32", quantization=None, num_kv_blocks=8,
                                                                    kv_cache_dtype="float16"))
-    assert asked.kv.k.dtype == torch.float16 and "kv cache float16: as configured" in asked.precision.reason
+    assert asked.kv.k.dtype == torch.float16 and "kv cache float16: as configured" in asked.plan.reason

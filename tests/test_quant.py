@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_hf_llama, nanoserve_model_from_hf
+from conftest import make_hf_llama, nanoserve_model_from_hf, prepared
+from test_precision import fake
 
 from nanoserve.model.attention import AttentionMetadata, PrefillRun
+from nanoserve.model.forms import Dense
 from nanoserve.model.gguf import BlockQuantized
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.llama import ModelInputs
-from nanoserve.model.prepare import Layout, is_quantized, laid_out, prepare_model
+from nanoserve.model.prepare import is_quantized
 from nanoserve.model.quant import (
     ChannelInt8,
     QuantLinear,
@@ -101,7 +103,7 @@ def test_quantizers_round_to_the_nearest_level():
 def test_rows_past_max_kernel_rows_read_the_dense_copy():
     stored = random_stored("Q4_1", 32, 64)
     linear = quant_linear(stored, torch.float32, 4, pack=False)
-    assert linear.dense_bytes == 32 * 64 * 4 and linear.kernel_bytes == 32 * 32 + 2 * 32 * 2 * 4
+    assert linear.nbytes_by_kind() == {"dense_copies": 32 * 64 * 4, "quantized": 32 * 32 + 2 * 32 * 2 * 4}
     calls = []
     original = linear.passes[0]
     linear.passes[0] = lambda x: calls.append(x.shape[0]) or original(x)
@@ -133,29 +135,29 @@ def _dense_twin(model, quantization):
     """The float32 model whose matmul weights are `model`'s quantized by the same quantizers and
     dequantized by the stored forms' own arithmetic (as test_gguf checks it), not by the kernels:
     int8 everywhere, or int4 with the head in int8."""
-    twin = laid_out(model, Layout(torch.float32, None, pack_weights=False))
+    twin = prepared(model, dtype="float32", quantization=None, pack_weights=False)
     layer_quantizer = quantize_int8 if quantization == "int8" else quantize_int4
     for layer in twin.layers:
         for name in ("qkv", "o", "gate_up", "down"):
-            setattr(layer, name, layer_quantizer(getattr(layer, name)).dequantize())
-    twin.lm_head_weight = quantize_int8(model.lm_head).dequantize()
+            setattr(layer, name, Dense(layer_quantizer(getattr(layer, name).weight).dequantize()))
+    twin.lm_head_weight = Dense(quantize_int8(model.lm_head).dequantize())
     return twin
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_a_quantized_tiny_model_equals_its_dequantized_float32_twin(quantization):
     model = nanoserve_model_from_hf(make_hf_llama(seed=5, intermediate_size=64))
-    prepared = prepare_model(model, pack_weights=False, compile=False, dtype=torch.float32,
-                             quantization=quantization, max_kernel_rows=None)
-    assert all(isinstance(layer.qkv, QuantLinear) for layer in prepared.layers)
-    assert isinstance(model.layers[0].qkv, torch.Tensor) and not is_quantized(model)  # the given model unchanged
+    settings = dict(quantization=quantization, max_kernel_rows=None, pack_weights=False, kernels="torch",
+                    fused_decode=False, kv_cache_dtype="float32")
+    quantized = prepared(model, dtype="float32", **settings)
+    assert all(isinstance(layer.qkv, QuantLinear) for layer in quantized.layers)
+    assert isinstance(model.layers[0].qkv, Dense) and not is_quantized(model)  # the given model unchanged
     tokens = [5, 17, 33, 2, 9, 60, 61, 12]
-    torch.testing.assert_close(_logits(prepared, tokens), _logits(_dense_twin(model, quantization), tokens),
+    torch.testing.assert_close(_logits(quantized, tokens), _logits(_dense_twin(model, quantization), tokens),
                                atol=1e-4, rtol=1e-4)
     # And in bf16 the same model stays within bf16's precision of its float32 run.
-    bf16 = prepare_model(model, pack_weights=False, compile=False, dtype=torch.bfloat16,
-                         quantization=quantization, max_kernel_rows=None)
-    reference = _logits(prepared, tokens)
+    bf16 = prepared(model, dtype="bfloat16", **settings)
+    reference = _logits(quantized, tokens)
     torch.testing.assert_close(_logits(bf16, tokens), reference, atol=0.05 * reference.abs().max().item(), rtol=0)
 
 
@@ -174,14 +176,15 @@ def test_a_checkpoints_own_blocks_are_kept_and_run_as_stored():
 
     stored = LlamaModel.from_state_dict(LlamaConfig.from_hf_dict(hf.config.to_dict()), tensors, torch.float32, "cpu")
     assert is_quantized(stored) and isinstance(stored.embed, BlockQuantized)
-    kept = prepare_model(stored, pack_weights=False, compile=False, dtype=torch.float32, quantization="keep",
-                         max_kernel_rows=None)
+    # a probe that times torch's int4 kernel faster than the dense matmul: the blocks are kept
+    kept = prepared(stored, probe=fake(0.2, 14.0, int4_ms=0.01, dense_ms=1.0), dtype="float32", quantization="auto",
+                    max_kernel_rows=None, pack_weights=False, kernels="torch", fused_decode=False, kv_cache_dtype="float32")
     assert isinstance(kept.layers[0].qkv, QuantLinear) and isinstance(kept.lm_head_weight, QuantLinear)
     assert len(kept.lm_head_weight.passes) == 2  # Q8_0: the two int4 passes
     tokens = [5, 17, 33, 2, 9, 60]
     torch.testing.assert_close(_logits(kept, tokens), _logits(stored, tokens), atol=1e-4, rtol=1e-4)
-    dense = prepare_model(stored, pack_weights=False, compile=False, dtype=torch.float32, quantization=None)
-    assert not is_quantized(dense) and isinstance(dense.layers[0].qkv, torch.Tensor)
+    dense = prepared(stored, dtype="float32", quantization=None, pack_weights=False)
+    assert not is_quantized(dense) and isinstance(dense.layers[0].qkv, Dense)
     torch.testing.assert_close(_logits(dense, tokens), _logits(stored, tokens), atol=1e-5, rtol=1e-5)
 
 

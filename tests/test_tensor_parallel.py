@@ -232,7 +232,7 @@ def test_tp2_logits_equal_tp1(tmp_path, monkeypatch, case):
     # one process's cache in float32, as the ranks' (kv_cache_dtype "auto" would make it float16 where
     # its int4 runs on blockdot; the ranks keep torch's kernels)
     with Engine.from_pretrained(path, tiny_config(**config, kv_cache_dtype="float32")) as one:
-        assert one.precision.quantization == quantization
+        assert one.plan.quantization == quantization
         want, want_outputs = run_and_capture(one, PROMPTS, max_tokens=6)
     with Engine.from_pretrained(path, tiny_config(2, **config)) as two:
         assert isinstance(two.model, TensorParallelModel) and len(worker_processes()) == 1

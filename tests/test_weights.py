@@ -54,10 +54,10 @@ def assert_model_holds(model, hf) -> None:
         p = f"model.layers.{i}."
         assert torch.equal(layer.input_norm, sd[p + "input_layernorm.weight"])
         assert torch.equal(layer.post_norm, sd[p + "post_attention_layernorm.weight"])
-        assert torch.equal(layer.qkv, torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
-        assert torch.equal(layer.o, sd[p + "self_attn.o_proj.weight"])
-        assert torch.equal(layer.gate_up, torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
-        assert torch.equal(layer.down, sd[p + "mlp.down_proj.weight"])
+        assert torch.equal(layer.qkv.weight, torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+        assert torch.equal(layer.o.weight, sd[p + "self_attn.o_proj.weight"])
+        assert torch.equal(layer.gate_up.weight, torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
+        assert torch.equal(layer.down.weight, sd[p + "mlp.down_proj.weight"])
 
 
 def test_single_file(tmp_path, hf):

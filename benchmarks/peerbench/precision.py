@@ -64,9 +64,9 @@ rates = {slots: decode_rate(engine, slots, tg - 2, pp) for slots in slots_list}
 # VmHWM: this process's own peak (execve starts a new one; ru_maxrss would keep the parent's)
 peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")) / 1024
 print(json.dumps({"rates": rates, "rss_mib": psutil.Process().memory_info().rss / 2**20, "peak_rss_mib": peak,
-                  "dtype": engine.precision.dtype, "quantization": engine.precision.quantization,
-                  "kernels": engine.precision.kernels, "fused": engine.model.fused_layers is not None,
-                  "kv_cache_dtype": engine.precision.kv_cache_dtype, "memory": engine.memory()}))
+                  "dtype": engine.plan.dtype, "quantization": engine.plan.quantization,
+                  "kernels": engine.plan.kernels, "fused": engine.model.fused_layers is not None,
+                  "kv_cache_dtype": engine.plan.kv_cache_dtype, "memory": engine.memory()}))
 """
 
 # transformers' generate on the same weights (the converted float32 directory), in float32 and bf16:

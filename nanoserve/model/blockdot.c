@@ -35,6 +35,7 @@
  * rows are split over `nthreads` OpenMP threads, on the libgomp torch has already loaded.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -410,6 +411,57 @@ static void task(const struct xin *in, int64_t M, int64_t K, int64_t N, const ui
 
 int64_t blockdot_scratch_floats(int64_t M, int64_t K) { return 2 * M * (K / G) + M * K / 2; }
 
+/* blockdot_scratch's buffers: one a thread, found through a pthread key whose destructor frees it
+   when the thread exits. */
+struct scratch {
+  void *data;
+  int64_t bytes;        /* what data holds */
+  int64_t allocations;  /* how many times it was (re)allocated: for the tests */
+};
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static int scratch_key_made;
+
+static void scratch_release(void *s) {
+  free(((struct scratch *)s)->data);
+  free(s);
+}
+static void scratch_key_make(void) { scratch_key_made = pthread_key_create(&scratch_key, scratch_release) == 0; }
+
+static struct scratch *thread_scratch(void) {
+  pthread_once(&scratch_once, scratch_key_make);
+  if (!scratch_key_made) return NULL;
+  struct scratch *s = pthread_getspecific(scratch_key);
+  if (s) return s;
+  s = calloc(1, sizeof *s);
+  if (s && pthread_setspecific(scratch_key, s)) {
+    free(s);
+    return NULL;
+  }
+  return s;
+}
+
+void *blockdot_scratch(int64_t bytes) {
+  struct scratch *s = thread_scratch();
+  if (!s) return NULL;
+  if (s->data && bytes <= s->bytes) return s->data;
+  /* half as much again as asked, in pages: a decode step's need grows with its longest context, a
+     few hundred bytes a token, and should not reallocate every step */
+  const int64_t grown = ((bytes > 0 ? bytes + bytes / 2 : 0) / 4096 + 1) * 4096;
+  free(s->data);
+  s->data = aligned_alloc(64, (size_t)grown);  /* a multiple of 64, as aligned_alloc asks */
+  s->bytes = s->data ? grown : 0;
+  s->allocations += s->data != NULL;
+  return s->data;
+}
+
+/* The calling thread's scratch: stats[0] its bytes, stats[1] how many times it was allocated. */
+void blockdot_scratch_stats(int64_t *stats) {
+  const struct scratch *s = thread_scratch();
+  stats[0] = s ? s->bytes : 0;
+  stats[1] = s ? s->allocations : 0;
+}
+
 void blockdot_inputs(const float *x, int64_t M, int64_t K, int q16, float *scratch, struct xin *in) {
   const int64_t B = K / G;
   float *xsum = scratch, *xd = xsum + M * B;
@@ -651,10 +703,10 @@ void blockdot_dequantize(const uint8_t *w, int planes, int64_t N, int64_t K, voi
 /* y [M, N] = x [M, K] @ w^T, w in panels of 4-bit (planes 1) or int8 (2) codes ([ceil(N / 16), K / 32] blocks; rows
    past N all zero). x and y are float32, or bf16 where x_bf16 / y_bf16; from int16_rows rows of x (0:
    never) x is rounded to int16 per block of 32 (the int16 path). Returns 0, or -1 when out of memory
-   for the activations' float32 copies. */
+   for the activations' float32 copies (the thread's scratch, blockdot_scratch). */
 int blockdot(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,
              int y_bf16, int nthreads, int64_t int16_rows) {
-  float *scratch = malloc(sizeof(float) * ((x_bf16 ? M * K : 0) + blockdot_scratch_floats(M, K)));
+  float *scratch = blockdot_scratch(sizeof(float) * ((x_bf16 ? M * K : 0) + blockdot_scratch_floats(M, K)));
   if (!scratch) return -1;
   const float *x32 = x;
   if (x_bf16) {
@@ -665,6 +717,5 @@ int blockdot(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const u
   blockdot_prepare(x32, M, K, int16_rows > 0 && M >= int16_rows, scratch + (x_bf16 ? M * K : 0), &in);
   #pragma omp parallel num_threads(nthreads)
   blockdot_tasks(&in, M, K, N, w, planes, y, y_bf16);
-  free(scratch);
   return 0;
 }

@@ -20,6 +20,14 @@ struct xin {
 /* Floats of scratch blockdot_prepare needs for x [M, K]. */
 int64_t blockdot_scratch_floats(int64_t M, int64_t K);
 
+/* The calling thread's scratch: at least `bytes`, 64-byte aligned, kept from call to call and grown
+   only when a call needs more than it holds, so a step allocates nothing once the widest step has
+   run. Each OS thread that calls in has its own (freed when the thread exits): Python threads may
+   call at once (ctypes releases the GIL), and an OpenMP team reads the pointer its caller took
+   before the parallel region. Its contents do not survive a call: no entry that takes it calls
+   another that does. NULL when out of memory. */
+void *blockdot_scratch(int64_t bytes);
+
 /* Fills `in` for x [M, K] float32 (kept, not copied), for the
    int16 path where q16 (x rounded to int16 per block of 32), else the float path; serial. */
 void blockdot_prepare(const float *x, int64_t M, int64_t K, int q16, float *scratch, struct xin *in);

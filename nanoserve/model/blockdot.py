@@ -6,8 +6,9 @@ AVX-512 bf16. blockdot reads the file's 4- and 8-bit codes and fp16 scales exact
 to a vector (AVX-512, AVX2, or plain C), against x in float32 or, from `int16_rows` rows of x
 (EngineConfig.blockdot_int16_rows), x rounded to int16 per block of 32 and summed in integers. The C
 source (with fused_decode.c, the decode step's glue that calls it) is compiled once per machine at
-first use (`cc -O3 -march=native -fopenmp`, cached under ~/.cache/nanoserve) and loaded with ctypes;
-where there is no compiler, or the build fails, `library()` is None and torch's kernels serve.
+first use (`cc -O3 -march=native -fopenmp`, cached; nanoserve.model.cabi builds, loads and checks
+it) and loaded with ctypes; where there is no compiler, or the build fails, `library()` is None,
+torch's kernels serve, and a WARNING says so.
 Whether it is used is not assumed: nanoserve.model.precision times it against torch's kernel at
 start-up.
 
@@ -19,47 +20,28 @@ in the file. `Panels` take x [M, K] in float32 or bfloat16 and return [M, N] in 
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import logging
-import os
-import platform
 import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+# BUILDS, FLAGS, _BASE: re-exported, where the kernel's tests and benchmarks find the builds
+from nanoserve.model.cabi import BASE_FLAGS as _BASE  # noqa: F401
+from nanoserve.model.cabi import BUILDS, FLAGS, Library, load  # noqa: F401
+from nanoserve.model.forms import CForm, Form, Regroup, dense_code, dtype_name
 from nanoserve.model.gguf import BLOCK, BlockQuantized
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("blockdot.c")
-# Built into one library with blockdot.c: the decode step that runs its layers in C (fused_decode.py).
-SOURCES = [SOURCE, SOURCE.with_name("fused_decode.c")]
-HEADERS = [SOURCE.with_name("blockdot.h")]
 PANEL = 16  # output rows a panel holds: one 16-lane vector
-# -fno-trapping-math: comparisons may not trap, so gcc vectorizes clamps (fused_decode.c's exp_fast); no value changes
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-shared", "-fPIC"]
-# The builds a test or a benchmark can ask for besides this machine's: what an AVX-512 CPU without
-# VNNI (its int16 path on vpmaddwd), an AVX2-only CPU, and a compiler with no vector flags
-# would run.
-_BASE = ["-O2", "-fopenmp", "-fno-trapping-math", "-shared", "-fPIC"]
-BUILDS = {"native": FLAGS, "avx512": [*_BASE, "-mavx512f", "-mavx512bw", "-mfma", "-mf16c"],
-          "avx2": [*_BASE, "-mavx2", "-mfma", "-mf16c"], "plain": _BASE}
 KINDS = ("Q4_0", "Q4_1", "Q8_0")  # what blockdot runs; anything else stays on torch's kernels
 DTYPES = (torch.float32, torch.bfloat16)  # the activations it takes
 
 
-@dataclass(frozen=True)
-class Library:
-    lib: ctypes.CDLL
-    simd: int  # vector width the build has: 512, 256, or 0 (plain C: correct and slow)
-    path: Path
-
-
+# The process's build, made once (cabi.load); here rather than in cabi so that a test can fake a
+# machine without a compiler by setting these two.
 _library: Library | None = None
 _failure: str | None = None
 
@@ -73,94 +55,15 @@ def library() -> Library | None:
             _library = load()
         except (OSError, subprocess.SubprocessError) as exc:
             _failure = f"{type(exc).__name__}: {exc}"
-            logger.info("nanoserve: blockdot kernel unavailable (%s); torch's kernels serve", _failure)
+            logger.warning("nanoserve: the blockdot kernels could not be built (%s): quantized GGUF linears fall back "
+                           "to torch's kernels and decode steps to torch's ops, several times slower on a CPU; install "
+                           "a C compiler (gcc) with OpenMP", _failure)
     return _library
 
 
 def failure() -> str | None:
     """Why `library()` is None, once it has been tried."""
     return _failure
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def load(flags: list[str] = FLAGS) -> Library:
-    """blockdot.c built with `flags` (the default: for this machine) and loaded.
-
-    Raises:
-        OSError: no compiler, or the build failed (its error output in the message).
-        subprocess.SubprocessError: the compiler hung.
-    """
-    return _load(_build(flags))
-
-
-def _build(flags: list[str]) -> Path:
-    """Compiles SOURCES into one shared library unless a build for the same sources, compiler, flags
-    and CPU is cached; returns its path."""
-    compiler = os.environ.get("CC", "cc")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
-    source = b"\0".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(), _cpu_flags().encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
-    cache = Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
-    target = cache / f"blockdot-{key}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: concurrent starts are safe
-        built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built)], capture_output=True, text=True,
-                                timeout=120)
-        if result.returncode:
-            raise OSError(f"{compiler} failed on {', '.join(path.name for path in SOURCES)}: {result.stderr.strip()[-500:]}")
-        os.replace(built, target)
-    return target
-
-
-def _load(path: Path) -> Library:
-    # torch is imported (above), so the library's libgomp.so.1 resolves to the one torch loaded: one
-    # OpenMP thread pool in the process, not two spinning against each other.
-    lib = ctypes.CDLL(str(path))
-    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.blockdot.argtypes = [p, i32, i64, i64, i64, p, i32, p, i32, i32, i64]
-    lib.blockdot.restype = i32
-    lib.blockdot_simd.restype = i32
-    lib.blockdot_dequantize.argtypes = [p, i32, i64, i64, p, i32, i32]
-    lib.blockdot_dequantize.restype = None
-    # dense panels (DensePanels) for the fused decode's one call (x, M, K, N, w, w_bf16, y); called from
-    # C, bound for the tests
-    lib.dense_tasks.argtypes = [p, i64, i64, i64, p, i32, p]
-    lib.dense_tasks.restype = None
-    lib.blockdot_dense.argtypes = [p, i64, i64, i64, p, i32, p, i32]  # the same over a team of threads
-    lib.blockdot_dense.restype = None
-    lib.blockdot_dense_pairs.restype = i32
-    # fused_decode.c's entry (nanoserve.model.fused_decode): shape, layers, num_layers, h, T, positions,
-    # slot_mapping, tables, nb, cos, sin, nthreads
-    lib.fused_decode.argtypes = [p, p, i64, p, i64, p, p, p, i64, p, p, i32]
-    lib.fused_decode.restype = i32
-    # the cache's rounding and widening (x, cache, n, kind) and (cache, out, n, kind): for the tests
-    lib.fused_kv_store.argtypes = [p, p, i64, i32]
-    lib.fused_kv_store.restype = None
-    lib.fused_kv_widen.argtypes = [p, p, i64, i32]
-    lib.fused_kv_widen.restype = None
-    # ... and its pieces for steps whose matmuls torch runs: shape, layer, qkv, att, io_bf16, T, positions,
-    # slot_mapping, tables, nb, cos, sin, nthreads; h, add, w, x, io_bf16, T, E, eps, nthreads; gu, out, io_bf16, T, I,
-    # nthreads
-    lib.fused_attention.argtypes = [p, p, p, p, i32, i64, p, p, p, i64, p, p, i32]
-    lib.fused_attention.restype = i32
-    lib.fused_add_norm.argtypes = [p, p, p, p, i32, i64, i64, ctypes.c_float, i32]
-    lib.fused_add_norm.restype = None
-    lib.fused_silu_mul.argtypes = [p, p, i32, i64, i64, i32]
-    lib.fused_silu_mul.restype = None
-    return Library(lib, lib.blockdot_simd(), path)
 
 
 def supports(w: object, dtype: torch.dtype) -> bool:
@@ -181,20 +84,41 @@ class Panels:
     """A Q4_0, Q4_1 or Q8_0 matrix [N, K] in blockdot's panels: [ceil(N / 16), K / 32, 64 + 256 planes]
     uint8 (blockdot.c's header gives the bytes: 4-bit codes where planes is 1, int8 where 2)."""
 
+    form_name = "blockdot"  # QuantLinear.form's name for a linear on these panels
     data: torch.Tensor
     planes: int  # 1 (Q4_0, Q4_1: 4-bit codes) or 2 (Q8_0: int8 codes, two nibbles' room)
     shape: tuple[int, int]  # (N, K)
     kernel: Library  # the build that runs it
     int16_rows: int = 0  # from this many rows of x on, the int16 path (x rounded to int16 per block); 0: never
 
+    def __post_init__(self) -> None:
+        """blockdot.c reads the panels by their shape alone: checked here, once, for every later call."""
+        N, K = self.shape
+        if K % BLOCK:
+            raise ValueError(f"blockdot panels hold matrices whose K is a multiple of {BLOCK}; got K = {K}")
+        if self.planes not in (1, 2):
+            raise ValueError(f"blockdot panels have 1 plane (4-bit codes) or 2 (int8 codes); got planes = {self.planes}")
+        expected = [-(-N // PANEL), K // BLOCK, 64 + 256 * self.planes]
+        data = self.data
+        if list(data.shape) != expected or data.dtype != torch.uint8 or data.device.type != "cpu" \
+                or not data.is_contiguous():
+            raise ValueError(f"blockdot panels of [{N}, {K}] in {self.planes} plane(s) are a contiguous uint8 tensor "
+                             f"{expected} on the CPU; got {data.dtype} {list(data.shape)} on {data.device}"
+                             f"{'' if data.is_contiguous() else ', not contiguous'}")
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        N, K = self.shape
         if x.dtype not in DTYPES:
             raise ValueError(f"blockdot takes activations in {[str(d) for d in DTYPES]}, got {x.dtype}")
+        if x.dim() != 2 or x.shape[1] != K:
+            raise ValueError(f"blockdot panels [{N}, {K}] take x [M, {K}], got {list(x.shape)}")
+        if x.device.type != "cpu":
+            raise ValueError(f"blockdot runs on the CPU; got x on {x.device}")
         x = x.contiguous()
-        M, K = x.shape
-        y = torch.empty(M, self.shape[0], dtype=x.dtype)
+        M = x.shape[0]
+        y = torch.empty(M, N, dtype=x.dtype)
         bf16 = int(x.dtype == torch.bfloat16)
-        if self.kernel.lib.blockdot(x.data_ptr(), bf16, M, K, self.shape[0], self.data.data_ptr(), self.planes,
+        if self.kernel.lib.blockdot(x.data_ptr(), bf16, M, K, N, self.data.data_ptr(), self.planes,
                                     y.data_ptr(), bf16, torch.get_num_threads(), self.int16_rows):
             raise MemoryError(f"blockdot: no memory for float32 copies of [{M}, {K}] activations")
         return y
@@ -226,6 +150,16 @@ class DensePanels:
     shape: tuple[int, int]  # (N, K)
     kernel: Library
 
+    def __post_init__(self) -> None:
+        """blockdot.c reads the panels by their shape alone: checked here, once, for every later call."""
+        N, K = self.shape
+        expected, data = [-(-N // PANEL), K, PANEL], self.data
+        if list(data.shape) != expected or data.dtype not in DTYPES or data.device.type != "cpu" \
+                or not data.is_contiguous():
+            raise ValueError(f"dense panels of [{N}, {K}] are a contiguous float32 or bf16 tensor {expected} on the "
+                             f"CPU; got {data.dtype} {list(data.shape)} on {data.device}"
+                             f"{'' if data.is_contiguous() else ', not contiguous'}")
+
     @property
     def dtype(self) -> torch.dtype:
         return self.data.dtype
@@ -234,12 +168,27 @@ class DensePanels:
     def nbytes(self) -> int:
         return self.data.nbytes
 
+    @property
+    def form(self) -> Form:
+        return Form("dense-panels", dtype_name(self.dtype))
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        return {"dense": self.data.nbytes}
+
+    def c_form(self, regroup: Regroup) -> CForm:
+        return CForm(self.data, dense_code(self.dtype), copied=False)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.dense().to(dtype)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in DTYPES:
             raise ValueError(f"dense panels take activations in {[str(d) for d in DTYPES]}, got {x.dtype}")
         if x.dim() != 2 or x.shape[1] != self.shape[1]:
             raise ValueError(f"dense panels [{self.shape[0]}, {self.shape[1]}] take x [M, {self.shape[1]}], "
                              f"got {list(x.shape)}")
+        if x.device.type != "cpu":
+            raise ValueError(f"dense panels run on the CPU; got x on {x.device}")
         x32 = x.float().contiguous()  # bf16 widens exactly
         M, K = x32.shape
         y = torch.empty(M, self.shape[0], dtype=torch.float32)
@@ -337,6 +286,8 @@ def pack(w: BlockQuantized, kernel: Library | None = None, int16_rows: int | Non
         raise ValueError(f"blockdot runs {KINDS} matrices on the CPU with scales exact in fp16; got "
                          f"{getattr(w, 'kind', type(w).__name__)}")
     N, K = w.shape
+    if K % BLOCK:
+        raise ValueError(f"blockdot packs matrices whose K is a multiple of {BLOCK}; got K = {K}")
     # Q4_1 as stored; Q4_0's d (q - 8) = d q + (-8 d); Q8_0's d q with m = 0
     mins = {"Q4_1": w.mins, "Q4_0": -8 * w.scales, "Q8_0": torch.zeros_like(w.scales)}[w.kind]
     pad = -N % PANEL  # rows past N: codes, d and m all zero, so their outputs are 0 and cut

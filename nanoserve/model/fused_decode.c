@@ -28,8 +28,8 @@
 #if defined(__F16C__) && defined(__AVX__)
 #include <immintrin.h>
 #endif
+#include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include "blockdot.h"
 
@@ -50,6 +50,39 @@ struct fused_shape {
   int64_t int16_rows;  /* from this many rows the matmuls take blockdot's int16 path (0: never) */
   float eps, scale;
 };
+
+/* The layout of every struct Python mirrors with ctypes (nanoserve/model/cabi.py) as this compiler
+   laid it out: cabi.py compares each struct's size and each field's offset and size with its
+   mirror's when it loads the library, and refuses a library that disagrees. An entry with no field
+   gives the struct's size. */
+struct layout_entry {
+  const char *type, *field;
+  int64_t offset, size;
+};
+#define LAYOUT_STRUCT(S) {#S, NULL, 0, sizeof(struct S)}
+#define LAYOUT_FIELD(S, F) {#S, #F, offsetof(struct S, F), sizeof(((struct S *)0)->F)}
+static const struct layout_entry layout[] = {
+  LAYOUT_STRUCT(layout_entry), LAYOUT_FIELD(layout_entry, type), LAYOUT_FIELD(layout_entry, field),
+  LAYOUT_FIELD(layout_entry, offset), LAYOUT_FIELD(layout_entry, size),
+  LAYOUT_STRUCT(fused_shape), LAYOUT_FIELD(fused_shape, E), LAYOUT_FIELD(fused_shape, H),
+  LAYOUT_FIELD(fused_shape, Hkv), LAYOUT_FIELD(fused_shape, D), LAYOUT_FIELD(fused_shape, I),
+  LAYOUT_FIELD(fused_shape, block_size), LAYOUT_FIELD(fused_shape, kv_kind), LAYOUT_FIELD(fused_shape, int16_rows),
+  LAYOUT_FIELD(fused_shape, eps), LAYOUT_FIELD(fused_shape, scale),
+  LAYOUT_STRUCT(fused_layer), LAYOUT_FIELD(fused_layer, input_norm), LAYOUT_FIELD(fused_layer, post_norm),
+  LAYOUT_FIELD(fused_layer, qkv), LAYOUT_FIELD(fused_layer, o), LAYOUT_FIELD(fused_layer, gate_up),
+  LAYOUT_FIELD(fused_layer, down), LAYOUT_FIELD(fused_layer, qkv_planes), LAYOUT_FIELD(fused_layer, o_planes),
+  LAYOUT_FIELD(fused_layer, gate_up_planes), LAYOUT_FIELD(fused_layer, down_planes),
+  LAYOUT_FIELD(fused_layer, k_cache), LAYOUT_FIELD(fused_layer, v_cache), LAYOUT_FIELD(fused_layer, qkv_bias),
+  LAYOUT_FIELD(fused_layer, q_norm), LAYOUT_FIELD(fused_layer, k_norm), LAYOUT_FIELD(fused_layer, window),
+};
+#undef LAYOUT_STRUCT
+#undef LAYOUT_FIELD
+
+/* The table above and (in *count) its entries. */
+const struct layout_entry *fused_layout(int64_t *count) {
+  *count = (int64_t)(sizeof layout / sizeof layout[0]);
+  return layout;
+}
 
 static void rms_norm(const float *x, const float *w, float *out, int64_t n, float eps) {
   float ss = 0;
@@ -363,7 +396,8 @@ static int64_t longest(const int64_t *positions, int64_t T) {
 }
 
 /* h [T, E] float32, updated in place through every layer. positions, slot_mapping [T]; tables
-   [T, nb] block ids; cos, sin [positions, D] float32. Returns 0, or -1 when out of memory. */
+   [T, nb] block ids; cos, sin [positions, D] float32. Returns 0, or -1 when out of memory (the
+   thread's scratch, blockdot_scratch). */
 int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, int64_t num_layers, float *h,
                  int64_t T, const int64_t *positions, const int64_t *slot_mapping, const int64_t *tables, int64_t nb,
                  const float *cos, const float *sin, int nthreads) {
@@ -374,7 +408,7 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
                            attention_scratch(s, T, max_len, nthreads)};
   int64_t total = 0;
   for (int i = 0; i < 7; i++) total += sizes[i];
-  float *scratch = malloc(sizeof(float) * total);
+  float *scratch = blockdot_scratch(sizeof(float) * total);
   if (!scratch) return -1;
   float *x = scratch, *prep = x + sizes[0], *qkv = prep + sizes[1], *att = qkv + sizes[2], *out = att + sizes[3],
         *gu = out + sizes[4], *scores = gu + sizes[5];
@@ -422,7 +456,6 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
       for (int64_t i = 0; i < T * E; i++) h[i] += out[i];
     }
   }
-  free(scratch);
   return 0;
 }
 
@@ -447,14 +480,13 @@ int fused_attention(const struct fused_shape *s, const struct fused_layer *w, co
                     const float *cos, const float *sin, int nthreads) {
   const int64_t NQKV = (s->H + 2 * s->Hkv) * s->D, HD = s->H * s->D;
   const int64_t max_len = longest(positions, T);
-  float *scratch = malloc(sizeof(float) * (T * (NQKV + HD) + attention_scratch(s, T, max_len, nthreads)));
+  float *scratch = blockdot_scratch(sizeof(float) * (T * (NQKV + HD) + attention_scratch(s, T, max_len, nthreads)));
   if (!scratch) return -1;
   widen(qkv, scratch, T * NQKV, io_bf16);
   #pragma omp parallel num_threads(nthreads)
   attention(s, w, scratch, scratch + T * NQKV, T, positions, slot_mapping, tables, nb, cos, sin,
             scratch + T * (NQKV + HD), max_len);
   narrow(scratch + T * NQKV, att, T * HD, io_bf16);
-  free(scratch);
   return 0;
 }
 

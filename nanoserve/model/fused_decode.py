@@ -34,30 +34,13 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.model import blockdot
+from nanoserve.model.cabi import FusedLayer, FusedShape
+from nanoserve.model.config import LlamaConfig
+from nanoserve.model.forms import CForm
 from nanoserve.model.kv_cache import KVCache
-from nanoserve.model.llama import LayerWeights, LlamaModel, ModelInputs, linear
-from nanoserve.model.quant import QuantLinear
+from nanoserve.model.llama import MATMULS, LayerWeights, LlamaModel, ModelInputs
 from nanoserve.model.rope import rope_table
 
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-
-
-class _Shape(ctypes.Structure):  # struct fused_shape
-    _fields_ = [(name, _i64) for name in ("E", "H", "Hkv", "D", "I", "block_size", "kv_kind", "int16_rows")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-
-
-class _Layer(ctypes.Structure):  # struct fused_layer
-    _fields_ = [(name, _ptr) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")] + [
-        (f"{name}_planes", _i64) for name in ("qkv", "o", "gate_up", "down")] + [
-        (name, _ptr) for name in ("k_cache", "v_cache", "qkv_bias", "q_norm", "k_norm")] + [("window", _i64)]
-
-
-MATMULS = ("qkv", "o", "gate_up", "down")
-
-
-# fused_decode.c's forms of a dense matmul (a struct fused_layer's *_planes; blockdot's panels are 1 or 2)
-DENSE_F32, DENSE_BF16 = -1, -2
 # fused_decode.c's KV_F32, KV_BF16, KV_F16: the cache dtypes it reads and writes
 KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # A dense model whose matrices torch runs decodes in one call up to this many rows, by its dtype;
@@ -71,56 +54,17 @@ KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DENSE_ONE_CALL_ROWS = {torch.float32: 2**31, torch.bfloat16: 2}
 
 
-def _panels(weight: object) -> blockdot.Panels | None:
-    if isinstance(weight, QuantLinear) and len(weight.passes) == 1 and isinstance(weight.passes[0], blockdot.Panels):
-        return weight.passes[0]
-    return None
-
-
-def _is_dense(weight: object) -> bool:
-    """A dense matrix fused_decode.c reads in dense panels: blockdot's DensePanels, or a float32 or
-    bf16 matrix on the CPU that it regroups into them (a copy)."""
-    return isinstance(weight, blockdot.DensePanels) or (
-        isinstance(weight, torch.Tensor) and weight.dtype in blockdot.DTYPES and weight.device.type == "cpu"
-        and weight.dim() == 2)
-
-
-def _one_call_form(weight: object, kernel: blockdot.Library) -> tuple[torch.Tensor, int] | None:
-    """What fused_decode.c reads for a matmul: (blockdot's panels, their planes), or (dense panels,
-    DENSE_F32 or DENSE_BF16), a torch matrix (plain or oneDNN-packed) regrouped into a copy; None
-    where it reads neither (torch's quantized kernels)."""
-    panels = _panels(weight)
-    if panels is not None:
-        return panels.data, panels.planes
-    if not _is_dense(weight):
-        return None
-    dense = weight if isinstance(weight, blockdot.DensePanels) else blockdot.pack_dense(weight, kernel)
-    return dense.data, DENSE_BF16 if dense.dtype == torch.bfloat16 else DENSE_F32
-
-
-def why_not(model: LlamaModel) -> str | None:
-    """Why the fused decode cannot run this laid-out model at all; None when it can."""
-    config, shape = model.config, model.shape
-    if model.device.type != "cpu":
-        return f"the model is on {model.device}"
+def why_not(config: LlamaConfig, device: torch.device) -> str | None:
+    """Why the fused decode cannot run a model of this family on this device; None when it can (the
+    model's dtype, float32 or bf16, is the plan's to check)."""
+    if device.type != "cpu":
+        return f"the model is on {device}"
     if blockdot.library() is None:
         return f"fused_decode.c could not be built: {blockdot.failure()}"
-    if model.dtype not in (torch.float32, torch.bfloat16):
-        return f"the model computes in {model.dtype}"
     switches = {"o_bias": config.o_bias, "sandwich_norms": config.sandwich_norms,
-                "attn_logit_softcap": shape.attn_softcap is not None, "activation": shape.activation != "silu"}
+                "attn_logit_softcap": config.attn_logit_softcap is not None, "activation": config.hidden_act != "silu"}
     if any(switches.values()):
         return f"the family's {[name for name, on in switches.items() if on]} are not in fused_decode.c"
-    return None
-
-
-def why_not_in_one_call(model: LlamaModel) -> str | None:
-    """Why a narrow step cannot run in one C call (it then takes the per-layer calls); None when it can."""
-    for i, layer in enumerate(model.layers):
-        for name in MATMULS:
-            weight = getattr(layer, name)
-            if _panels(weight) is None and not _is_dense(weight):
-                return f"layer {i}'s {name} is neither on blockdot's panels nor a dense float32 or bf16 matrix"
     return None
 
 
@@ -130,7 +74,7 @@ class FusedDecode:
     layer (the same tensor, updated in place), or None for a step it does not take."""
 
     layers: list[LayerWeights]
-    shape: _Shape
+    shape: FusedShape
     cos: torch.Tensor  # [P, D] float32
     sin: torch.Tensor  # [P, D] float32
     dtype: torch.dtype  # the linears' (and the K/V cache's): float32 or bfloat16
@@ -138,7 +82,7 @@ class FusedDecode:
     kernel: blockdot.Library
     switches: list[tuple[torch.Tensor | None, ...]]  # per layer: qkv_bias, q_norm, k_norm in float32, or None
     windows: list[int]  # per layer: its sliding window W, 0 for none
-    # per layer, its MATMULS as the one call reads them (_one_call_form); empty where there is no one call
+    # per layer, its MATMULS as the one call reads them (each weight's c_form); empty where there is no one call
     forms: list[list[tuple[torch.Tensor, int]]]
     copy_bytes: int = 0  # the dense panels among them copied from torch's matrices
     _table: ctypes.Array | None = None  # the layers' structs, for the cache they were built against
@@ -155,10 +99,10 @@ class FusedDecode:
         if self._cache is not kv:
             self._table, self._cache = self._layer_table(kv), kv
             self.shape.block_size, self.shape.kv_kind = kv.block_size, KV_KINDS[kv.k.dtype]
-        h = h.contiguous()  # [T, E] float32, updated in place by the C calls
-        T = h.shape[0]
+        T = h.shape[0]  # h [T, E] float32, updated in place by the C calls
         tables = _row_tables(inputs, T)  # [T, nb]
         positions, slots = inputs.positions.contiguous(), inputs.attn.slot_mapping.contiguous()
+        _check_rows(h, self.shape.E, positions, slots, tables)
         rows = (T, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1], self.cos.data_ptr(),
                 self.sin.data_ptr())
         if h.shape[0] > self.max_rows:
@@ -182,32 +126,53 @@ class FusedDecode:
 
         x = add_norm(None, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
-            qkv = linear(x, layer.qkv).contiguous()  # [T, (H + 2 Hkv) D]
+            qkv = layer.qkv(x).contiguous()  # [T, (H + 2 Hkv) D]
             att = torch.empty(T, shape.H * shape.D, dtype=self.dtype)  # [T, H D]
             if lib.fused_attention(ctypes.byref(shape), ctypes.byref(self._table[i]), qkv.data_ptr(), att.data_ptr(),
                                    io_bf16, *rows, torch.get_num_threads()):
                 raise MemoryError(f"fused_attention: no memory for the scratch of a {T}-row step")
-            x = add_norm(linear(att, layer.o), layer.post_norm)  # [T, E]
-            gate_up = linear(x, layer.gate_up).contiguous()  # [T, 2 I]
+            x = add_norm(layer.o(att), layer.post_norm)  # [T, E]
+            gate_up = layer.gate_up(x).contiguous()  # [T, 2 I]
             act = torch.empty(T, shape.I, dtype=self.dtype)  # [T, I]
             lib.fused_silu_mul(gate_up.data_ptr(), act.data_ptr(), io_bf16, T, shape.I, torch.get_num_threads())
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
-            x = add_norm(linear(act, layer.down), following)
+            x = add_norm(layer.down(act), following)
         return h
 
     def _layer_table(self, kv: KVCache) -> ctypes.Array:
-        table = (_Layer * len(self.layers))()
+        table = (FusedLayer * len(self.layers))()
         for i, layer in enumerate(self.layers):
             forms = self.forms[i] if self.forms else [(None, 0)] * len(MATMULS)  # none: torch's linears run them
-            table[i] = _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
-                              *(_address(t) for t, _ in forms), *(planes for _, planes in forms),
-                              kv.k[i].data_ptr(), kv.v[i].data_ptr(), *(_address(t) for t in self.switches[i]),
-                              self.windows[i])
+            table[i] = FusedLayer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
+                                  *(_address(t) for t, _ in forms), *(planes for _, planes in forms),
+                                  kv.k[i].data_ptr(), kv.v[i].data_ptr(), *(_address(t) for t in self.switches[i]),
+                                  self.windows[i])
         return table
 
 
 def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _check_rows(h: torch.Tensor, E: int, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor) -> None:
+    """What fused_decode.c reads of a step's rows, checked in a few integer comparisons (no tensor
+    op: every decode step passes here): h [T, E] float32 contiguous, positions and slot_mapping
+    [T] int64, tables [T, nb] int64.
+
+    Raises:
+        ValueError: naming the tensor, what it is and what the C reads.
+    """
+    if h.dim() != 2 or h.shape[1] != E or h.dtype != torch.float32 or not h.is_contiguous():
+        raise ValueError(f"the fused decode takes h [T, {E}] float32, contiguous; got {h.dtype} {list(h.shape)}"
+                         f"{'' if h.is_contiguous() else ', not contiguous'}")
+    T = h.shape[0]
+    for name, t in (("positions", positions), ("slot_mapping", slots)):
+        if t.dim() != 1 or t.shape[0] != T or t.dtype != torch.int64:
+            raise ValueError(f"the fused decode takes {name} [{T}] int64, one per row of h; got {t.dtype} "
+                             f"{list(t.shape)}")
+    if tables.dim() != 2 or tables.shape[0] != T or tables.dtype != torch.int64:
+        raise ValueError(f"the fused decode takes block tables [{T}, nb] int64, one per row of h; got {tables.dtype} "
+                         f"{list(tables.shape)}")
 
 
 def _row_tables(inputs: ModelInputs, T: int) -> torch.Tensor:
@@ -221,33 +186,30 @@ def _row_tables(inputs: ModelInputs, T: int) -> torch.Tensor:
     return tables
 
 
-def fused_decode(model: LlamaModel, bf16_one_call_rows: int | None = None) -> FusedDecode | None:
-    """The fused decode of a laid-out model, or None where why_not(model) says it cannot run.
-    bf16_one_call_rows: in place of DENSE_ONE_CALL_ROWS[torch.bfloat16]."""
-    if why_not(model) is not None:
-        return None
+def fused_decode(model: LlamaModel, max_rows: int, int16_rows: int | None) -> FusedDecode:
+    """The fused decode of a laid-out model (the execution plan decides that it runs): decode steps of
+    up to max_rows rows in one C call (0: none, every matmul's C form read from the weight itself),
+    the wider ones in three C calls a layer between the weights' own linears; blockdot's panels on
+    their int16 path from int16_rows rows (None: never).
+
+    Raises:
+        ValueError: max_rows > 0 but some matmul has no form fused_decode.c reads.
+    """
     config, shape = model.config, model.shape
     scale = shape.attn_scale if shape.attn_scale is not None else shape.head_dim ** -0.5
-    c_shape = _Shape(config.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                     config.intermediate_size, 0, 0, 0, shape.eps, scale)  # block_size, kv_kind: from the cache
+    c_shape = FusedShape(config.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                         config.intermediate_size, 0, 0, int16_rows or 0, shape.eps, scale)  # block_size, kv_kind: from the cache
     cos, sin = rope_table(config, model.cos.shape[0], torch.float32, model.device)
-    max_rows, forms, copy_bytes = 0, [], 0
-    if why_not_in_one_call(model) is None:
-        weights = [getattr(layer, name) for layer in model.layers for name in MATMULS]
-        panels = [p for p in map(_panels, weights) if p is not None]
-        # past max_kernel_rows the quantized linears' dense matrices are faster; past DENSE_ONE_CALL_ROWS
-        # oneDNN's packed dense linears
-        dense_rows = DENSE_ONE_CALL_ROWS | ({torch.bfloat16: bf16_one_call_rows} if bf16_one_call_rows else {})
-        on_torch = any(isinstance(w, torch.Tensor) for w in weights)  # dense matrices torch runs past the one call
-        max_rows = min([dense_rows[model.dtype]] * on_torch
-                       + [w.max_kernel_rows for w in weights if isinstance(w, QuantLinear) and w.max_kernel_rows is not None]
-                       + [2**31])
-        c_shape.int16_rows = panels[0].int16_rows if panels else 0  # the panels' int16 path, from as many rows
-        forms = [[_one_call_form(getattr(layer, name), blockdot.library()) for name in MATMULS] for layer in model.layers]
-        copy_bytes = sum(t.nbytes for w, (t, _) in zip(weights, (f for fs in forms for f in fs), strict=True)
-                         if isinstance(w, torch.Tensor))  # torch's matrices, regrouped into panels
+    forms: list[list[CForm]] = []
+    if max_rows > 0:
+        forms = [[getattr(layer, name).c_form(blockdot.pack_dense) for name in MATMULS] for layer in model.layers]
+        missing = [f"layer {i} {name}" for i, layer_forms in enumerate(forms)
+                   for name, form in zip(MATMULS, layer_forms, strict=True) if form is None]
+        if missing:
+            raise ValueError(f"the one-call decode reads every matmul in C, but {missing[:4]} have no C form")
     switches = [tuple(None if t is None else t.float().contiguous() for t in (layer.qkv_bias, layer.q_norm, layer.k_norm))
                 for layer in model.layers]
     windows = [config.sliding_window if i in model.sliding_layers else 0 for i in range(config.num_layers)]
+    copy_bytes = sum(form.data.nbytes for layer_forms in forms for form in layer_forms if form.copied)
     return FusedDecode(model.layers, c_shape, cos, sin, model.dtype, max_rows, blockdot.library(), switches, windows,
-                       forms, copy_bytes)
+                       [[(form.data, form.code) for form in layer_forms] for layer_forms in forms], copy_bytes)

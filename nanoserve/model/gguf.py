@@ -23,8 +23,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from nanoserve.model.config import LlamaConfig
+from nanoserve.model.forms import STORED, Form, Regroup
 
 BLOCK = 32  # elements per quantization block in Q4_0, Q4_1 and Q8_0
 GGUF_TYPES_SERVED = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
@@ -60,8 +62,24 @@ class BlockQuantized:
         """(N, K), the dense matrix's shape."""
         return tuple(self.codes.shape)
 
-    def dequantize(self) -> torch.Tensor:
-        """The dense matrix [N, K] float32, with gguf.quants.dequantize's arithmetic (bit-exact)."""
+    @property
+    def form(self) -> Form:
+        return Form(STORED, "float32", stored=self.kind)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ w^T, dequantized for the call: the exact, slow reference."""
+        return F.linear(x, self.dequantize(x.dtype))
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        parts = [self.codes, self.scales] + ([self.mins] if self.mins is not None else [])
+        return {"stored": sum(t.nbytes for t in parts)}
+
+    def c_form(self, regroup: Regroup) -> None:
+        return None  # fused_decode.c reads a stored matrix once laid out (blockdot.pack)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense matrix [N, K] in dtype, computed in float32 with gguf.quants.dequantize's
+        arithmetic (bit-exact), then rounded to dtype."""
         N, K = self.shape
         codes = self.codes.view(N, K // BLOCK, BLOCK).float()  # [N, B, 32]
         if self.kind == "Q4_0":
@@ -69,7 +87,7 @@ class BlockQuantized:
         w = self.scales.unsqueeze(-1) * codes  # [N, B, 32]
         if self.mins is not None:
             w = w + self.mins.unsqueeze(-1)
-        return w.view(N, K)
+        return w.view(N, K).to(dtype)
 
     def rows(self, index: torch.Tensor) -> BlockQuantized:
         """The rows index [M] int64 of this matrix, as a BlockQuantized [M, K]."""

@@ -27,8 +27,9 @@ import torch.nn.functional as F
 
 from nanoserve.model.attention import AttentionMetadata, paged_attention
 from nanoserve.model.config import LlamaConfig
+from nanoserve.model.forms import Weight, as_weight
 from nanoserve.model.kv_cache import KVCache
-from nanoserve.model.quant import QuantLinear, Stored, cat_rows, dense_linear, embedding
+from nanoserve.model.quant import Stored, cat_rows, embedding
 from nanoserve.model.rope import apply_rope, rope_table
 
 
@@ -42,10 +43,7 @@ class ModelInputs:
     attn: AttentionMetadata
 
 
-# A matmul weight [N, K]: dense (plain or oneDNN-packed), quantized as stored (runs dequantized: the
-# float32 reference), or quantized in its kernel form (nanoserve.model.quant). A tensor-parallel
-# rank's o and down are also callables that run their own collective (nanoserve.model.shard.AllReduced).
-Weight = torch.Tensor | QuantLinear | Stored
+MATMULS = ("qkv", "o", "gate_up", "down")  # a layer's matmul weights, in the order a step runs them
 
 
 @dataclass
@@ -63,15 +61,6 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [D]: the same over each key head
     attn_out_norm: torch.Tensor | None = None  # [E]: on attention's output, before the residual add (Gemma 2)
     mlp_out_norm: torch.Tensor | None = None  # [E]: on the MLP's output, before the residual add (Gemma 2)
-
-
-def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype, by whichever form the weight is in."""
-    if isinstance(weight, torch.Tensor):
-        return dense_linear(x, weight)
-    if callable(weight):  # QuantLinear, or a form with a collective (nanoserve.model.shard)
-        return weight(x)
-    return F.linear(x, weight.dequantize().to(x.dtype))  # as stored: the exact, slow reference
 
 
 @dataclass(frozen=True)
@@ -92,7 +81,7 @@ def decoder_layer(h: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: 
     H, Hkv, D, eps = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps
     T = h.shape[0]
     x = F.rms_norm(h, layer.input_norm.shape, layer.input_norm, eps).to(shape.dtype)  # [T, E]
-    qkv = linear(x, layer.qkv)  # [T, (H + 2 Hkv) D]
+    qkv = layer.qkv(x)  # [T, (H + 2 Hkv) D]
     if layer.qkv_bias is not None:  # after the matmul, so it holds for every form of the weight
         qkv = qkv + layer.qkv_bias
     qk, v = qkv.split([(H + Hkv) * D, Hkv * D], dim=-1)  # [T, (H + Hkv) D], [T, Hkv D]
@@ -106,16 +95,16 @@ def decoder_layer(h: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: 
     q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=1)  # [T, H, D], [T, Hkv, D]
     attn = paged_attention(q, k, v.view(T, Hkv, D), k_cache, v_cache, attn_meta,
                            shape.attn_scale, shape.attn_softcap)  # [T, H, D]
-    out = linear(attn.reshape(T, H * D), layer.o)  # [T, E]
+    out = layer.o(attn.reshape(T, H * D))  # [T, E]
     if layer.o_bias is not None:
         out = out + layer.o_bias
     if layer.attn_out_norm is not None:
         out = F.rms_norm(out.float(), layer.attn_out_norm.shape, layer.attn_out_norm, eps)
     h = h + out  # [T, E] float32
     x = F.rms_norm(h, layer.post_norm.shape, layer.post_norm, eps).to(shape.dtype)
-    gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, I] each
+    gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, I] each
     gate = F.silu(gate) if shape.activation == "silu" else F.gelu(gate, approximate="tanh")
-    out = linear(gate * up, layer.down)  # [T, E]
+    out = layer.down(gate * up)  # [T, E]
     if layer.mlp_out_norm is not None:
         out = F.rms_norm(out.float(), layer.mlp_out_norm.shape, layer.mlp_out_norm, eps)
     return h + out  # [T, E] float32: h + the dtype's output
@@ -175,7 +164,7 @@ class LlamaModel:
         self.embed = embed  # [V, E], dense or as stored (a lookup dequantizes its rows)
         self.layers = layers
         self.norm = norm  # [E] float32, as every norm weight
-        self.lm_head = lm_head  # [V, E], the same object as embed when tied
+        self.lm_head = lm_head  # [V, E] as loaded, the same object as embed when tied
         self.dtype = dtype or norm.dtype  # the matmuls' dtype (see the module docstring)
         self.device = norm.device
         # The table covers the positions the engine will use, not the model's 128k maximum.
@@ -185,7 +174,7 @@ class LlamaModel:
         self.embed_scale = embedding_scale(config, self.dtype)
         self.sliding_layers = frozenset(config.sliding_layers)  # layers that attend within config.sliding_window
         self.layer_fn = decoder_layer
-        self.lm_head_weight = lm_head  # what the head's linear reads: lm_head, or its packed copy
+        self.lm_head_weight = as_weight(lm_head)  # the head as a weight (nanoserve.model.forms), laid out by prepare_model
         # A decode step's layers with their glue in C (nanoserve.model.fused_decode), set by
         # prepare_model where the family allows: h [T, E], inputs, kv -> h after the last layer, or
         # None for a step it does not take (those run decoder_layer).
@@ -223,11 +212,11 @@ class LlamaModel:
             sandwich = config.sandwich_norms
             layers.append(LayerWeights(
                 input_norm=norm(p + "input_layernorm.weight"),
-                qkv=cat_rows([get(attn + f"{n}_proj.weight") for n in "qkv"]),
-                o=get(attn + "o_proj.weight"),
+                qkv=as_weight(cat_rows([get(attn + f"{n}_proj.weight") for n in "qkv"])),
+                o=as_weight(get(attn + "o_proj.weight")),
                 post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
-                gate_up=cat_rows([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-                down=get(p + "mlp.down_proj.weight"),
+                gate_up=as_weight(cat_rows([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
+                down=as_weight(get(p + "mlp.down_proj.weight")),
                 qkv_bias=torch.cat([get(attn + f"{n}_proj.bias") for n in "qkv"]) if config.qkv_bias else None,
                 o_bias=get(attn + "o_proj.bias") if config.o_bias else None,
                 q_norm=norm(attn + "q_norm.weight") if config.qk_norm else None,
@@ -265,12 +254,13 @@ class LlamaModel:
                 h = self.layer_fn(h, layer, cos, sin, kv.k[i], kv.v[i], attn, self.shape)
         # Only the rows that sample need the norm and the [E, V] head: the rest of T is prefill.
         h = F.rms_norm(h[inputs.logits_indices], self.norm.shape, self.norm, config.rms_norm_eps).to(self.dtype)  # [R, E]
-        logits = linear(h, self.lm_head_weight).float()  # [R, V]
+        logits = self.lm_head_weight(h).float()  # [R, V]
         cap = config.final_logit_softcap
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
-    @property
-    def packed(self) -> bool:
-        return isinstance(self.lm_head_weight, torch.Tensor) and self.lm_head_weight.is_mkldnn
+    def matrices(self) -> list[tuple[int | None, str, Weight]]:
+        """Every matmul weight: (layer index, or None for the head; its name; the weight)."""
+        return [(i, name, getattr(layer, name)) for i, layer in enumerate(self.layers) for name in MATMULS] + [
+            (None, "head", self.lm_head_weight)]
 
     __call__ = forward

@@ -21,14 +21,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.model import blockdot
-from nanoserve.model.quant import (
-    KERNELS,
-    can_pack,
-    dense_linear,
-    int4_pass,
-    pack_linear_weight,
-    quantize_int4,
-)
+from nanoserve.model.quant import KERNELS, dense_weight, int4_pass, quantize_int4
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # kernels="auto" keeps blockdot unless torch's int4 kernel times this much faster at one row: blockdot
@@ -86,6 +79,9 @@ class Probe:
     # BLOCKDOT_MARGIN times faster in cache), and the dense matmul in kernel_dtype
     quantized_ms: float = float("nan")
     dense_ms: float = float("nan")
+    # one row, streamed, each kernel: torch's int4 and blockdot (None: unavailable or not timed)
+    int4_stream_ms: float | None = None
+    blockdot_stream_ms: float | None = None
     # blockdot (int16 path) and the dense copy at `rows` rows, streamed; None: blockdot unavailable
     blockdot_wide_ms: float | None = None
     dense_wide_ms: float | None = None
@@ -101,6 +97,13 @@ class Probe:
     def quantized_kernel(self) -> str:
         """The kernel quantized_ms times."""
         return auto_kernel(self.int4_ms, self.blockdot_ms)
+
+    def stream_ms(self, kernel: str) -> float:
+        """One row streamed on `kernel` ("torch" or "blockdot"); NaN where it was not timed."""
+        timed = self.blockdot_stream_ms if kernel == "blockdot" else self.int4_stream_ms
+        if timed is None:
+            timed = self.quantized_ms if kernel == self.quantized_kernel else float("nan")
+        return timed
 
     def describe(self) -> str:
         rows, K, N = self.shape
@@ -235,14 +238,17 @@ def _probe(kernel_dtype: str | None, rows: int, K: int, N: int) -> Probe:
         figures["stream_mb"] = dense_set.nbytes / 2**20
         panels = [] if packed is None else [dataclasses.replace(packed, data=data)
                                             for data in packed.data.expand(copies, *packed.data.shape).contiguous()]
-        if auto_kernel(figures["int4_ms"], figures.get("blockdot_ms")) == "blockdot":
-            narrow = panels
-        else:
-            narrow = [dataclasses.replace(kernel, packed=p)
-                      for p in kernel.packed.expand(copies, *kernel.packed.shape).contiguous()]
-        quantized_ms, dense_ms = _best_ms(_passes([functools.partial(q, one) for q in narrow]),
-                                          _passes([functools.partial(linear, one, d) for d in dense_set]), rounds=5)
-        figures.update(quantized_ms=quantized_ms / copies, dense_ms=dense_ms / copies)
+        int4_set = [dataclasses.replace(kernel, packed=p)
+                    for p in kernel.packed.expand(copies, *kernel.packed.shape).contiguous()]
+        int4_ms, dense_ms = _best_ms(_passes([functools.partial(q, one) for q in int4_set]),
+                                     _passes([functools.partial(linear, one, d) for d in dense_set]), rounds=5)
+        figures.update(int4_stream_ms=int4_ms / copies, dense_ms=dense_ms / copies, quantized_ms=int4_ms / copies)
+        if panels:
+            blockdot_ms, _ = _best_ms(_passes([functools.partial(q, one) for q in panels]),
+                                      _passes([functools.partial(q, one) for q in int4_set]), rounds=5)
+            figures["blockdot_stream_ms"] = blockdot_ms / copies
+            if auto_kernel(figures["int4_ms"], figures.get("blockdot_ms")) == "blockdot":
+                figures["quantized_ms"] = blockdot_ms / copies
         if panels:
             wide = [dataclasses.replace(q, int16_rows=1) for q in panels]
             wide_ms, dense_wide_ms = _best_ms(_passes([functools.partial(q, xs) for q in wide]),
@@ -257,10 +263,10 @@ def _probe(kernel_dtype: str | None, rows: int, K: int, N: int) -> Probe:
             figures["dequantized_rows"] = tuple(ladder)
         if blockdot.library() is not None and dtype in blockdot.DTYPES:
             xd = torch.randn(DENSE_ROWS, K, generator=gen).to(dtype)
-            on_torch = pack_linear_weight(dense) if can_pack(dense) else dense
+            on_torch = dense_weight(dense, packed=True)
             dense_panels = blockdot.pack_dense(dense)
             figures["dense_torch_ms"], figures["dense_panels_ms"] = _best_ms(
-                lambda: dense_linear(xd, on_torch), lambda: dense_panels(xd), rounds=5)
+                lambda: on_torch(xd), lambda: dense_panels(xd), rounds=5)
     return Probe(**figures)
 
 
@@ -320,10 +326,13 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
         else:
             if figures is None or figures.kernel_dtype != dtype:
                 figures = probe(kernel_dtype=dtype)
-            faster = figures.quantized_ms < figures.dense_ms
+            # timed on the kernel that would run it: the one asked for, else the one kernels="auto" takes
+            kernel = kernels if kernels in KERNELS else figures.quantized_kernel
+            quantized_ms = figures.stream_ms(kernel)
+            faster = quantized_ms < figures.dense_ms
             quantization = "keep" if faster else None
             reasons.append(f"the checkpoint's quantization {'kept' if faster else 'dequantized'}: "
-                           f"{figures.quantized_kernel}'s int4 {figures.dense_ms / figures.quantized_ms:.2f}x the dense "
+                           f"{kernel}'s int4 {figures.dense_ms / quantized_ms:.2f}x the dense "
                            "matmul's speed at one row, streamed")
     elif quantization is not None and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on torch's CPU kernels; device={device.type!r} has "

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.model import blockdot
+from nanoserve.model.forms import STORED, CForm, Dense, Form, Regroup, Weight, can_pack, dtype_name, pack
 from nanoserve.model.gguf import BLOCK, BlockQuantized
 
 GROUP = BLOCK  # 32: the group size of every int4 layout here
@@ -56,8 +57,21 @@ class ChannelInt8:
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
-    def dequantize(self) -> torch.Tensor:
-        return self.scales.unsqueeze(1) * self.codes.float()  # [N, K] float32
+    @property
+    def form(self) -> Form:
+        return Form(STORED, "float32", stored="int8")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(x.dtype))  # the exact, slow reference
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.scales.unsqueeze(1) * self.codes.float()).to(dtype)  # [N, K], computed in float32
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        return {"stored": self.codes.nbytes + self.scales.nbytes}
+
+    def c_form(self, regroup: Regroup) -> None:
+        return None
 
     def rows(self, index: torch.Tensor) -> ChannelInt8:
         return ChannelInt8(self.codes.index_select(0, index), self.scales.index_select(0, index))
@@ -98,9 +112,6 @@ def quantize_int4(w: torch.Tensor) -> BlockQuantized:
     return BlockQuantized("Q4_1", codes.view(N, K), scales, mins)
 
 
-def dense_of(w: torch.Tensor | Stored) -> torch.Tensor:
-    """The float matrix of a dense or stored-quantized weight (float32 for a quantized one)."""
-    return w if isinstance(w, torch.Tensor) else w.dequantize()
 
 
 def cat_rows(parts: list[torch.Tensor | Stored]) -> torch.Tensor | Stored:
@@ -115,13 +126,14 @@ def cat_rows(parts: list[torch.Tensor | Stored]) -> torch.Tensor | Stored:
                               None if first.mins is None else torch.cat([p.mins for p in parts]))
     if all(isinstance(p, ChannelInt8) for p in parts):
         return ChannelInt8(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
-    return torch.cat([dense_of(p).float() for p in parts]).contiguous()
+    return torch.cat([p.float() if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]).contiguous()
 
 
 @dataclass
 class Int4Pass:
     """One _weight_int4pack_mm_for_cpu call: w = (q - 8) s + z per group of 32."""
 
+    form_name = "torch-int4"
     packed: torch.Tensor  # [Np, K / 2] uint8, the kernel's layout; Np: N rounded up to 16 (zero rows)
     scales_and_zeros: torch.Tensor  # [K / 32, Np, 2] in the activations' dtype
     num_rows: int  # N
@@ -138,6 +150,8 @@ class Int4Pass:
 @dataclass
 class Int8Pass:
     """One _weight_int8pack_mm call: w = s[n] q."""
+
+    form_name = "torch-int8"
 
     codes: torch.Tensor  # [N, K] int8
     scales: torch.Tensor  # [N] in the activations' dtype
@@ -184,9 +198,10 @@ class QuantLinear:
     for the call (the copy's memory saved for a pass over the weights each wide step)."""
 
     passes: list[Int4Pass | Int8Pass | blockdot.Panels]
-    dense: torch.Tensor | None  # [N, K] in the activations' dtype (oneDNN-packed where that runs faster), or None
+    dense: Weight | None  # [N, K] in the activations' dtype (oneDNN-packed where that runs faster), or None
     max_kernel_rows: int | None
     shape: tuple[int, int]  # (N, K)
+    dtype: torch.dtype  # the activations'
 
     def __post_init__(self) -> None:
         if self.max_kernel_rows is not None and self.dense is None and not self.dequantizes:
@@ -198,51 +213,47 @@ class QuantLinear:
         """Whether wide steps dequantize the panels per call (no dense copy)."""
         return self.dense is None and len(self.passes) == 1 and isinstance(self.passes[0], blockdot.Panels)
 
+    @property
+    def form(self) -> Form:
+        first = self.passes[0]
+        wide = None if self.max_kernel_rows is None else ("dense copy" if self.dense is not None else "dequantized")
+        int16_rows = getattr(first, "int16_rows", 0) or None
+        return Form(first.form_name, dtype_name(self.dtype), self.max_kernel_rows, wide, int16_rows)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.max_kernel_rows is not None and x.shape[0] > self.max_kernel_rows:
             if self.dense is not None:
-                return dense_linear(x, self.dense)
+                return self.dense(x)
             return F.linear(x, self.passes[0].dequantize(x.dtype))
         out = self.passes[0](x)
         for kernel_pass in self.passes[1:]:
             out = out + kernel_pass(x)
         return out
 
-    @property
-    def kernel_bytes(self) -> int:
-        return sum(p.nbytes for p in self.passes)
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense matrix [N, K]: the copy's, or the panels' (exact); torch's passes hold none of their own."""
+        if self.dense is not None:
+            return self.dense.dequantize(dtype)
+        if self.dequantizes:
+            return self.passes[0].dequantize(dtype)
+        eye = torch.eye(self.shape[1], dtype=self.dtype)
+        return self(eye).t().to(dtype)  # each column of the identity picks a column of w
 
-    @property
-    def dense_bytes(self) -> int:
-        if self.dense is None:
-            return 0
-        N, K = self.shape
-        return N * K * self.dense.element_size() if self.dense.is_mkldnn else self.dense.nbytes
+    def nbytes_by_kind(self) -> dict[str, int]:
+        dense = 0 if self.dense is None else sum(self.dense.nbytes_by_kind().values())
+        return {"quantized": sum(p.nbytes for p in self.passes), "dense_copies": dense}
 
-
-def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T -> [M, N]. A weight packed by pack_linear_weight goes to oneDNN."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-    return F.linear(x, weight)
-
-
-def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN's packed linear applies on a CPU whose torch has oneDNN, to float32 weights, and to
-    bfloat16 ones where oneDNN computes bf16 natively."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if weight.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return weight.dtype == torch.float32
+    def c_form(self, regroup: Regroup) -> CForm | None:
+        """blockdot's panels as they are; torch's kernels' layouts are not fused_decode.c's."""
+        if len(self.passes) == 1 and isinstance(self.passes[0], blockdot.Panels):
+            panels = self.passes[0]
+            return CForm(panels.data, panels.planes, copied=False)
+        return None
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] -> the same matrix reordered once into oneDNN's blocked layout (an opaque
-    tensor that only `dense_linear` reads). This is what torch.compile's freezing does for CPU
-    linears. Measured over all 30 layers of the default model, 2 threads, fp32 (notes/peerbench.md):
-    1.3x faster than F.linear at 1 row, 1.5-2.4x at 2-64 rows, and 1.8x on the 113 MB head."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+def dense_weight(matrix: torch.Tensor, packed: bool) -> Weight:
+    """A dense matrix as torch runs it: reordered for oneDNN where asked and oneDNN takes it."""
+    return pack(matrix) if packed and can_pack(matrix.dtype, matrix.device) else Dense(matrix)
 
 
 def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pack: bool,
@@ -258,14 +269,12 @@ def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pac
     passes = [blockdot.pack(w, int16_rows=int16_rows)] if on_blockdot else kernel_passes(w, dtype)
     dense = None
     if max_kernel_rows is not None and (dense_copy or not on_blockdot):
-        dense = w.dequantize().to(dtype)
-        if pack and can_pack(dense):
-            dense = pack_linear_weight(dense)
-    return QuantLinear(passes, dense, max_kernel_rows, w.shape)
+        dense = dense_weight(w.dequantize(dtype), pack)
+    return QuantLinear(passes, dense, max_kernel_rows, w.shape, dtype)
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor | Stored, dtype: torch.dtype) -> torch.Tensor:
     """ids [T] -> rows [T, E] in `dtype`; a quantized table dequantizes only the rows it looks up."""
     if isinstance(table, torch.Tensor):
         return F.embedding(ids, table).to(dtype)
-    return table.rows(ids).dequantize().to(dtype)
+    return table.rows(ids).dequantize(dtype)

@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.model.config import LlamaConfig
+from nanoserve.model.forms import Form, Regroup, Weight
 from nanoserve.model.gguf import BLOCK
-from nanoserve.model.llama import LlamaModel, Weight, linear
+from nanoserve.model.llama import LlamaModel
 
 Range = tuple[int, int]  # [start, end)
 
@@ -141,7 +142,7 @@ class AllReduced:
     its matmul in the model's dtype; the partials are added in float32 and the sum is rounded to
     the dtype once (gloo sums bf16 too, but a bf16 sum would round at every addition)."""
 
-    inner: Weight  # [N, K_r], in any form linear() reads
+    inner: Weight  # [N, K_r], in any form
     group: Any  # a torch.distributed ProcessGroup
     stats: CollectiveStats
 
@@ -149,11 +150,24 @@ class AllReduced:
     def shape(self) -> tuple[int, int]:
         return tuple(self.inner.shape)
 
+    @property
+    def form(self) -> Form:
+        return dataclasses.replace(self.inner.form, all_reduced=True)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.inner.dequantize(dtype)  # this rank's columns
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        return self.inner.nbytes_by_kind()
+
+    def c_form(self, regroup: Regroup) -> None:
+        return None  # fused_decode.c has no collective: tensor-parallel ranks run decoder_layer
+
     def with_inner(self, inner: Weight) -> AllReduced:
         return AllReduced(inner, self.group, self.stats)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.inner).float()  # [M, N] partial
+        out = self.inner(x).float()  # [M, N] partial
         start = time.perf_counter()
         try:
             self.group.allreduce([out], dist.AllreduceOptions()).wait()

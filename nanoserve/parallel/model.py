@@ -17,6 +17,7 @@ import torch
 
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.llama import LlamaModel, ModelInputs
+from nanoserve.model.plan import ExecutionPlan
 from nanoserve.model.shard import CollectiveError, Range, vocab_ranges
 from nanoserve.model.shard_load import check_split
 from nanoserve.model.weights import checkpoint_source, load_tokenizer
@@ -101,8 +102,7 @@ def load_tensor_parallel(path: str | Path | None, config: Any) -> tuple[TensorPa
     return model, tokenizer
 
 
-def start(model: TensorParallelModel, dtype: str, quantization: str | None, max_kernel_rows: int | None,
-          pack_weights: bool, num_blocks: int, block_size: int) -> None:
+def start(model: TensorParallelModel, plan: ExecutionPlan, num_blocks: int, block_size: int) -> None:
     """Has every worker lay its shard out as rank 0's was and allocate `num_blocks` KV blocks, then
     enter its step loop.
 
@@ -110,6 +110,6 @@ def start(model: TensorParallelModel, dtype: str, quantization: str | None, max_
         WorkerFailure: naming the worker that failed, and its error.
     """
     group = model.group
-    group.publish("layout", layout_message(dtype, quantization, max_kernel_rows, pack_weights, num_blocks, block_size))
+    group.publish("layout", layout_message(plan, num_blocks, block_size))
     group.await_reports("ready")
     group.is_running = True

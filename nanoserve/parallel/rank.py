@@ -1,5 +1,5 @@
-"""What every rank does to start: read its slices into a model, then lay that model out in the
-precision rank 0 chose and allocate its KV cache (its own heads, rank 0's number of blocks).
+"""What every rank does to start: read its slices into a model, then lay that model out by the
+execution plan rank 0 resolved and allocate its KV cache (its own heads, rank 0's number of blocks).
 
 Rank 0 (nanoserve.parallel.model) and the workers (nanoserve.parallel.worker) run these same
 functions on the messages rank 0 publishes, so every rank's model is laid out alike.
@@ -14,6 +14,8 @@ import torch
 
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.llama import LlamaModel
+from nanoserve.model.plan import ExecutionPlan, check_laid_out
+from nanoserve.model.precision import DTYPES
 from nanoserve.model.prepare import prepare_model
 from nanoserve.model.shard import shard_model
 from nanoserve.model.shard_load import read_shard
@@ -29,16 +31,20 @@ def load_rank(group: TensorParallelGroup, spec: dict[str, Any],
                        spec["max_positions"], model_class)
 
 
-def layout_message(dtype: str, quantization: str | None, max_kernel_rows: int | None, pack_weights: bool,
-                   num_blocks: int, block_size: int) -> dict[str, Any]:
+def layout_message(plan: ExecutionPlan, num_blocks: int, block_size: int) -> dict[str, Any]:
     """What rank 0 tells every worker once it has laid its own shard out and sized its KV pool."""
-    return {"dtype": dtype, "quantization": quantization, "max_kernel_rows": max_kernel_rows,
-            "pack_weights": pack_weights, "num_blocks": num_blocks, "block_size": block_size}
+    return {"plan": plan.to_message(), "num_blocks": num_blocks, "block_size": block_size}
 
 
 def lay_out_rank(model: LlamaModel, layout: dict[str, Any], device: torch.device) -> tuple[LlamaModel, KVCache]:
-    """The model laid out as `layout` says (as Engine lays rank 0's out) and its KV cache."""
-    model = prepare_model(model, pack_weights=layout["pack_weights"], compile=False,
-                          dtype=getattr(torch, layout["dtype"]), quantization=layout["quantization"],
-                          max_kernel_rows=layout["max_kernel_rows"])
-    return model, KVCache(model.config, layout["num_blocks"], layout["block_size"], model.dtype, device)
+    """The model laid out by rank 0's plan (as Engine lays rank 0's out) and its KV cache.
+
+    Raises:
+        RuntimeError: the laid-out shard differs from the plan.
+    """
+    plan = ExecutionPlan.from_message(layout["plan"])
+    model = prepare_model(model, plan)
+    mismatches = check_laid_out(model, plan)
+    if mismatches:
+        raise RuntimeError(f"this rank's laid-out shard differs from rank 0's plan: {mismatches[:4]}")
+    return model, KVCache(model.config, layout["num_blocks"], layout["block_size"], DTYPES[plan.kv_cache_dtype], device)

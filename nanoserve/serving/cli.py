@@ -1,4 +1,4 @@
-"""`nanoserve <command>`: serve, bench-serve, demo. Also `python -m nanoserve <command>`."""
+"""`nanoserve <command>`: serve, bench-serve, demo, plan. Also `python -m nanoserve <command>`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ COMMANDS = {
     "serve": "an OpenAI-compatible HTTP server (loopback unless --host says otherwise)",
     "bench-serve": "drive a running server with Poisson arrivals and report serving metrics",
     "demo": "several prompts at once on the embedded default model",
+    "plan": "print the execution plan a model would run on this machine (what runs each step, and why)",
 }
 
 
@@ -94,6 +95,39 @@ def serve_main(argv: list[str]) -> None:
     serve(args.model, args.host, args.port, config, args.served_model_name, args.log_level, server_config)
 
 
+def plan_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="nanoserve plan", description=COMMANDS["plan"])
+    parser.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: embedded SmolLM2-135M)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--quantization", default="auto", choices=["auto", "int8", "int4", "none"])
+    parser.add_argument("--kernels", default="auto", choices=["auto", "torch", "blockdot"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine import Engine
+
+    if args.num_threads is not None:
+        if args.num_threads < 1:
+            parser.error(f"--num-threads={args.num_threads} must be >= 1")
+        import torch
+
+        torch.set_num_threads(args.num_threads)  # process start-up: the one place a torch global is set
+    try:
+        config = EngineConfig(dtype=args.dtype, quantization=None if args.quantization == "none" else args.quantization,
+                              kernels=args.kernels, kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=1)
+    except ValueError as e:
+        parser.error(str(e))
+    engine = Engine.from_pretrained(args.model, config)  # it lays the model out and holds it to the plan
+    model = engine.model.config
+    print(f"nanoserve plan: {args.model or 'the embedded default model'} ({model.architecture}, {model.num_layers} "
+          f"layers, hidden {model.hidden_size}, vocabulary {model.vocab_size})")
+    print(engine.plan.render())
+    memory = engine.memory()
+    print("weights: " + ", ".join(f"{kind} {size / 2**20:.1f} MiB" for kind, size in memory.items()
+                                   if size and kind != "kv_cache"))
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
@@ -106,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = argv[0], argv[1:]
     if command == "serve":
         serve_main(rest)
+    elif command == "plan":
+        plan_main(rest)
     elif command == "bench-serve":
         from nanoserve.serving.bench_serve import main as bench_main
 

@@ -25,15 +25,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     engine = Engine.from_pretrained(args.model, EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=1024))
-    tokenizer = engine.tokenizer
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-        if getattr(tokenizer, "chat_template", None) else q
-        for q in QUESTIONS
-    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
+    if getattr(engine.tokenizer, "chat_template", None):
+        outputs = engine.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params)
+    else:
+        outputs = engine.generate(QUESTIONS, params)
     wall = time.perf_counter() - start
 
     for question, out in zip(QUESTIONS, outputs, strict=True):
@@ -45,8 +42,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{out.finish_reason:>6}")
     total = sum(len(out.token_ids) for out in outputs)
     print(f"{len(outputs)} requests, {total} output tokens in {wall:.2f} s: {total / wall:.1f} tokens/s "
-          f"(max_num_seqs={args.max_num_seqs}, {engine.precision.dtype}, quantization "
-          f"{engine.precision.quantization}, {engine.config.device})")
+          f"(max_num_seqs={args.max_num_seqs}, {engine.plan.dtype}, quantization "
+          f"{engine.plan.quantization}, {engine.config.device})")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from nanoserve.chat import encode_chat
 from nanoserve.serving.async_engine import (
     AsyncEngine,
     DrainingError,
@@ -169,9 +170,7 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ApiError("this model's tokenizer has no chat template: use /v1/completions")
         plan = tools.plan(body, tokenizer)
-        text = tools.render_prompt(tokenizer, messages, plan)
-        # The template already wrote the special tokens; encoding must not add a BOS of its own.
-        prompt_ids = list(tokenizer.encode(text, add_special_tokens=False))
+        prompt_ids = encode_chat(tokenizer, tools.render_prompt(tokenizer, messages, plan))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = protocol.sampling_params(body, max_tokens_for(requested, len(prompt_ids)),
                                           protocol.chat_logprobs_count(body),

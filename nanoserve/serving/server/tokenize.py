@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 
+from nanoserve.chat import render_chat
 from nanoserve.serving.server import protocol
 from nanoserve.serving.server.protocol import ApiError, ChatMessage, _Body
 
@@ -100,8 +101,7 @@ def chat_text(tokenizer, body: TokenizeChatRequest) -> str:
     messages = protocol.chat_messages(body)
     extra = {"tools": body.tools} if body.tools else {}
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=body.add_generation_prompt,
-                                             continue_final_message=body.continue_final_message, **extra)
-    except Exception as e:  # the template's own raise_exception, e.g. roles out of order
-        raise ApiError(f"the chat template rejected the messages: {e}", param="messages") from None
+        return render_chat(tokenizer, messages, add_generation_prompt=body.add_generation_prompt,
+                           continue_final_message=body.continue_final_message, **extra)
+    except ValueError as e:  # the template's own raise_exception, e.g. roles out of order
+        raise ApiError(str(e), param="messages") from None

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from nanoserve.chat import render_chat
 from nanoserve.params import StructuredOutputs
 from nanoserve.serving.server.protocol import ApiError, ChatCompletionRequest
 from nanoserve.serving.server.tool_parsers import (
@@ -155,9 +156,9 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan
         if plan.tools and plan.choice != "none":
             messages = _with_tools_prompt(messages, plan)
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-    except Exception as e:  # the template's own raise_exception, e.g. roles out of order
-        raise ApiError(f"the chat template rejected the messages: {e}", param="messages") from None
+        return render_chat(tokenizer, messages, **kwargs)
+    except ValueError as e:  # the template's own raise_exception, e.g. roles out of order
+        raise ApiError(str(e), param="messages") from None
 
 
 def _calls_as_text(message: dict[str, Any]) -> dict[str, Any]:

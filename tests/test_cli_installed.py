@@ -1,0 +1,34 @@
+"""The `nanoserve` command as pip installed it: pyproject's entry point names a real function, and
+the console script next to this interpreter runs and lists every command."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nanoserve.serving.cli import COMMANDS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_entry_point_names_an_importable_function():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module_name, _, function = scripts["nanoserve"].partition(":")
+    assert callable(getattr(importlib.import_module(module_name), function))
+
+
+def test_the_installed_command_lists_every_command(tmp_path):
+    script = Path(sys.executable).with_name("nanoserve")
+    if not script.exists():
+        pytest.skip(f"no installed console script at {script}: `pip install -e .` puts it there")
+    # From an empty directory, so the package comes from the installation, not the working directory.
+    proc = subprocess.run([str(script), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: nanoserve <command>")
+    listed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ")]
+    assert listed == list(COMMANDS)
