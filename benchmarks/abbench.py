@@ -10,6 +10,7 @@ the change off (A) and on (B), alternating A B A B ... in one process, and repor
     python benchmarks/abbench.py --change dequantize # wide steps on panels dequantized per call against dense copies
     python benchmarks/abbench.py --change dense      # dense matrices on blockdot's dense panels against torch's (oneDNN)
     python benchmarks/abbench.py --change kv16       # a float16 K/V cache against the model's dtype's
+    python benchmarks/abbench.py --change per-layer --slots 16 32   # the per-layer C glue against decoder_layer
 
 --phase prefill times the steps that prefill the prompts (each slot's whole prompt, several
 prompts a step) in place of the decode steps that follow.
@@ -21,6 +22,9 @@ against "auto"); int16 too, each engine laying the file's blocks out itself
 (EngineConfig.blockdot_int16_rows 1 against None); dequantize the same way (EngineConfig.dense_copies
 False against True). packed and compile measure torch's dense linears (EngineConfig.dense_kernel
 "torch" on both sides); dense puts them against blockdot's dense panels ("torch" against "blockdot").
+per-layer lays the file's blocks out on each side with max_kernel_rows 8, so that decode steps of
+more than 8 rows take the plan's c-per-layer driver (three C calls a layer between the linears) on
+B and decoder_layer on A (EngineConfig.fused_decode True against False).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.instruments.csv_writer import write_csv
 from nanoserve.model.weights import load_checkpoint
 
-CHANGES = ("groups", "deferred", "compile", "packed", "fused", "int16", "dequantize", "dense", "kv16")
+CHANGES = ("groups", "deferred", "compile", "packed", "fused", "int16", "dequantize", "dense", "kv16", "per-layer")
 
 
 def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
@@ -51,10 +55,11 @@ def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
     if change in ("fused", "kv16"):
         setting = {"fused_decode": on} if change == "fused" else {"kv_cache_dtype": "float16" if on else "auto"}
         return Engine(base.model, base.tokenizer, EngineConfig(
-            dtype=base.plan.dtype, quantization=None, max_num_seqs=slots, max_model_len=2048,
+            dtype=base.plan.dtype, quantization="auto", max_num_seqs=slots, max_model_len=2048,
             max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, **setting))
-    if change in ("int16", "dequantize"):
-        setting = {"blockdot_int16_rows": 1 if on else None} if change == "int16" else {"dense_copies": not on}
+    if change in ("int16", "dequantize", "per-layer"):
+        setting = {"int16": {"blockdot_int16_rows": 1 if on else None}, "dequantize": {"dense_copies": not on},
+                   "per-layer": {"fused_decode": on, "max_kernel_rows": 8}}[change]
         return Engine(base.model, base.tokenizer, EngineConfig(
             max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30,
             enable_prefix_caching=False, **setting))
@@ -106,7 +111,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.change in ("fused", "kv16"):
         base = Engine.from_pretrained(args.model, EngineConfig(max_model_len=2048, fused_decode=args.change == "kv16"))
-    elif args.change in ("int16", "dequantize"):  # the checkpoint as loaded: each engine lays it out
+    elif args.change in ("int16", "dequantize", "per-layer"):  # the checkpoint as loaded: each engine lays it out
         model, tokenizer = load_checkpoint(args.model, "cpu", max_positions=2048)
         base = SimpleNamespace(model=model, tokenizer=tokenizer)
     else:

@@ -29,6 +29,7 @@ PAIRS = {
     "dequantize": ((True, False, False, 8, "auto", 1, True, "auto", "auto"), (True, False, False, 8, "auto", 1, False, "auto", "auto")),
     "dense": ((True, False, False, 8, "auto", 1, "auto", "torch", "auto"), (True, False, False, 8, "auto", 1, "auto", "blockdot", "auto")),
     "kv16": ((True, False, False, 8, "auto", 1, "auto", "auto", "auto"), (True, False, False, 8, "auto", 1, "auto", "auto", "float16")),
+    "per-layer": ((True, False, False, 8, False, 1, "auto", "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto", "auto")),
 }
 
 

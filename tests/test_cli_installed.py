@@ -32,3 +32,19 @@ def test_the_installed_command_lists_every_command(tmp_path):
     assert proc.stdout.startswith("usage: nanoserve <command>")
     listed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ")]
     assert listed == list(COMMANDS)
+
+
+@pytest.mark.weights
+def test_the_installed_plan_command_prints_what_the_default_model_runs(tmp_path, default_model_dir):
+    script = Path(sys.executable).with_name("nanoserve")
+    if not script.exists():
+        pytest.skip(f"no installed console script at {script}: `pip install -e .` puts it there")
+    proc = subprocess.run([str(script), "plan"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert out.startswith("nanoserve plan: the embedded default model (LlamaForCausalLM, 30 layers")
+    # the GGUF's Q4_1 layers and Q8_0 head, each named with the form it runs in; the steps and the why
+    assert "layers 0-29 qkv            Q4_1 -> " in out and "head                       Q8_0 -> " in out
+    for section in ("matrices:", "steps:", "batch invariance", "why:", "weights: "):
+        assert section in out
+    # the engine started, so the laid-out model matched this plan (Engine refuses to start otherwise)

@@ -8,8 +8,8 @@ from conftest import forms, make_hf_llama, make_tiny_engine, nanoserve_model_fro
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.model import blockdot
-from nanoserve.model.llama import decoder_layer
 from nanoserve.model.forms import can_pack
+from nanoserve.model.llama import decoder_layer
 
 pytestmark = pytest.mark.slow
 

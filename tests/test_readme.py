@@ -19,7 +19,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MAX_README_LINES = 200  # what a newcomer reads; the rest belongs in docs/
 # Where a `nanoserve <command>`'s flags are defined; another command's are looked for in all of nanoserve/.
 COMMAND_SOURCES = {"serve": "nanoserve/serving/cli.py", "bench-serve": "nanoserve/serving/bench_serve.py",
-                   "demo": "nanoserve/serving/demo.py"}
+                   "demo": "nanoserve/serving/demo.py", "plan": "nanoserve/serving/cli.py"}
 
 
 def page_id(page: Path) -> str:
@@ -55,10 +55,11 @@ def test_links_and_paths_resolve(page):
 
 
 def commands(text: str) -> list[list[str]]:
-    """The command lines of the page's non-Python code blocks, as argv lists, comments cut."""
+    """The command lines of the page's code blocks, as argv lists, comments cut: not Python's, and not
+    a printout's (a block marked `text`)."""
     found = []
     for language, body in code_blocks(text):
-        if language == "python":
+        if language in ("python", "text"):
             continue
         for line in body.splitlines():
             line = re.split(r"\s#\s|\s#$", line, maxsplit=1)[0].strip()
