@@ -122,19 +122,26 @@ def main() -> None:
     rows = []
     print(f"abbench --change {args.change}: {args.phase} steps, ragged prompts {args.prompt_range}, "
           f"{args.rounds} rounds of A B, {args.steps} steps each, median per step")
-    print(f"{'slots':>5}{'A (off) ms':>12}{'B (on) ms':>11}{'B / A':>8}{'warm-up B s':>13}")
+    print(f"{'slots':>5}{'A (off) ms':>12}{'B (on) ms':>11}{'B / A':>8}{'warm-up B s':>13}{'per round':>17}")
     for slots in args.slots:
         prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(*args.prompt_range))] for _ in range(slots)]
         engines = {on: make_engine(base, args.change, on, slots) for on in (False, True)}
         warmup = {on: engines[on].warmup() for on in (False, True)}
         samples: dict[bool, list[float]] = {False: [], True: []}
+        ratios = []  # each round's B / A, the pair run back to back: the spread
         for _ in range(args.rounds):
+            medians = {}
             for on in (False, True):
-                samples[on] += step_times(engines[on], prompts, args.steps, args.phase)
+                measured = step_times(engines[on], prompts, args.steps, args.phase)
+                samples[on] += measured
+                medians[on] = statistics.median(measured)
+            ratios.append(medians[True] / medians[False])
         a, b = statistics.median(samples[False]), statistics.median(samples[True])
         rows.append({"change": args.change, "phase": args.phase, "slots": slots, "a_step_ms": a * 1e3, "b_step_ms": b * 1e3,
-                     "b_over_a": b / a, "b_warmup_s": warmup[True]})
-        print(f"{slots:>5}{a * 1e3:>12.1f}{b * 1e3:>11.1f}{b / a:>7.2f}x{warmup[True]:>13.1f}")
+                     "b_over_a": b / a, "round_ratio_min": min(ratios), "round_ratio_max": max(ratios),
+                     "b_warmup_s": warmup[True]})
+        print(f"{slots:>5}{a * 1e3:>12.1f}{b * 1e3:>11.1f}{b / a:>7.2f}x{warmup[True]:>13.1f}"
+              f"{min(ratios):>10.2f} - {max(ratios):.2f}")
     out = Path(args.out or f"runs/abbench-{args.change}{'-prefill' if args.phase == 'prefill' else ''}.csv")
     write_csv(out, rows)
     print(f"wrote {out}")

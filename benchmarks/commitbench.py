@@ -97,11 +97,13 @@ def main() -> None:
         trees = {"base": worktree(args.base, Path(tmp)), "head": worktree(args.head, Path(tmp))}
         try:
             times: dict[tuple[str, int], list[float]] = {}
+            rounds: dict[tuple[str, int], list[float]] = {}  # each round's median step
             for r in range(args.rounds):
                 for slots in args.slots:
                     for side in (("base", "head") if r % 2 == 0 else ("head", "base")):
-                        times.setdefault((side, slots), []).extend(
-                            step_times(trees[side], slots, args.steps, args.threads, args.prompt_len, args.precision))
+                        measured = step_times(trees[side], slots, args.steps, args.threads, args.prompt_len, args.precision)
+                        times.setdefault((side, slots), []).extend(measured)
+                        rounds.setdefault((side, slots), []).append(statistics.median(measured))
         finally:
             for tree in trees.values():
                 if tree != ROOT:
@@ -110,14 +112,18 @@ def main() -> None:
     rows = []
     print(f"commitbench: decode step, base {args.base} vs head {args.head}, {args.rounds} rounds x "
           f"{args.steps} steps, {args.threads} threads, {args.precision} precision, medians")
-    print(f"{'slots':>5} {'base ms':>10} {'head ms':>10} {'head/base':>10}")
+    print(f"{'slots':>5} {'base ms':>10} {'head ms':>10} {'head/base':>10} {'per round':>20}")
     for slots in args.slots:
         base, head = statistics.median(times[("base", slots)]), statistics.median(times[("head", slots)])
-        print(f"{slots:>5} {base * 1e3:>10.2f} {head * 1e3:>10.2f} {head / base:>10.3f}")
+        # the spread: each round's head / base, the pair run back to back
+        ratios = [h / b for h, b in zip(rounds[("head", slots)], rounds[("base", slots)], strict=True)]
+        print(f"{slots:>5} {base * 1e3:>10.2f} {head * 1e3:>10.2f} {head / base:>10.3f} "
+              f"{min(ratios):>9.3f} - {max(ratios):.3f}")
         rows.append({"base": args.base, "head": args.head, "slots": slots, "rounds": args.rounds,
                      "steps": args.steps, "threads": args.threads, "precision": args.precision,
                      "base_step_ms": base * 1e3,
-                     "head_step_ms": head * 1e3, "head_over_base": head / base})
+                     "head_step_ms": head * 1e3, "head_over_base": head / base,
+                     "round_ratio_min": min(ratios), "round_ratio_max": max(ratios)})
     write_csv(args.out, rows)
     print(f"wrote {args.out}")
 

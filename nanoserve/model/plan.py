@@ -182,8 +182,8 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
         c_decode = False
     quantized = any(w.form.name == STORED for _, _, w in model.matrices())
     dense_kernel = config.dense_kernel
-    if parallel or compiled or (exact and dense_kernel == "auto"):
-        dense_kernel = "torch"
+    if parallel or compiled or (exact and not c_decode and dense_kernel == "auto"):
+        dense_kernel = "torch"  # the exact path's matmuls are torch's, unless an override asked for the C decode
     precision = resolve(config.dtype, config.quantization, device, quantized, probe=probe,
                         kernels="torch" if parallel or compiled else config.kernels,
                         max_kernel_rows=config.max_kernel_rows, dense_copies=config.dense_copies,
@@ -194,7 +194,7 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
         reasons.append(f"no C decode: the model computes in {dtype_name(dtype)}")
         c_decode = False
     pack_weights = config.pack_weights and not compiled
-    if dense_kernel == "blockdot" or precision.dense_kernel == "blockdot":
+    if precision.dense_kernel == "blockdot":
         dense = Form("dense-panels", precision.dtype)
     else:
         dense = Form("onednn" if pack_weights and can_pack(dtype, device) else "torch", precision.dtype)
