@@ -19,12 +19,12 @@ Every change but fused, kv16 and int16 runs the default model in float32, dense;
 it at the default precision (the GGUF's blocks on the kernels the probe picks, and their dense
 copies), both engines over the same laid-out weights (kv16: EngineConfig.kv_cache_dtype "float16"
 against "auto"); int16 too, each engine laying the file's blocks out itself
-(EngineConfig.blockdot_int16_rows 1 against None); dequantize the same way (EngineConfig.dense_copies
-False against True). packed and compile measure torch's dense linears (EngineConfig.dense_kernel
+(PlanOverrides.blockdot_int16_rows 1 against None); dequantize the same way (PlanOverrides.dense_copies
+False against True). packed and compile measure torch's dense linears (PlanOverrides.dense_kernel
 "torch" on both sides); dense puts them against blockdot's dense panels ("torch" against "blockdot").
 per-layer lays the file's blocks out on each side with max_kernel_rows 8, so that decode steps of
 more than 8 rows take the plan's c-per-layer driver (three C calls a layer between the linears) on
-B and decoder_layer on A (EngineConfig.fused_decode True against False).
+B and decoder_layer on A (PlanOverrides.fused_decode True against False).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from types import SimpleNamespace
 
 import torch
 
-from nanoserve import Engine, EngineConfig, SamplingParams
+from nanoserve import Engine, EngineConfig, PlanOverrides, SamplingParams
 from nanoserve.instruments.csv_writer import write_csv
 from nanoserve.model.weights import load_checkpoint
 
@@ -53,22 +53,23 @@ def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
     Compile is measured against the best eager engine, the packed one; packing against plain. fused:
     `base` is at the default precision, laid out already; both engines run its weights as they are."""
     if change in ("fused", "kv16"):
-        setting = {"fused_decode": on} if change == "fused" else {"kv_cache_dtype": "float16" if on else "auto"}
+        setting = ({"overrides": PlanOverrides(fused_decode=on)} if change == "fused"
+                   else {"kv_cache_dtype": "float16" if on else "auto"})
         return Engine(base.model, base.tokenizer, EngineConfig(
             dtype=base.plan.dtype, quantization="auto", max_num_seqs=slots, max_model_len=2048,
             max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, **setting))
     if change in ("int16", "dequantize", "per-layer"):
-        setting = {"int16": {"blockdot_int16_rows": 1 if on else None}, "dequantize": {"dense_copies": not on},
-                   "per-layer": {"fused_decode": on, "max_kernel_rows": 8}}[change]
+        pinned = {"int16": {"blockdot_int16_rows": 1 if on else None}, "dequantize": {"dense_copies": not on},
+                  "per-layer": {"fused_decode": on, "max_kernel_rows": 8}}[change]
         return Engine(base.model, base.tokenizer, EngineConfig(
             max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30,
-            enable_prefix_caching=False, **setting))
+            enable_prefix_caching=False, overrides=PlanOverrides(**pinned)))
     packed = {"packed": on, "compile": not on}.get(change, True)
     dense_kernel = {"packed": "torch", "compile": "torch", "dense": "blockdot" if on else "torch"}.get(change, "auto")
     config = EngineConfig(dtype="float32", quantization=None, max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192,
-                          kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, pack_weights=packed,
+                          kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False,
                           deferred_output=(change == "deferred" and on), compile=(change == "compile" and on),
-                          dense_kernel=dense_kernel)
+                          overrides=PlanOverrides(pack_weights=packed, dense_kernel=dense_kernel))
     if change == "groups" and not on:  # decode rows attended as one group, never split by length
         config = dataclasses.replace(config, decode_group_min_rows=None)
     return Engine(base.model, base.tokenizer, config)
@@ -110,13 +111,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.change in ("fused", "kv16"):
-        base = Engine.from_pretrained(args.model, EngineConfig(max_model_len=2048, fused_decode=args.change == "kv16"))
+        base = Engine.from_pretrained(args.model, EngineConfig(max_model_len=2048,
+                                                               overrides=PlanOverrides(fused_decode=args.change == "kv16")))
     elif args.change in ("int16", "dequantize", "per-layer"):  # the checkpoint as loaded: each engine lays it out
         model, tokenizer = load_checkpoint(args.model, "cpu", max_positions=2048)
         base = SimpleNamespace(model=model, tokenizer=tokenizer)
     else:
-        base = Engine.from_pretrained(args.model, EngineConfig(dtype="float32", quantization=None, max_model_len=2048,
-                                                               pack_weights=False, dense_kernel="torch"))
+        base = Engine.from_pretrained(args.model, EngineConfig(
+            dtype="float32", quantization=None, max_model_len=2048,
+            overrides=PlanOverrides(pack_weights=False, dense_kernel="torch")))
     rng = random.Random(0)
     vocab = base.model.config.vocab_size
     rows = []

@@ -23,7 +23,7 @@ from unittest import mock
 import torch
 
 import nanoserve.model.llama as llama
-from nanoserve import Engine, EngineConfig
+from nanoserve import Engine, EngineConfig, PlanOverrides
 from nanoserve.instruments.csv_writer import write_csv
 from nanoserve.instruments.runners import decode_step_times
 
@@ -40,7 +40,8 @@ def main() -> None:
     args = parser.parse_args()
     quantization = None if args.quantization == "none" else args.quantization
     engine = Engine.from_pretrained(args.model, EngineConfig(dtype=args.dtype, quantization=quantization,
-                                                             max_num_seqs=max(args.slots), fused_decode=False))
+                                                             max_num_seqs=max(args.slots),
+                                                             overrides=PlanOverrides(fused_decode=False)))
     real = llama.linear
     cached: dict[tuple[int, int], torch.Tensor] = {}
 

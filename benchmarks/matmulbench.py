@@ -13,7 +13,7 @@ does instead of finding them in cache. For each row count M, each layout runs on
 
 With --quant, the layouts of the lower precisions instead, activations in bf16 (the probe's choice
 on a CPU with native bf16; --activations float32 for a CPU without), each against `dense` (what a
-quantized linear reads past EngineConfig.max_kernel_rows): the row count where a kernel stops
+quantized linear reads past PlanOverrides.max_kernel_rows): the row count where a kernel stops
 beating dense is that crossover.
 
     dense     dense in the activations' dtype, oneDNN-packed where oneDNN has it

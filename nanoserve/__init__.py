@@ -1,8 +1,8 @@
 """nanoserve: a from-scratch LLM inference engine you can read end to end, measure honestly and change."""
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, PlanOverrides
 from nanoserve.engine import Engine, EngineStats
 from nanoserve.params import SamplingParams
 from nanoserve.request import RequestOutput
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "EngineStats", "PlanOverrides", "RequestOutput", "SamplingParams"]

@@ -12,44 +12,12 @@ _KERNELS = ("auto", "torch", "blockdot")
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """How the engine runs. Values discovered at run time (how many KV blocks fit) are
-    returned by the engine, never written back here.
+class PlanOverrides:
+    """The execution plan's choices an experiment may pin (benchmarks/abbench.py measures one against
+    another); each default leaves its choice to the plan (nanoserve.model.plan), which Engine.plan
+    holds and `nanoserve plan` prints."""
 
-    What a user chooses: dtype, quantization, kv_cache_dtype (and the scheduling fields). The
-    fields from pack_weights to fused_decode are overrides of the execution plan's choices, for
-    experiments (benchmarks/abbench.py): "auto" leaves each to the plan (nanoserve.model.plan), which
-    Engine.plan holds and `nanoserve plan` prints."""
-
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 512 * 2**20  # budget used when num_kv_blocks is None
-    max_num_seqs: int = 16  # slots: requests running at once
-    max_num_batched_tokens: int = 2048  # tokens forwarded in one step (prefill chunks + decodes)
-    max_model_len: int | None = None  # prompt + output limit; None: the model's max positions
-    enable_chunked_prefill: bool = True  # a prompt longer than the token budget is split over steps
-    enable_prefix_caching: bool = True  # full blocks shared by hash between requests with one prefix
-    deferred_output: bool = False  # resolve step N's tokens after step N+1 is launched (one token overshoot)
-    pack_weights: bool = True  # CPU float32: matmul weights reordered once for oneDNN (no-op elsewhere, or with compile)
-    # Decode rows are split into up to four groups of similar context length, each attended without
-    # padding to the longest, from this many rows (abbench --change groups: 0.77x step time at 16
-    # slots, 0.75x at 32, 1.13x at 4); None never splits.
-    decode_group_min_rows: int | None = 8
-    compile: bool = False  # torch.compile the decoder layer (warm-up: Engine.warmup() reports the cost)
-    # "auto": bfloat16 where the device computes it faster than float32 (a CUDA device with bf16;
-    # on a CPU, a start-up probe decides), float32 elsewhere. Engine.plan says why.
-    dtype: str = "auto"
-    # Weight-only quantization: None (dense in dtype), "int8" (per output channel), "int4" (groups of
-    # 32, scale and zero; the head in int8), "auto" (a checkpoint's own quantization kept where its
-    # kernel outruns the dense matmul, dense otherwise).
-    quantization: str | None = "auto"
-    # The K/V cache's dtype: "float32", "bfloat16", "float16" (2 bytes a value: llama.cpp's default;
-    # the same memory holds twice float32's tokens, and a long context's attention reads half the
-    # bytes), or "auto": float16 where quantized weights on blockdot compute in float32 on a CPU, the
-    # model's dtype elsewhere (precision.resolve). Attention computes in the model's dtype
-    # (float32 in the fused decode), each value widened as it is read; quantbench reports what it
-    # costs (notes/quantbench.md).
-    kv_cache_dtype: str = "auto"
+    pack_weights: bool = True  # CPU: dense matmul weights reordered once for oneDNN where it takes them (not with compile)
     # A quantized linear runs its kernels up to this many rows and the dense matrix in the dtype
     # above it (the kernels are shaped for few rows: benchmarks/matmulbench.py --quant); None: the
     # kernels at every width (slow prefill); "auto": the widest of 16, 32, 64 the start-up probe
@@ -87,6 +55,62 @@ class EngineConfig:
     # torch's ops only; True asks for it there too; False keeps decoder_layer (to compare, or to profile
     # per operation). Tensor-parallel ranks and compile keep decoder_layer.
     fused_decode: bool | str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kernels not in _KERNELS:
+            raise ValueError(f"kernels={self.kernels!r} is not one of {list(_KERNELS)}")
+        if self.dense_kernel not in _KERNELS:
+            raise ValueError(f"dense_kernel={self.dense_kernel!r} is not one of {list(_KERNELS)}")
+        if self.max_kernel_rows not in (None, "auto") and (not isinstance(self.max_kernel_rows, int)
+                                                           or self.max_kernel_rows < 1):
+            raise ValueError(f"max_kernel_rows={self.max_kernel_rows!r} must be None, 'auto' or an integer >= 1")
+        if not (isinstance(self.dense_copies, bool) or self.dense_copies == "auto"):
+            raise ValueError(f"dense_copies={self.dense_copies!r} must be True, False or 'auto'")
+        if self.blockdot_int16_rows is not None and (not isinstance(self.blockdot_int16_rows, int)
+                                                    or self.blockdot_int16_rows < 1):
+            raise ValueError(f"blockdot_int16_rows={self.blockdot_int16_rows!r} must be None or an integer >= 1")
+        if not (isinstance(self.fused_decode, bool) or self.fused_decode == "auto"):
+            raise ValueError(f"fused_decode={self.fused_decode!r} must be True, False or 'auto'")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs. Values discovered at run time (how many KV blocks fit) are
+    returned by the engine, never written back here.
+
+    What a user chooses: dtype, quantization, kv_cache_dtype (and the scheduling fields); what the
+    execution plan decides from them and the probe, an experiment may pin in `overrides`."""
+
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 512 * 2**20  # budget used when num_kv_blocks is None
+    max_num_seqs: int = 16  # slots: requests running at once
+    max_num_batched_tokens: int = 2048  # tokens forwarded in one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # prompt + output limit; None: the model's max positions
+    enable_chunked_prefill: bool = True  # a prompt longer than the token budget is split over steps
+    enable_prefix_caching: bool = True  # full blocks shared by hash between requests with one prefix
+    deferred_output: bool = False  # resolve step N's tokens after step N+1 is launched (one token overshoot)
+    # Decode rows are split into up to four groups of similar context length, each attended without
+    # padding to the longest, from this many rows (abbench --change groups: 0.77x step time at 16
+    # slots, 0.75x at 32, 1.13x at 4); None never splits.
+    decode_group_min_rows: int | None = 8
+    compile: bool = False  # torch.compile the decoder layer (warm-up: Engine.warmup() reports the cost)
+    # "auto": bfloat16 where the device computes it faster than float32 (a CUDA device with bf16;
+    # on a CPU, a start-up probe decides), float32 elsewhere. Engine.plan says why.
+    dtype: str = "auto"
+    # Weight-only quantization: None (dense in dtype), "int8" (per output channel), "int4" (groups of
+    # 32, scale and zero; the head in int8), "auto" (a checkpoint's own quantization kept where its
+    # kernel outruns the dense matmul, dense otherwise).
+    quantization: str | None = "auto"
+    # The K/V cache's dtype: "float32", "bfloat16", "float16" (2 bytes a value: llama.cpp's default;
+    # the same memory holds twice float32's tokens, and a long context's attention reads half the
+    # bytes), or "auto": float16 where quantized weights on blockdot compute in float32 on a CPU, the
+    # model's dtype elsewhere (precision.resolve). Attention computes in the model's dtype
+    # (float32 in the fused decode), each value widened as it is read; quantbench reports what it
+    # costs (notes/quantbench.md).
+    kv_cache_dtype: str = "auto"
+    # The execution plan's choices pinned for an experiment (abbench); the defaults leave each to the plan.
+    overrides: PlanOverrides = PlanOverrides()
     device: str = "cpu"
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
     # Every layer split across this many processes (nanoserve.parallel): rank 0 is this one and
@@ -115,18 +139,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {list(_DTYPES)}")
         if self.quantization not in _QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} is not one of {list(_QUANTIZATIONS)}")
-        if self.kernels not in _KERNELS:
-            raise ValueError(f"kernels={self.kernels!r} is not one of {list(_KERNELS)}")
-        if self.dense_kernel not in _KERNELS:
-            raise ValueError(f"dense_kernel={self.dense_kernel!r} is not one of {list(_KERNELS)}")
-        if self.max_kernel_rows not in (None, "auto") and (not isinstance(self.max_kernel_rows, int)
-                                                           or self.max_kernel_rows < 1):
-            raise ValueError(f"max_kernel_rows={self.max_kernel_rows!r} must be None, 'auto' or an integer >= 1")
-        if not (isinstance(self.dense_copies, bool) or self.dense_copies == "auto"):
-            raise ValueError(f"dense_copies={self.dense_copies!r} must be True, False or 'auto'")
-        if self.blockdot_int16_rows is not None and (not isinstance(self.blockdot_int16_rows, int)
-                                                    or self.blockdot_int16_rows < 1):
-            raise ValueError(f"blockdot_int16_rows={self.blockdot_int16_rows!r} must be None or an integer >= 1")
+        if not isinstance(self.overrides, PlanOverrides):
+            raise ValueError(f"overrides={self.overrides!r} must be a PlanOverrides")
         try:
             torch.device(self.device)
         except RuntimeError as e:
@@ -143,11 +157,9 @@ class EngineConfig:
             not isinstance(self.tensor_parallel_threads, int) or self.tensor_parallel_threads < 1
         ):
             raise ValueError(f"tensor_parallel_threads={self.tensor_parallel_threads!r} must be None or an integer >= 1")
-        if self.tensor_parallel_size > 1 and self.kernels == "blockdot":
+        if self.tensor_parallel_size > 1 and self.overrides.kernels == "blockdot":
             raise ValueError(f"kernels='blockdot' with tensor_parallel_size={self.tensor_parallel_size}: each rank lays "
                              "its shard out on torch's kernels; use kernels='auto' or 'torch'")
-        if not (isinstance(self.fused_decode, bool) or self.fused_decode == "auto"):
-            raise ValueError(f"fused_decode={self.fused_decode!r} must be True, False or 'auto'")
         if self.tensor_parallel_size > 1 and self.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} with tensor_parallel_size="
                              f"{self.tensor_parallel_size}: each rank's cache is in its model's dtype; use 'auto'")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoserve import Engine, EngineConfig, SamplingParams
+from nanoserve import Engine, EngineConfig, PlanOverrides, SamplingParams
 from nanoserve.instruments.readback_guard import READBACK_ROUTES, ReadbackHappened, readbacks_counted  # noqa: F401
 from nanoserve.model import default
 from nanoserve.model.config import LlamaConfig
@@ -75,10 +75,19 @@ def nanoserve_model_from_hf(hf, max_positions: int | None = None, dtype: torch.d
     return LlamaModel.from_state_dict(config, tensors, dtype, "cpu", max_positions)
 
 
+OVERRIDES = frozenset(PlanOverrides.__dataclass_fields__)
+
+
+def config_of(**fields) -> EngineConfig:
+    """An EngineConfig from flat keyword arguments: the names of PlanOverrides' fields go to its overrides."""
+    pinned = {name: fields.pop(name) for name in list(fields) if name in OVERRIDES}
+    return EngineConfig(**fields, overrides=PlanOverrides(**pinned))
+
+
 def prepared(model: LlamaModel, probe=None, **config) -> LlamaModel:
     """`model` laid out by the execution plan EngineConfig(**config) resolves for it (probe: in place
     of the start-up probe), as an Engine lays it out, and held to that plan."""
-    plan = resolve_plan(EngineConfig(**config), model, probe=probe)
+    plan = resolve_plan(config_of(**config), model, probe=probe)
     laid = prepare_model(model, plan)
     assert check_laid_out(laid, plan) == []
     return laid
@@ -107,7 +116,7 @@ class CharTokenizer:
 def make_tiny_engine(seed: int = 0, hf_overrides: dict | None = None, family: str = "llama", **config_overrides) -> Engine:
     """An Engine over a tiny random model of `family` (a Llama unless told; see TINY) with a character tokenizer."""
     hf = make_hf_model(family, seed, **(hf_overrides or {}))
-    config = EngineConfig(**({"block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 4, "dtype": "float32", "quantization": None} | config_overrides))
+    config = config_of(**({"block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 4, "dtype": "float32", "quantization": None} | config_overrides))
     return Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), config)
 
 

@@ -41,8 +41,9 @@ def test_every_change_has_a_pair():
 def test_each_side_differs_only_in_its_change(base, change):
     for on, expected in zip((False, True), PAIRS[change], strict=True):
         c = make_engine(base, change, on, slots=2).config
-        assert (c.pack_weights, c.compile, c.deferred_output, c.decode_group_min_rows, c.fused_decode,
-                c.blockdot_int16_rows, c.dense_copies, c.dense_kernel, c.kv_cache_dtype) == expected, (change, on)
+        o = c.overrides
+        assert (o.pack_weights, c.compile, c.deferred_output, c.decode_group_min_rows, o.fused_decode,
+                o.blockdot_int16_rows, o.dense_copies, o.dense_kernel, c.kv_cache_dtype) == expected, (change, on)
         assert c.max_num_seqs == 2
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import forms, make_hf_llama, make_tiny_engine, nanoserve_model_from_hf
+from conftest import config_of, forms, make_hf_llama, make_tiny_engine, nanoserve_model_from_hf
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.model import blockdot
@@ -44,10 +44,10 @@ def test_a_packed_model_refuses_compile_by_name():
 def test_two_engines_from_one_loaded_model_do_not_share_a_preparation():
     hf = make_hf_llama(seed=0)
     model = nanoserve_model_from_hf(hf)
-    plain = Engine(model, None, EngineConfig(dtype="float32", quantization=None, pack_weights=False, num_kv_blocks=8, block_size=4,
+    plain = Engine(model, None, config_of(dtype="float32", quantization=None, pack_weights=False, num_kv_blocks=8, block_size=4,
                                              dense_kernel="torch"))
     compiled = Engine(model, None, EngineConfig(dtype="float32", quantization=None, compile=True, num_kv_blocks=8, block_size=4))
-    packed = Engine(model, None, EngineConfig(dtype="float32", quantization=None, num_kv_blocks=8, block_size=4,
+    packed = Engine(model, None, config_of(dtype="float32", quantization=None, num_kv_blocks=8, block_size=4,
                                               dense_kernel="torch"))
     # nothing to lay out on the exact path: the loaded model itself, its own weights
     assert plain.model.layers is model.layers and model.fused_layers is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from conftest import config_of
 
 from nanoserve import EngineConfig
 
@@ -24,7 +25,7 @@ from nanoserve import EngineConfig
 ])
 def test_invalid_engine_config_is_refused_by_name(overrides, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(**overrides)
+        config_of(**overrides)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -46,7 +47,7 @@ def test_invalid_engine_config_is_refused_by_name(overrides, message):
 ])
 def test_wrong_types_and_negatives_are_refused_by_name(overrides, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(**overrides)
+        config_of(**overrides)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -58,7 +59,7 @@ def test_wrong_types_and_negatives_are_refused_by_name(overrides, message):
     {"enable_chunked_prefill": False, "max_num_batched_tokens": 8, "max_model_len": None},  # checked by the engine
 ])
 def test_values_at_the_limits_are_accepted(overrides):
-    config = EngineConfig(**overrides)
+    config = config_of(**overrides)
     assert all(getattr(config, name) == value for name, value in overrides.items())
 
 
@@ -67,9 +68,9 @@ def test_defaults():
     assert (config.block_size, config.num_kv_blocks, config.kv_cache_memory_bytes) == (16, None, 512 * 2**20)
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len) == (16, 2048, None)
     assert (config.enable_chunked_prefill, config.enable_prefix_caching, config.deferred_output) == (True, True, False)
-    assert (config.pack_weights, config.decode_group_min_rows, config.compile) == (True, 8, False)
+    assert (config.overrides.pack_weights, config.decode_group_min_rows, config.compile) == (True, 8, False)
     assert (config.dtype, config.device, config.seed) == ("auto", "cpu", 0)
-    assert (config.quantization, config.max_kernel_rows) == ("auto", "auto")
+    assert (config.quantization, config.overrides.max_kernel_rows) == ("auto", "auto")
 
 
 def test_frozen():

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CharTokenizer, forms, make_hf_llama, make_hf_model, nanoserve_model_from_hf
+from conftest import CharTokenizer, config_of, forms, make_hf_llama, make_hf_model, nanoserve_model_from_hf
 from test_blockdot import block_mins, int16_rounded
 from test_blockdot import build as build_kernel
 from test_llama import assert_logits_match, run_and_capture
 from test_precision import fake as fake_probe
 
-from nanoserve import Engine, EngineConfig
+from nanoserve import Engine
 from nanoserve.model import blockdot, precision
 from nanoserve.model.forms import DENSE_BF16, DENSE_F32, can_pack
 from nanoserve.model.fused_decode import DENSE_ONE_CALL_ROWS, FusedDecode, why_not
@@ -38,7 +38,7 @@ PROMPTS = [[5, 9, 13, 22, 7, 41, 3, 8, 60, 33, 21], [17, 4], [30 + i % 50 for i 
 
 
 def fused_engine(hf, dtype: str = "float32", block_size: int = 4, **overrides) -> Engine:
-    config = EngineConfig(**({"dtype": dtype, "quantization": "int4", "kernels": "blockdot", "pack_weights": False,
+    config = config_of(**({"dtype": dtype, "quantization": "int4", "kernels": "blockdot", "pack_weights": False,
                               "block_size": block_size, "num_kv_blocks": 256 // block_size + 8, "max_num_seqs": 4,
                               "decode_group_min_rows": 2, "blockdot_int16_rows": None, "dense_kernel": "torch",
                               "kv_cache_dtype": dtype, "fused_decode": True} | overrides))  # the cache in the dtype unless a test asks
@@ -368,7 +368,7 @@ def test_families_and_layouts_it_cannot_run_are_named():
     half = fused_engine(make_hf_llama(seed=14), dtype="float16", quantization=None)
     assert half.model.fused_layers is None and "no C decode: the model computes in float16" in half.plan.reasons
     with pytest.raises(ValueError, match="fused_decode='yes' must be True, False or 'auto'"):
-        EngineConfig(fused_decode="yes")
+        config_of(fused_decode="yes")
 
 
 def test_without_a_build_steps_run_decoder_layer(monkeypatch):
@@ -386,10 +386,10 @@ def test_without_a_build_steps_run_decoder_layer(monkeypatch):
 def test_an_engine_over_another_engines_model_builds_its_own_fused_decode_or_none():
     first = fused_engine(make_hf_llama(seed=18), quantization=None)
     assert first.model.fused_layers is not None
-    off = Engine(first.model, None, EngineConfig(dtype="float32", quantization=None, fused_decode=False, pack_weights=False,
+    off = Engine(first.model, None, config_of(dtype="float32", quantization=None, fused_decode=False, pack_weights=False,
                                            num_kv_blocks=16))
     assert off.model.fused_layers is None and first.model.fused_layers is not None
-    on = Engine(first.model, None, EngineConfig(dtype="float32", quantization=None, pack_weights=False, num_kv_blocks=16,
+    on = Engine(first.model, None, config_of(dtype="float32", quantization=None, pack_weights=False, num_kv_blocks=16,
                                                 dense_kernel="torch"))
     assert on.model.fused_layers is not first.model.fused_layers and on.model.layers is first.model.layers
 
@@ -420,7 +420,7 @@ def test_an_engine_over_a_quantized_engines_model_keeps_its_head_and_layers_as_t
     first = fused_engine(make_hf_llama(seed=19))
     head, qkv = first.model.lm_head_weight, first.model.layers[0].qkv
     assert isinstance(head, QuantLinear) and isinstance(qkv, QuantLinear)
-    second = Engine(first.model, None, EngineConfig(dtype="float32", quantization=None, num_kv_blocks=16,
+    second = Engine(first.model, None, config_of(dtype="float32", quantization=None, num_kv_blocks=16,
                                                     dense_kernel="blockdot"))
     assert second.model.lm_head_weight is head and second.model.layers[0].qkv is qkv
     assert second.memory()["dense"] == first.memory()["dense"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import make_hf_llama, nanoserve_model_from_hf
+from conftest import config_of, make_hf_llama, nanoserve_model_from_hf
 from test_llama import assert_logits_match, run_and_capture
 
 from nanoserve import Engine, EngineConfig
@@ -37,7 +37,7 @@ def test_grouped_decode_logits_equal_transformers(monkeypatch):
     calls = spy_on_groups(monkeypatch)
     hf = make_hf_llama(seed=8)
     # decoder_layer's grouped attention (the fused decode reads each row's table itself: test_fused_decode)
-    engine = Engine(nanoserve_model_from_hf(hf), None, EngineConfig(dtype="float32", quantization=None, block_size=4,
+    engine = Engine(nanoserve_model_from_hf(hf), None, config_of(dtype="float32", quantization=None, block_size=4,
                                                                     num_kv_blocks=128, max_num_seqs=8, fused_decode=False))
     prompts = [[5, 6], [7 + i % 60 for i in range(60)], [9, 10, 11], [12] * 5, [13 + i % 50 for i in range(41)], [14], [15, 16], [17] * 3]
     captured, outputs = run_and_capture(engine, prompts, max_tokens=5)

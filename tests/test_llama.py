@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LLAMA3_ROPE, TINY, CharTokenizer, forms, make_hf_llama, nanoserve_model_from_hf, prepared
+from conftest import (
+    LLAMA3_ROPE,
+    TINY,
+    CharTokenizer,
+    config_of,
+    forms,
+    make_hf_llama,
+    nanoserve_model_from_hf,
+    prepared,
+)
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.model import blockdot
@@ -66,7 +75,7 @@ def test_logits_equal_transformers_at_prefill_and_every_decode(arch, block_size,
     if form == "panels" and blockdot.library() is None:
         pytest.skip(f"blockdot not built here: {blockdot.failure()}")
     hf = make_hf_llama(seed=1, **ARCHITECTURES[arch])
-    config = EngineConfig(dtype="float32", quantization=None, block_size=block_size, num_kv_blocks=256 // block_size + 8, max_num_seqs=4,
+    config = config_of(dtype="float32", quantization=None, block_size=block_size, num_kv_blocks=256 // block_size + 8, max_num_seqs=4,
                           pack_weights=form == "packed", dense_kernel="blockdot" if form == "panels" else "torch")
     engine = Engine(nanoserve_model_from_hf(hf), CharTokenizer(TINY["vocab_size"]), config)
     expected = {"panels": "dense-panels", "packed": "onednn" if can_pack(torch.float32) else "torch"}.get(form, "torch")

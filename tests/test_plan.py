@@ -8,7 +8,15 @@ import json
 
 import pytest
 import torch
-from conftest import CharTokenizer, forms, make_hf_llama, make_hf_model, nanoserve_model_from_hf, prepared
+from conftest import (
+    CharTokenizer,
+    config_of,
+    forms,
+    make_hf_llama,
+    make_hf_model,
+    nanoserve_model_from_hf,
+    prepared,
+)
 from test_families import FAMILIES
 from test_fused_decode import PROMPTS, count_one_call_steps, load_engine_weights_into
 from test_llama import assert_logits_match, run_and_capture
@@ -40,7 +48,7 @@ C_FAMILIES = {"mistral-window", "qwen2", "qwen2-window", "qwen3"}  # the others'
 
 
 def engine_for(hf, **overrides) -> Engine:
-    config = EngineConfig(**({"dtype": "float32", "block_size": 4, "num_kv_blocks": 80, "max_num_seqs": 4,
+    config = config_of(**({"dtype": "float32", "block_size": 4, "num_kv_blocks": 80, "max_num_seqs": 4,
                               "decode_group_min_rows": 2, "blockdot_int16_rows": None, "kv_cache_dtype": "float32",
                               "max_kernel_rows": None} | overrides))
     return Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), config)
@@ -105,7 +113,7 @@ def test_keeping_a_checkpoints_blocks_is_timed_on_the_kernel_that_will_run_them(
     def figures(kernel_dtype=None):
         return dataclasses.replace(probe(kernel_dtype), int4_stream_ms=0.5, blockdot_stream_ms=0.02)
 
-    on_torch = resolve_plan(EngineConfig(kernels="torch"), stored, probe=figures)
+    on_torch = resolve_plan(config_of(kernels="torch"), stored, probe=figures)
     assert on_torch.quantization is None and on_torch.form_of(0, "qkv").name in ("torch", "onednn")
     assert "the checkpoint's quantization dequantized: torch's int4 0.20x" in on_torch.reason
     if blockdot.library() is not None:
@@ -127,7 +135,7 @@ def test_a_model_that_differs_from_its_plan_is_named():
 
 def test_the_plan_travels_as_json_to_tensor_parallel_workers(monkeypatch):
     monkeypatch.setattr(precision, "probe_cpu", fake(0.2, 14.0, int4_ms=0.01, dense_ms=1.0))
-    plan = resolve_plan(EngineConfig(quantization="int4", kernels="torch"), nanoserve_model_from_hf(make_hf_llama(seed=26)))
+    plan = resolve_plan(config_of(quantization="int4", kernels="torch"), nanoserve_model_from_hf(make_hf_llama(seed=26)))
     again = ExecutionPlan.from_message(json.loads(json.dumps(plan.to_message())))
     assert again == dataclasses.replace(plan, probe=None) and again.render() == dataclasses.replace(plan, probe=None).render()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import TINY, CharTokenizer, make_hf_llama, nanoserve_model_from_hf
+from conftest import TINY, CharTokenizer, config_of, make_hf_llama, nanoserve_model_from_hf
 from test_llama import assert_logits_match, run_and_capture
 
 from nanoserve import Engine, EngineConfig, SamplingParams
@@ -37,7 +37,7 @@ def test_a_freed_cached_block_is_found_until_allocate_evicts_it_least_recently_f
 
 def _engine(caching: bool, **overrides) -> Engine:
     hf = make_hf_llama(seed=4)
-    config = EngineConfig(dtype="float32", quantization=None, **({"block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 4,
+    config = config_of(dtype="float32", quantization=None, **({"block_size": 4, "num_kv_blocks": 64, "max_num_seqs": 4,
                               "enable_prefix_caching": caching} | overrides))
     return Engine(nanoserve_model_from_hf(hf), CharTokenizer(TINY["vocab_size"]), config)
 

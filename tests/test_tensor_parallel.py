@@ -20,6 +20,7 @@ import psutil
 import pytest
 import torch
 from conftest import TINY, free_port, greedy, make_hf_model, running_server
+from conftest import config_of as engine_config
 from gguf import GGMLQuantizationType as QT
 from test_families import FAMILIES
 from test_gguf import write_gguf_from_hf
@@ -180,7 +181,7 @@ def tiny_checkpoint(directory: Path, family: str = "llama", gguf_types: dict | N
 def tiny_config(tensor_parallel_size: int = 1, **overrides) -> EngineConfig:
     # The ranks run torch's quantized kernels, exact in float32; a one-process engine may take blockdot,
     # whose float path is exact alike (its int16 path rounds x: not what these tests compare).
-    return EngineConfig(**({"dtype": "float32", "quantization": None, "block_size": 4, "num_kv_blocks": 80,
+    return engine_config(**({"dtype": "float32", "quantization": None, "block_size": 4, "num_kv_blocks": 80,
                             "max_num_seqs": 4, "tensor_parallel_size": tensor_parallel_size,
                             "tensor_parallel_timeout_s": 20.0, "blockdot_int16_rows": None} | overrides))
 
@@ -353,9 +354,9 @@ def test_default_model_tp2_greedy_tokens_equal_tp1_under_preemption_and_chunked_
     # 8 blocks of 4 tokens for 4 requests of ~22 tokens: preemption; 8 tokens a step: chunked prefill.
     config = {"dtype": "float32", "quantization": None, "num_kv_blocks": 8, "block_size": 4, "max_num_seqs": 4,
               "max_num_batched_tokens": 8}
-    with Engine.from_pretrained(gguf_path(), EngineConfig(**config)) as one:
+    with Engine.from_pretrained(gguf_path(), engine_config(**config)) as one:
         want = one.generate(prompts, params)
-    with Engine.from_pretrained(gguf_path(), EngineConfig(**config, tensor_parallel_size=2)) as two:
+    with Engine.from_pretrained(gguf_path(), engine_config(**config, tensor_parallel_size=2)) as two:
         got = two.generate(prompts, params)
         assert two.kv.k.shape[2] == 2  # rank 0's KV cache holds 2 of the 3 key/value heads
     assert sum(o.num_preemptions for o in got) > 0, "the small pool was meant to force preemption"

@@ -14,9 +14,9 @@ the pairs interleaved round by round; the report is medians and their ratio.
     python -m benchmarks.peerbench.precision --slots 1 16 32 --rounds 2
     python -m benchmarks.peerbench.precision --pairs q4_1 --slots 1 --kernels torch blockdot   # both kernels
 
---kernels runs nanoserve once per value on the quantized files (EngineConfig.kernels: auto, torch,
+--kernels runs nanoserve once per value on the quantized files (PlanOverrides.kernels: auto, torch,
 blockdot), each against the same llama.cpp runs; --unfused adds a run of each with
-EngineConfig.fused_decode=False (decode steps through llama.py's decoder_layer, not fused_decode.c).
+PlanOverrides.fused_decode=False (decode steps through llama.py's decoder_layer, not fused_decode.c).
 --kv-cache-dtype float16 gives nanoserve's dense files the K/V cache llama.cpp runs them with (its
 default, f16); nanoserve's "auto" keeps a dense model's cache in its dtype (the exact path's float32)
 and makes a quantized one's float16 (the precision column says /kv16).
@@ -50,15 +50,15 @@ PAIRS = {
 CHILD = r"""
 import json, sys
 import psutil, torch
-from nanoserve import Engine, EngineConfig
+from nanoserve import Engine, EngineConfig, PlanOverrides
 from nanoserve.instruments.runners import decode_rate
 
 gguf, dtype, quantization, kernels, fused, kv, pp, tg, threads = *sys.argv[1:7], *map(int, sys.argv[7:10])
 slots_list = [int(s) for s in sys.argv[10:]]
 torch.set_num_threads(threads)
 config = EngineConfig(dtype=dtype, quantization=None if quantization == "none" else quantization,
-                      max_num_seqs=max(slots_list), max_model_len=pp + tg + 8, kernels=kernels,
-                      fused_decode=fused == "fused", kv_cache_dtype=kv)
+                      max_num_seqs=max(slots_list), max_model_len=pp + tg + 8, kv_cache_dtype=kv,
+                      overrides=PlanOverrides(kernels=kernels, fused_decode=fused == "fused"))
 engine = Engine.from_pretrained(gguf, config)
 rates = {slots: decode_rate(engine, slots, tg - 2, pp) for slots in slots_list}
 # VmHWM: this process's own peak (execve starts a new one; ru_maxrss would keep the parent's)

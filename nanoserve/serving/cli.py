@@ -68,7 +68,7 @@ def serve_main(argv: list[str]) -> None:
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         parser.error(f"--max-waiting-requests={args.max_waiting_requests} must be >= 0 (0: no bound)")
 
-    from nanoserve.config import EngineConfig
+    from nanoserve.config import EngineConfig, PlanOverrides
     from nanoserve.serving.server import serve
     from nanoserve.serving.server.guard import ServerConfig
 
@@ -77,7 +77,8 @@ def serve_main(argv: list[str]) -> None:
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             dtype=args.dtype, quantization=None if args.quantization == "none" else args.quantization,
-            kernels=args.kernels, kv_cache_dtype=args.kv_cache_dtype, device=args.device, seed=args.seed,
+            overrides=PlanOverrides(kernels=args.kernels), kv_cache_dtype=args.kv_cache_dtype, device=args.device,
+            seed=args.seed,
             tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_timeout_s=args.tensor_parallel_timeout,
             tensor_parallel_threads=args.num_threads if tensor_parallel_size > 1 else None,
@@ -104,7 +105,7 @@ def plan_main(argv: list[str]) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
-    from nanoserve.config import EngineConfig
+    from nanoserve.config import EngineConfig, PlanOverrides
     from nanoserve.engine import Engine
 
     if args.num_threads is not None:
@@ -115,7 +116,8 @@ def plan_main(argv: list[str]) -> None:
         torch.set_num_threads(args.num_threads)  # process start-up: the one place a torch global is set
     try:
         config = EngineConfig(dtype=args.dtype, quantization=None if args.quantization == "none" else args.quantization,
-                              kernels=args.kernels, kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=1)
+                              overrides=PlanOverrides(kernels=args.kernels), kv_cache_dtype=args.kv_cache_dtype,
+                              num_kv_blocks=1)
     except ValueError as e:
         parser.error(str(e))
     engine = Engine.from_pretrained(args.model, config)  # it lays the model out and holds it to the plan
