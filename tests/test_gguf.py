@@ -247,10 +247,10 @@ def test_block_quantized_rows_and_formula():
 
 
 def test_unserved_type_is_refused_by_name(tmp_path):
-    write_tiny_gguf(tmp_path / "tiny.gguf", types={"ffn_up": QT.Q5_0})
-    with pytest.raises(ValueError, match="Q5_0") as info:
+    write_tiny_gguf(tmp_path / "tiny.gguf", types={"ffn_up": QT.MXFP4})
+    with pytest.raises(ValueError, match="MXFP4") as info:
         load_gguf(tmp_path / "tiny.gguf")
-    assert "'blk.0.ffn_up.weight'" in str(info.value)
+    assert "MXFP4 (2 tensors, 'blk.0.ffn_up.weight' first)" in str(info.value)
     assert all(t in str(info.value) for t in GGUF_TYPES_SERVED)
 
 

@@ -12,10 +12,11 @@ torch's kernels serve, and a WARNING says so.
 Whether it is used is not assumed: nanoserve.model.precision times it against torch's kernel at
 start-up.
 
-`pack` turns a `BlockQuantized` matrix (GGUF's Q4_0, Q4_1, Q8_0; nanoserve's own int4, whose
-scales are fp16) into `Panels` without a float round trip: the codes regrouped into panels of 16
-output rows, the blocks' fp16 scales as stored. 5 bits a weight for 4-bit kinds, 8.5 for Q8_0, as
-in the file. `Panels` take x [M, K] in float32 or bfloat16 and return [M, N] in x's dtype.
+`pack` turns a `BlockQuantized` matrix (GGUF's Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and IQ4_NL; nanoserve's
+own int4, whose scales are fp16) into `Panels` without a float round trip: the codes regrouped into
+panels of 16 output rows, the blocks' fp16 scales as stored. 5 bits a weight for Q4_0 and Q4_1, as
+in the file; 8.5 for the int8-coded kinds (Q8_0 as in the file; Q5_0, Q5_1 and IQ4_NL widened from
+their 5.5, 6 and 4.5, the price of reading them exactly with the int8 kernel). `Panels` take x [M, K] in float32 or bfloat16 and return [M, N] in x's dtype.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ from nanoserve.model.gguf import BLOCK, BlockQuantized
 logger = logging.getLogger(__name__)
 
 PANEL = 16  # output rows a panel holds: one 16-lane vector
-KINDS = ("Q4_0", "Q4_1", "Q8_0")  # what blockdot runs; anything else stays on torch's kernels
+# What blockdot runs: one fp16 scale (and min) per group of 32, exactly as stored; 4-bit codes
+# (Q4_0, Q4_1) in 1 plane, int8 codes in 2 (Q5_0's q - 16, Q5_1's q, IQ4_NL's table values).
+KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL")
+FOUR_BIT = ("Q4_0", "Q4_1")
 DTYPES = (torch.float32, torch.bfloat16)  # the activations it takes
 
 
@@ -74,19 +78,25 @@ def supports(w: object, dtype: torch.dtype) -> bool:
 
 def _fp16_exact(w: BlockQuantized) -> bool:
     """The kernel reads fp16 d and m: a GGUF file's are, nanoserve's own int4 rounds to them; Q4_0's m
-    (-8 d) is then exact too unless it overflows fp16, and Q8_0's is 0."""
-    mins = {"Q4_0": -8 * w.scales, "Q8_0": 0 * w.scales}.get(w.kind, w.mins)
-    return all(torch.equal(t.half().float(), t) for t in (w.scales, mins))
+    (-8 d) is then exact too unless it overflows fp16, and the kinds without mins add 0."""
+    return all(torch.equal(t.half().float(), t) for t in (w.scales, _mins(w)))
+
+
+def _mins(w: BlockQuantized) -> torch.Tensor:
+    """Every block's additive min: Q4_0's d (q - 8) = d q + (-8 d); kinds without mins add 0."""
+    if w.kind == "Q4_0":
+        return -8 * w.scales
+    return torch.zeros_like(w.scales) if w.mins is None else w.mins
 
 
 @dataclass
 class Panels:
-    """A Q4_0, Q4_1 or Q8_0 matrix [N, K] in blockdot's panels: [ceil(N / 16), K / 32, 64 + 256 planes]
+    """A matrix of one of KINDS [N, K] in blockdot's panels: [ceil(N / 16), K / 32, 64 + 256 planes]
     uint8 (blockdot.c's header gives the bytes: 4-bit codes where planes is 1, int8 where 2)."""
 
     form_name = "blockdot"  # QuantLinear.form's name for a linear on these panels
     data: torch.Tensor
-    planes: int  # 1 (Q4_0, Q4_1: 4-bit codes) or 2 (Q8_0: int8 codes, two nibbles' room)
+    planes: int  # 1 (Q4_0, Q4_1: 4-bit codes) or 2 (the other KINDS: int8 codes, two nibbles' room)
     shape: tuple[int, int]  # (N, K)
     kernel: Library  # the build that runs it
     int16_rows: int = 0  # from this many rows of x on, the int16 path (x rounded to int16 per block); 0: never
@@ -288,11 +298,10 @@ def pack(w: BlockQuantized, kernel: Library | None = None, int16_rows: int | Non
     N, K = w.shape
     if K % BLOCK:
         raise ValueError(f"blockdot packs matrices whose K is a multiple of {BLOCK}; got K = {K}")
-    # Q4_1 as stored; Q4_0's d (q - 8) = d q + (-8 d); Q8_0's d q with m = 0
-    mins = {"Q4_1": w.mins, "Q4_0": -8 * w.scales, "Q8_0": torch.zeros_like(w.scales)}[w.kind]
+    mins = _mins(w)
     pad = -N % PANEL  # rows past N: codes, d and m all zero, so their outputs are 0 and cut
     scales, mins, codes = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (w.scales, mins, w.codes))
     panels, B = (N + pad) // PANEL, K // BLOCK
     head = [_half_bytes(t.view(panels, PANEL, B).transpose(1, 2)) for t in (scales, mins)]  # [panels, B, 32] x 2
-    body, planes = (_pairs(codes), 2) if w.kind == "Q8_0" else (_octets(codes), 1)
+    body, planes = (_octets(codes), 1) if w.kind in FOUR_BIT else (_pairs(codes), 2)
     return Panels(torch.cat([*head, body], dim=-1).contiguous(), planes, (N, K), kernel, int16_rows or 0)

@@ -49,6 +49,8 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3", "factor": ...} or None
+    # [D / 2] divisors of the rotary frequencies, as a GGUF's rope_freqs.weight holds Llama 3.x's scaling; None: none
+    rope_freq_factors: tuple[float, ...] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
@@ -75,6 +77,9 @@ class LlamaConfig:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries; head_dim={self.head_dim} "
+                             f"rotates {self.head_dim // 2} frequencies")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r} is not one of {SUPPORTED_ARCHITECTURES}")
         if self.hidden_act not in ACTIVATIONS:
@@ -165,6 +170,7 @@ class LlamaConfig:
             final_logit_softcap=d.get("final_logit_softcapping", 30.0) if arch == GEMMA2 else None,
             sliding_window=window,
             sliding_layers=sliding_layers,
+            rope_freq_factors=tuple(d["rope_freq_factors"]) if d.get("rope_freq_factors") else None,
         )
 
 

@@ -27,35 +27,40 @@ import torch.nn.functional as F
 
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.forms import STORED, Form, Regroup
+from nanoserve.model.ggml_blocks import BLOCK_TYPES, BY_ID, unpack_rows
 
-BLOCK = 32  # elements per quantization block in Q4_0, Q4_1 and Q8_0
-GGUF_TYPES_SERVED = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
-# ggml type id -> (name, numpy dtype of the stored items, bytes per element or per block of 32)
-TYPE_IDS = {0: ("F32", "<f4", 4), 1: ("F16", "<f2", 2), 30: ("BF16", "<i2", 2),
-            2: ("Q4_0", np.uint8, 18), 3: ("Q4_1", np.uint8, 20), 8: ("Q8_0", np.uint8, 34)}
-# Bytes ahead of the 16 packed nibbles (Q4_*) or 32 int8 codes (Q8_0) in a block: fp16 d, then fp16 m for Q4_1.
-HEADER_BYTES = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}
+BLOCK = 32  # weights per group in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL and the 32-weight K-quants
+DENSE_TYPES = {0: ("F32", "<f4", 4), 1: ("F16", "<f2", 2), 30: ("BF16", "<i2", 2)}  # id -> (name, numpy dtype, bytes)
+GGUF_TYPES_SERVED = tuple(name for name, _, _ in DENSE_TYPES.values()) + tuple(BLOCK_TYPES)
 
 
 @dataclass
 class BlockQuantized:
-    """A GGUF block-quantized matrix kept as its codes: w[n, k] = scales[n, k // 32] * codes[n, k]
-    (+ mins[n, k // 32] for Q4_1; for Q4_0 the code is offset: scales * (codes - 8))."""
+    """A GGUF block-quantized matrix kept as its codes (nanoserve.model.ggml_blocks): w[n, k] =
+    scales[n, k // G] * codes[n, k] + mins[n, k // G], G = `group` (32, or 16 for Q2_K, Q3_K and
+    Q6_K); for Q4_0 the code is offset, scales * (codes - 8), and there are no mins."""
 
-    kind: str  # "Q4_0", "Q4_1" or "Q8_0"
-    codes: torch.Tensor  # [N, K]: uint8 in 0..15 for Q4_0/Q4_1, int8 for Q8_0
-    scales: torch.Tensor  # [N, B] float32: each block's fp16 d, widened exactly
-    mins: torch.Tensor | None  # [N, B] float32: each block's fp16 m for Q4_1, None otherwise
+    kind: str  # a key of ggml_blocks.BLOCK_TYPES
+    codes: torch.Tensor  # [N, K]: uint8 for ggml_blocks.UNSIGNED kinds (0..15, Q2_K 0..3), int8 for the rest
+    scales: torch.Tensor  # [N, K // G] float32: each group's scale, exact
+    mins: torch.Tensor | None  # [N, K // G] float32 for kinds with mins (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K), else None
 
     def __post_init__(self) -> None:
-        if self.kind not in HEADER_BYTES:
-            raise ValueError(f"BlockQuantized kind {self.kind!r} is not one of {tuple(HEADER_BYTES)}")
+        if self.kind not in BLOCK_TYPES:
+            raise ValueError(f"BlockQuantized kind {self.kind!r} is not one of {tuple(BLOCK_TYPES)}")
         N, K = self.codes.shape
-        if K % BLOCK or self.scales.shape != (N, K // BLOCK):
-            raise ValueError(f"{self.kind} codes {[N, K]} need K a multiple of {BLOCK} and scales "
-                             f"{[N, K // BLOCK]}, got scales {list(self.scales.shape)}")
-        if (self.mins is not None) != (self.kind == "Q4_1"):
-            raise ValueError(f"{self.kind} {'needs' if self.kind == 'Q4_1' else 'takes no'} mins")
+        G = self.group
+        if K % G or self.scales.shape != (N, K // G):
+            raise ValueError(f"{self.kind} codes {[N, K]} need K a multiple of {G} and scales "
+                             f"{[N, K // G]}, got scales {list(self.scales.shape)}")
+        has_mins = BLOCK_TYPES[self.kind].has_mins
+        if (self.mins is not None) != has_mins:
+            raise ValueError(f"{self.kind} {'needs' if has_mins else 'takes no'} mins")
+
+    @property
+    def group(self) -> int:
+        """Weights a scale covers."""
+        return BLOCK_TYPES[self.kind].group
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -81,10 +86,11 @@ class BlockQuantized:
         """The dense matrix [N, K] in dtype, computed in float32 with gguf.quants.dequantize's
         arithmetic (bit-exact), then rounded to dtype."""
         N, K = self.shape
-        codes = self.codes.view(N, K // BLOCK, BLOCK).float()  # [N, B, 32]
+        G = self.group
+        codes = self.codes.view(N, K // G, G).float()  # [N, K / G, G]
         if self.kind == "Q4_0":
             codes = codes - 8
-        w = self.scales.unsqueeze(-1) * codes  # [N, B, 32]
+        w = self.scales.unsqueeze(-1) * codes
         if self.mins is not None:
             w = w + self.mins.unsqueeze(-1)
         return w.view(N, K).to(dtype)
@@ -96,32 +102,17 @@ class BlockQuantized:
 
 
 def decode_blocks(raw: np.ndarray, kind: str) -> BlockQuantized:
-    """GGUF row bytes raw [N, B * block bytes] uint8 -> BlockQuantized [N, 32 B]."""
-    N = raw.shape[0]
-    header = HEADER_BYTES[kind]
-    blocks = raw.reshape(N, -1, header + (BLOCK if kind == "Q8_0" else BLOCK // 2))  # [N, B, block bytes]
-    B = blocks.shape[1]
-
-    def fp16_at(offset: int) -> torch.Tensor:
-        half = np.ascontiguousarray(blocks[..., offset:offset + 2]).view(np.float16)  # [N, B, 1]
-        return torch.from_numpy(half.reshape(N, B).astype(np.float32))  # [N, B]
-
-    payload = blocks[..., header:]  # [N, B, 32] int8 or [N, B, 16] packed nibbles
-    if kind == "Q8_0":
-        codes = np.array(payload).view(np.int8)  # [N, B, 32], always a copy: never the file's pages
-    else:
-        # Byte j of a block holds element j in its low nibble and element j + 16 in its high one.
-        codes = np.empty((N, B, BLOCK), dtype=np.uint8)
-        np.bitwise_and(payload, 0x0F, out=codes[..., :BLOCK // 2])
-        np.right_shift(payload, 4, out=codes[..., BLOCK // 2:])
-    return BlockQuantized(kind, torch.from_numpy(codes.reshape(N, B * BLOCK)), fp16_at(0),
-                          fp16_at(2) if kind == "Q4_1" else None)
+    """GGUF row bytes raw [N, K / weights a block * bytes a block] uint8 -> BlockQuantized [N, K]:
+    always copies, never the file's pages."""
+    codes, scales, mins = unpack_rows(raw, kind)
+    return BlockQuantized(kind, torch.from_numpy(codes), torch.from_numpy(scales),
+                          None if mins is None else torch.from_numpy(mins))
 
 
 @dataclass(frozen=True)
 class GGUFTensor:
     name: str
-    type_id: int  # the ggml type, a key of TYPE_IDS when served
+    type_id: int  # the ggml type: a key of DENSE_TYPES or ggml_blocks.BY_ID when served
     shape: tuple[int, ...]  # torch order, (N, K) for a matrix: GGUF lists it reversed, K first
     start: int  # byte offset of its data in the file
 
@@ -136,8 +127,10 @@ class GGUFFile:
 
     def type_name(self, name: str) -> str:
         type_id = self.tensors[name].type_id
-        if type_id in TYPE_IDS:
-            return TYPE_IDS[type_id][0]
+        if type_id in DENSE_TYPES:
+            return DENSE_TYPES[type_id][0]
+        if type_id in BY_ID:
+            return BY_ID[type_id].name
         try:
             from gguf import GGMLQuantizationType  # only to name a type nanoserve does not read
         except ImportError:
@@ -145,16 +138,38 @@ class GGUFFile:
         return GGMLQuantizationType(type_id).name
 
     def data(self, name: str) -> np.ndarray:
-        """A served tensor's stored items, read-only: [N, B * block bytes] uint8 for a block type, else `shape`."""
+        """A served tensor's stored items, read-only: [N, K / weights a block * bytes a block] uint8
+        for a block type (ggml_blocks.BLOCK_TYPES), else `shape` in its own dtype."""
         tensor = self.tensors[name]
-        kind, dtype, item_bytes = TYPE_IDS[tensor.type_id]
         rows, cols = int(np.prod(tensor.shape[:-1])), tensor.shape[-1]
-        row_bytes = cols // BLOCK * item_bytes if kind in HEADER_BYTES else cols * item_bytes
+        block = BY_ID.get(tensor.type_id)
+        if block is not None:
+            if cols % block.weights:
+                raise ValueError(f"tensor {name!r} is {block.name} with rows of {cols} weights, not a whole number "
+                                 f"of its {block.weights}-weight blocks")
+            row_bytes = cols // block.weights * block.nbytes
+        else:
+            row_bytes = cols * DENSE_TYPES[tensor.type_id][2]
         raw = self.mapped[tensor.start:tensor.start + rows * row_bytes]
         if raw.size != rows * row_bytes:
             raise ValueError(f"tensor {name!r} needs {rows * row_bytes} bytes at offset {tensor.start}; the file "
                              f"has {self.mapped.size} bytes (truncated?)")
-        return raw.reshape(rows, row_bytes) if kind in HEADER_BYTES else raw.view(dtype).reshape(tensor.shape)
+        if block is not None:
+            return raw.reshape(rows, row_bytes)
+        return raw.view(DENSE_TYPES[tensor.type_id][1]).reshape(tensor.shape)
+
+    def check_types(self) -> None:
+        """Raises ValueError naming every tensor type nanoserve does not read, with how many tensors
+        have it and the first of them, before anything is loaded."""
+        unread: dict[str, list[str]] = {}
+        for name, tensor in self.tensors.items():
+            if tensor.type_id not in DENSE_TYPES and tensor.type_id not in BY_ID:
+                unread.setdefault(self.type_name(name), []).append(name)
+        if unread:
+            listed = "; ".join(f"{kind} ({len(names)} tensor{'s' if len(names) > 1 else ''}, {names[0]!r} first)"
+                               for kind, names in unread.items())
+            raise ValueError(f"GGUF tensor types nanoserve does not read: {listed}. nanoserve reads "
+                             f"{', '.join(GGUF_TYPES_SERVED)}")
 
 
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -291,9 +306,6 @@ def config_from_gguf(parsed: GGUFFile) -> LlamaConfig:
     """The LlamaConfig of a parsed file (read_gguf_config's work, without re-reading the header)."""
     arch, spec = architecture_of(parsed)
     meta = parsed.metadata
-    if "rope_freqs.weight" in parsed.tensors:
-        raise ValueError("tensor 'rope_freqs.weight' (rotary frequency factors stored as a tensor, as llama.cpp "
-                         "writes Llama 3.1 rope scaling) is not supported: nanoserve reads rope scaling from metadata")
 
     def arch_key(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
@@ -320,6 +332,7 @@ def config_from_gguf(parsed: GGUFFile) -> LlamaConfig:
         "tie_word_embeddings": "output.weight" not in parsed.tensors,
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "rope_freq_factors": rope_freq_factors(parsed),
     }
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if d[k] is None]
@@ -339,6 +352,16 @@ def rope_scaling(arch_key) -> dict[str, Any] | None:
     if arch_key("rope.scaling.original_context_length") is not None:
         scaling["original_max_position_embeddings"] = arch_key("rope.scaling.original_context_length")
     return scaling
+
+
+def rope_freq_factors(parsed: GGUFFile) -> list[float] | None:
+    """rope_freqs.weight, the [D / 2] divisors llama.cpp applies to each rotary frequency (Llama 3.x
+    files keep their rope scaling there, not in the metadata), or None."""
+    if ROPE_FREQS not in parsed.tensors:
+        return None
+    if parsed.tensors[ROPE_FREQS].type_id != 0:
+        raise ValueError(f"tensor {ROPE_FREQS!r} is {parsed.type_name(ROPE_FREQS)}: nanoserve reads it as F32")
+    return np.asarray(parsed.data(ROPE_FREQS), dtype=np.float64).tolist()
 
 
 def read_gguf_config(path: str | Path) -> LlamaConfig:
@@ -376,35 +399,43 @@ def load_tensor(parsed: GGUFFile, name: str) -> torch.Tensor | BlockQuantized:
     Raises:
         ValueError: naming the tensor and its GGUF type when that type is not in GGUF_TYPES_SERVED.
     """
-    if parsed.tensors[name].type_id not in TYPE_IDS:
+    tensor = parsed.tensors[name]
+    if tensor.type_id not in DENSE_TYPES and tensor.type_id not in BY_ID:
         raise ValueError(f"tensor {name!r} has GGUF type {parsed.type_name(name)}: "
                          f"nanoserve reads {', '.join(GGUF_TYPES_SERVED)}")
     kind, data = parsed.type_name(name), parsed.data(name)
-    if kind in HEADER_BYTES:
-        if len(parsed.tensors[name].shape) != 2:
-            raise ValueError(f"tensor {name!r} is {kind} of shape {parsed.tensors[name].shape}: only matrices are read")
+    if kind in BLOCK_TYPES:
+        if len(tensor.shape) != 2:
+            raise ValueError(f"tensor {name!r} is {kind} of shape {tensor.shape}: only matrices are read")
         return decode_blocks(data, kind)
     dense = torch.from_numpy(np.array(data))  # a copy: writable memory the tensor owns, not the file's pages
     return dense.view(torch.bfloat16) if kind == "BF16" else dense
 
 
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x's rope scaling as llama.cpp's converter writes it: [D / 2] divisors
+
+
 def load_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor | BlockQuantized]]:
     """The config and Hugging Face-named tensors of a GGUF file (path: the file or its directory).
 
-    Q4_0/Q4_1/Q8_0 matrices come back as BlockQuantized [N, K]; F32/F16/BF16 as dense tensors in
-    their own dtype. q_proj/k_proj rows come back in HF order. lm_head.weight is present only when
-    the file has its own output.weight (config.tie_word_embeddings is False).
+    Quantized matrices (every type in ggml_blocks.BLOCK_TYPES) come back as BlockQuantized [N, K];
+    F32/F16/BF16 as dense tensors in their own dtype. q_proj/k_proj rows come back in HF order.
+    lm_head.weight is present only when the file has its own output.weight
+    (config.tie_word_embeddings is False). rope_freqs.weight goes into the config.
 
     Raises:
-        ValueError: naming a tensor whose GGUF type is not in GGUF_TYPES_SERVED, or whose name has no
-            HF equivalent; and read_gguf_config's errors.
+        ValueError: naming every tensor type not in GGUF_TYPES_SERVED (before anything is read),
+            a tensor whose name has no HF equivalent; and read_gguf_config's errors.
     """
     parsed = read_gguf_file(path)
+    parsed.check_types()
     config = config_from_gguf(parsed)
     _, spec = architecture_of(parsed)
     heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
     tensors: dict[str, torch.Tensor | BlockQuantized] = {}
     for gguf_name in parsed.tensors:
+        if gguf_name == ROPE_FREQS:
+            continue
         name = hf_name(gguf_name, spec.names)
         value = load_tensor(parsed, gguf_name)
         proj = name.split(".")[-2]

@@ -23,6 +23,7 @@ from nanoserve.model.forms import C_DTYPES, STORED, Form, can_pack, dtype_name
 from nanoserve.model.fused_decode import DENSE_ONE_CALL_ROWS, why_not
 from nanoserve.model.llama import LlamaModel, decoder_layer
 from nanoserve.model.precision import DTYPES, Probe, resolve
+from nanoserve.model.quant import torch_runs
 
 # Who runs a step's layers.
 DRIVERS = {
@@ -202,6 +203,8 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
     if dense.name == "dense-panels" and dtype not in C_DTYPES:
         dense = Form("torch", precision.dtype)
 
+    unrun: set[str] = set()  # stored kinds no kernel here runs: dequantized at load
+
     def target(layer: int | None, form: Form) -> Form:
         if form.name not in (STORED, "torch") and form.dtype == precision.dtype:
             return form  # laid out by another engine already: kept as it is
@@ -214,9 +217,16 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
             kind = "Q4_1"  # nanoserve's int4 is Q4_1's form
         if kind is None:
             return dataclasses.replace(dense, all_reduced=form.all_reduced)
+        on_blockdot = precision.kernels == "blockdot" and kind in blockdot.KINDS and dtype in blockdot.DTYPES
+        # A kind blockdot does not run stays off torch's kernels where blockdot is this machine's
+        # choice: they are its slower path (precision's probe), slower than the dense matrix on AVX2.
+        on_torch = torch_runs(kind) and (precision.kernels == "torch" or kind in blockdot.KINDS or kind == "int8")
+        if not on_blockdot and not on_torch:
+            unrun.add(kind)
+            return dataclasses.replace(dense, all_reduced=form.all_reduced)
         if kind == "int8":
             name = "torch-int8"
-        elif precision.kernels == "blockdot" and kind in blockdot.KINDS and dtype in blockdot.DTYPES:
+        elif on_blockdot:
             name = "blockdot"
         else:
             name = "torch-int4"
@@ -228,6 +238,10 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
 
     matrices = tuple(MatrixPlan(layer, name, _stored(w.form), target(layer, w.form))
                      for layer, name, w in model.matrices())
+    if unrun:
+        kinds = ", ".join(sorted(unrun))
+        reasons.append(f"{kinds} dequantized at load to {dense.dtype}: no {precision.kernels} kernel here runs "
+                       f"{'them' if len(unrun) > 1 else 'it'}")
     decode = mixed = wide_decode = "torch-tensor-parallel" if parallel else "torch-compiled" if compiled else "torch"
     one_call_rows, copies = 0, False
     if c_decode:

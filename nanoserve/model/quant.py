@@ -2,12 +2,12 @@
 
 Two forms of a quantized matrix [N, K] (N output rows, K input columns, G = 32 per group):
 
-- as stored: `BlockQuantized` (nanoserve.model.gguf; GGUF's Q4_0, Q4_1 and Q8_0, or nanoserve's own
+- as stored: `BlockQuantized` (nanoserve.model.gguf; every GGUF block type, or nanoserve's own
   int4 in groups of 32, which is Q4_1's form: w = d q + m, q in 0..15) and `ChannelInt8` (int8 per
   output channel, w = s[n] q). Both dequantize exactly to float32, the reference every test uses;
 - as run: `QuantLinear`, one or two kernel passes summed, in the activations' dtype: torch's
-  kernels (below), or nanoserve's own blockdot (nanoserve.model.blockdot: one pass for Q4_0, Q4_1 and
-  Q8_0, fp16 scales exact, x in float32 or rounded to int16 per block) unless the start-up probe
+  kernels (below), or nanoserve's own blockdot (nanoserve.model.blockdot: one pass for Q4_0, Q4_1,
+  Q8_0, Q5_0, Q5_1 and IQ4_NL, fp16 scales exact, x in float32 or rounded to int16 per block) unless the start-up probe
   times torch's kernel clearly faster (precision.BLOCKDOT_MARGIN).
 
 The kernels: `_weight_int4pack_mm_for_cpu` reads 4-bit codes in groups of 32 with a scale and a
@@ -19,7 +19,9 @@ to bf16 (8 bits of mantissa): that rounding, not the mapping, is the only change
 - Q4_1 (w = d q + m): one int4 pass, s = d, z = m + 8 d;
 - Q8_0 (w = d q, q int8 in groups of 32): two int4 passes, exact: q = 16 hi + lo with lo in 0..15
   and hi in -8..7, so w = (hi + 8 - 8) 16 d + (lo - 8) d + 8 d; the high pass's scale 16 d is d in
-  bf16 times a power of two, so both passes round d alike;
+  bf16 times a power of two, so both passes round d alike; every other kind with int8 codes and
+  groups of 32 (Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS) the same way, its min added to the low pass's zero;
+  Q4_K as Q4_1. Q2_K, Q3_K and Q6_K scale groups of 16, which these kernels do not take;
 - int8 per channel: one int8 pass.
 
 The kernels are shaped for few rows: past `max_kernel_rows` rows a linear multiplies by the dense
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 
 from nanoserve.model import blockdot
 from nanoserve.model.forms import STORED, CForm, Dense, Form, Regroup, Weight, can_pack, dtype_name, pack
+from nanoserve.model.ggml_blocks import BLOCK_TYPES
 from nanoserve.model.gguf import BLOCK, BlockQuantized
 
 GROUP = BLOCK  # 32: the group size of every int4 layout here
@@ -176,19 +179,33 @@ def int4_pass(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dt
     return Int4Pass(packed, scales_and_zeros, N)
 
 
+def torch_runs(kind: str) -> bool:
+    """Whether torch's kernels run a stored kind: one scale (and zero) per group of 32, as theirs take."""
+    return kind == "int8" or BLOCK_TYPES[kind].group == GROUP
+
+
 def kernel_passes(w: Stored, dtype: torch.dtype) -> list[Int4Pass | Int8Pass]:
-    """The kernel passes whose sum is x @ w^T, for activations in `dtype` (see the module docstring)."""
+    """The kernel passes whose sum is x @ w^T, for activations in `dtype` (see the module docstring):
+    4-bit codes (Q4_0, Q4_1, Q4_K) in one int4 pass, int8 codes (Q8_0, Q5_0, Q5_1, Q5_K, IQ4_NL,
+    IQ4_XS) in two, split as Q8_0's are.
+
+    Raises:
+        ValueError: a kind whose groups are not 32 weights (Q2_K, Q3_K, Q6_K: torch_runs).
+    """
     if isinstance(w, ChannelInt8):
         return [Int8Pass(w.codes.contiguous(), w.scales.to(dtype).contiguous())]
+    if not torch_runs(w.kind):
+        raise ValueError(f"torch's int4 kernel takes groups of {GROUP} weights; {w.kind} scales groups of {w.group}")
+    mins = torch.zeros_like(w.scales) if w.mins is None else w.mins
     if w.kind == "Q4_0":
-        return [int4_pass(w.codes, w.scales, torch.zeros_like(w.scales), dtype)]
-    if w.kind == "Q4_1":
-        return [int4_pass(w.codes, w.scales, w.mins + 8 * w.scales, dtype)]
-    codes = w.codes.to(torch.int32)  # Q8_0: int8 in -128..127
+        return [int4_pass(w.codes, w.scales, mins, dtype)]  # w = d (q - 8): z = 0
+    if BLOCK_TYPES[w.kind].unsigned:
+        return [int4_pass(w.codes, w.scales, mins + 8 * w.scales, dtype)]  # w = d q + m = d (q - 8) + (m + 8 d)
+    codes = w.codes.to(torch.int32)  # int8 codes
     low = codes & 15  # 0..15
     high = (codes - low) // 16 + 8  # (-8..7) + 8
     return [int4_pass(high, 16 * w.scales, torch.zeros_like(w.scales), dtype),
-            int4_pass(low, w.scales, 8 * w.scales, dtype)]
+            int4_pass(low, w.scales, 8 * w.scales + mins, dtype)]
 
 
 @dataclass

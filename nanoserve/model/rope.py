@@ -1,4 +1,5 @@
-"""Rotary position embeddings, including Llama 3's frequency scaling."""
+"""Rotary position embeddings, including Llama 3's frequency scaling (from config.json's rope_scaling, or
+from a GGUF's per-frequency divisors)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ def inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
     """[D/2] float64 rotation speeds, scaled as config.rope_scaling asks."""
     D = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    if config.rope_freq_factors is not None:  # a GGUF's rope_freqs.weight: llama.cpp divides each frequency by its factor
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float64)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq

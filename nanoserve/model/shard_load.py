@@ -3,7 +3,7 @@
 safetensors: `safe_open(...).get_slice(name)[rows]` reads only the slice's bytes. GGUF: a matrix's
 rows are contiguous in the file and its quantization blocks run along a row, so a row range is one
 read of the memory map, and a column range is a range of whole blocks in every row (a column split
-of a quantized matrix must fall on a 32-column block boundary; it is refused by name otherwise).
+of a quantized matrix must fall on a block boundary (32 columns, 256 for K-quants and IQ4_XS); it is refused by name otherwise).
 A llama-arch GGUF stores q/k rows interleaved within each head (nanoserve.model.gguf.qk_row_order):
 the rank reads its heads' rows and puts them back in Hugging Face order, head by head.
 """
@@ -17,10 +17,9 @@ import torch
 from safetensors import safe_open
 
 from nanoserve.model.config import LlamaConfig
+from nanoserve.model.ggml_blocks import BY_ID
 from nanoserve.model.gguf import (
-    BLOCK,
-    HEADER_BYTES,
-    TYPE_IDS,
+    ROPE_FREQS,
     BlockQuantized,
     GGUFFile,
     architecture_of,
@@ -59,6 +58,7 @@ def read_shard(source: Path, is_gguf: bool, rank: int, world_size: int) -> tuple
     """
     if is_gguf:
         parsed = read_gguf_file(source)
+        parsed.check_types()
         config = config_from_gguf(parsed)
         shard = shard_of(config, rank, world_size)
         return config, shard, _gguf_slices(parsed, config, shard)
@@ -81,6 +81,8 @@ def _gguf_slices(parsed: GGUFFile, config: LlamaConfig, shard: Shard) -> Tensors
     _, spec = architecture_of(parsed)
     tensors: Tensors = {}
     for gguf_name in parsed.tensors:
+        if gguf_name == ROPE_FREQS:  # in the config
+            continue
         name = hf_name(gguf_name, spec.names)
         cut = slice_of(name, config, shard)
         value = _gguf_read(parsed, gguf_name, cut)
@@ -96,24 +98,20 @@ def _gguf_slices(parsed: GGUFFile, config: LlamaConfig, shard: Shard) -> Tensors
 def _gguf_read(parsed: GGUFFile, name: str, cut: tuple[int, int, int] | None) -> torch.Tensor | BlockQuantized:
     """Tensor `name`, or its rows / columns start .. end, copied out of the map."""
     tensor = parsed.tensors[name]
-    if tensor.type_id not in TYPE_IDS:
-        raise ValueError(f"tensor {name!r} has GGUF type {parsed.type_name(name)}: nanoserve reads "
-                         f"{', '.join(t[0] for t in TYPE_IDS.values())}")
-    kind, _, item_bytes = TYPE_IDS[tensor.type_id]
-    data = parsed.data(name)  # [N, B * block bytes] for a block type, else the tensor's shape
+    block = BY_ID.get(tensor.type_id)
+    data = parsed.data(name)  # [N, K / weights a block * bytes a block] for a block type, else the tensor's shape
     if cut is not None:
         dim, start, end = cut
         if dim == 0:
             data = data[start:end]
-        elif kind in HEADER_BYTES:
-            if start % BLOCK or end % BLOCK:
-                raise ValueError(f"tensor {name!r} is {kind}, quantized in blocks of {BLOCK} columns; this rank's "
-                                 f"columns {start} .. {end} split a block (tensor_parallel_size too large for it)")
-            data = data[:, start // BLOCK * item_bytes:end // BLOCK * item_bytes]
+        elif block is not None:
+            if start % block.weights or end % block.weights:
+                raise ValueError(f"tensor {name!r} is {block.name}, quantized in blocks of {block.weights} columns; this "
+                                 f"rank's columns {start} .. {end} split a block (tensor_parallel_size too large for it)")
+            data = data[:, start // block.weights * block.nbytes:end // block.weights * block.nbytes]
         else:
             data = data[:, start:end]
-    if kind in HEADER_BYTES:
-        return decode_blocks(np.ascontiguousarray(data), kind)
+    if block is not None:
+        return decode_blocks(np.ascontiguousarray(data), block.name)
     dense = torch.from_numpy(np.array(data))  # a copy the tensor owns, not the file's pages
-    return dense.view(torch.bfloat16) if kind == "BF16" else dense
-
+    return dense.view(torch.bfloat16) if parsed.type_name(name) == "BF16" else dense
