@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_gguf_types import random_blocks
 from test_quant import random_stored
 
 from nanoserve.model import blockdot, precision
-from nanoserve.model.gguf import BlockQuantized
+from nanoserve.model.gguf import BlockQuantized, decode_blocks
 from nanoserve.model.quant import QuantLinear, quant_linear, quantize_int4
 
 # Tests of this machine's own build; without a C compiler torch's kernels serve and they have nothing to run.
@@ -81,16 +82,31 @@ def test_each_build_has_the_vector_width_its_flags_ask_for(kernel):
     assert built.simd == expected
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+# Every kind blockdot runs: the 4-bit and int8 codes in fp16 heads, and the K-quants' in float32 heads.
+KINDS = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS"]
+
+
+def stored_of(kind: str, N: int, K: int = 96) -> BlockQuantized:
+    """A random matrix of `kind` as a GGUF file stores it: Q4_0/Q4_1/Q8_0 from random weights with
+    their scales rounded to fp16, the others from random blocks (test_gguf_types), K a whole number of
+    the kind's blocks (256 weights for the K-quants and IQ4_XS)."""
+    if kind in ("Q4_0", "Q4_1", "Q8_0"):
+        stored = random_stored(kind, N, K)
+        stored.scales = stored.scales.half().float()  # GGUF's scales are fp16
+        if stored.mins is not None:
+            stored.mins = stored.mins.half().float()
+        return stored
+    K = -(-K // 256) * 256 if kind in ("Q4_K", "Q5_K", "IQ4_XS") else K
+    return decode_blocks(random_blocks(kind, N, K, seed=N, finite=True), kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("N", [48, 40, 200])  # 40: a panel's padding; 200: 13 panels, a tail of one
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])  # every tile shape, and a second pass of 8 rows
 def test_equals_the_dequantized_matmul(kernel, kind, N, rows):
     _, kernel = kernel
-    K = 96
-    stored = random_stored(kind, N, K)
-    stored.scales = stored.scales.half().float()  # GGUF's scales are fp16
-    if stored.mins is not None:
-        stored.mins = stored.mins.half().float()
+    stored = stored_of(kind, N)
+    K = stored.shape[1]
     panels = blockdot.pack(stored, kernel)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     expected = x.double() @ stored.dequantize().double().T
@@ -117,21 +133,20 @@ def int16_rounded(x: torch.Tensor) -> torch.Tensor:
 
 
 def block_mins(stored: BlockQuantized) -> torch.Tensor:
-    """m of w = d q + m per (row, block) as the kernel splits it: Q4_1's own, Q4_0's -8 d (q in 0..15),
-    Q8_0's 0 (its int8 q as stored)."""
-    return {"Q4_1": stored.mins, "Q4_0": -8 * stored.scales, "Q8_0": 0 * stored.scales}[stored.kind].double()
+    """m of w = d q + m per (row, block) as the kernel splits it: Q4_0's -8 d (q in 0..15), a kind's own
+    mins where it has them, else 0 (its int8 q as stored)."""
+    if stored.kind == "Q4_0":
+        return -8 * stored.scales.double()
+    return (0 * stored.scales if stored.mins is None else stored.mins).double()
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("N", [40, 200])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
 def test_the_int16_path_equals_its_rounding_done_by_hand(kernel, kind, N, rows):
     _, kernel = kernel
-    K = 96
-    stored = random_stored(kind, N, K)
-    stored.scales = stored.scales.half().float()
-    if stored.mins is not None:
-        stored.mins = stored.mins.half().float()
+    stored = stored_of(kind, N)
+    K = stored.shape[1]
     panels = blockdot.pack(stored, kernel, int16_rows=1)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     x[0, 32:64] = 0  # a block of zeros: scale 0, codes 0
@@ -248,12 +263,16 @@ def test_a_hand_built_block():
 
 
 @needs_build
-def test_refused_by_name():
+def test_scales_fp16_does_not_hold_go_in_float_heads_and_other_kinds_are_refused_by_name():
     q4 = random_stored("Q4_1", 16, 32)
-    q4.scales = q4.scales * 0 + 0.1  # 0.1 is not an fp16 value
-    assert not blockdot.supports(q4, torch.float32)
-    with pytest.raises(ValueError, match="scales exact in fp16; got Q4_1"):
-        blockdot.pack(q4)
+    q4.scales = q4.scales * 0 + (1 + 2**-15)  # not an fp16 value; its products with codes exact in float32, as a K-quant's
+    assert blockdot.supports(q4, torch.float32)
+    panels = blockdot.pack(q4)
+    assert panels.planes == 1 | blockdot.F32_HEADS and torch.equal(panels.dequantize(), q4.dequantize())
+    q6 = decode_blocks(random_blocks("Q6_K", 16, 256), "Q6_K")
+    assert not blockdot.supports(q6, torch.float32)
+    with pytest.raises(ValueError, match=r"blockdot runs \('Q4_0'.*matrices on the CPU; got Q6_K"):
+        blockdot.pack(q6)
     fine = random_stored("Q4_1", 16, 32)
     fine.scales, fine.mins = fine.scales.half().float(), fine.mins.half().float()
     assert blockdot.supports(fine, torch.bfloat16) and not blockdot.supports(fine, torch.float16)
@@ -290,14 +309,11 @@ def test_quant_linear_takes_blockdot_when_asked_and_keeps_the_dense_copy_above()
         quant_linear(stored, torch.bfloat16, 8, pack=False, kernels="cuda")
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("N", [48, 40, 200])
 def test_panels_dequantize_bit_for_bit_as_stored(kernel, kind, N):
     _, kernel = kernel
-    stored = random_stored(kind, N, 96)
-    stored.scales = stored.scales.half().float()
-    if stored.mins is not None:
-        stored.mins = stored.mins.half().float()
+    stored = stored_of(kind, N)
     panels = blockdot.pack(stored, kernel)
     reference = stored.dequantize()  # gguf.quants.dequantize's arithmetic (test_gguf)
     assert torch.equal(panels.dequantize(), reference)

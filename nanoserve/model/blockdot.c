@@ -1,5 +1,6 @@
-/* blockdot.c: y = x @ w^T for a few rows of x, w in blocks of 32 weights with fp16 scales (GGUF's
- * Q4_0, Q4_1 and Q8_0), the codes and scales exact, x in float32 or rounded to int16 per block.
+/* blockdot.c: y = x @ w^T for a few rows of x, w in blocks of 32 weights with one scale and min each
+ * (GGUF's Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, and the K-quants whose groups are 32: Q4_K, Q5_K,
+ * IQ4_XS), the codes and scales exact, x in float32 or rounded to int16 per block.
  *
  * Built at first use by nanoserve/model/blockdot.py (cc -O3 -march=native -fopenmp) and used in place
  * of torch's kernels unless a start-up probe measures theirs clearly faster. Why it exists: torch's one-row
@@ -9,11 +10,14 @@
  * Every block is w[n, k] = d * q + m for 32 consecutive k of one output row n, its codes q either
  * 4 bits (0..15) or 8 (int8); `planes` names which, as the 4-bit planes the codes take:
  *   Q4_1: 4-bit codes (planes = 1), d and m as stored;   Q4_0 (d (q - 8)): 4-bit codes, m = -8 d;
- *   Q8_0 (d q): int8 codes as stored (planes = 2), m = 0.
- * All of these are exact in fp16 and float32 (blockdot.py checks that the scales are).
+ *   Q8_0 (d q): int8 codes as stored (planes = 2), m = 0; Q5_0, Q5_1 and IQ4_NL as int8 codes (q - 16,
+ *   q, the table's value) with fp16 d and m; Q4_K (4-bit) and Q5_K, IQ4_XS (int8) with float heads.
+ * All of these are exact in the heads' type and in float32 (blockdot.py checks that fp16 ones are).
  *
  * Layout ("panels"): output rows in panels of 16, one vector lane per row. Block (p, b) is
- *   fp16 d[16], fp16 m[16], then 256 bytes of 4-bit codes or 512 of int8 codes:
+ *   fp16 d[16], fp16 m[16] (float d[16], m[16] where planes has F32_HEADS: a K-quant's group scales,
+ *   its fp16 d times a 6-bit scale, exact in float32 and not in fp16), then 256 bytes of 4-bit codes
+ *   or 512 of int8 codes:
  *   4-bit: 4 octets of 16 uint32: lane n of octet o holds the codes of row 16 p + n at
  *          k = 32 b + 8 o + i, i = 0..7, in bits 4 i .. 4 i + 3;
  *   int8:  per octet o and j = 0..3, 32 bytes: row n's codes at k = 32 b + 8 o + j and that k + 4 in
@@ -194,20 +198,35 @@ static inline void prefetch_l1(const void *p) { (void)p; }
 #define INLINE static inline __attribute__((always_inline))
 
 struct panel_head { uint16_t d[P], m[P]; };  /* then the codes: planes * 4 octets * 16 uint32 */
+/* `planes` | F32_HEADS: the head holds float d[16], m[16] (128 bytes) in place of fp16 ones, for scales
+   that fp16 does not hold exactly (a K-quant's d times its group's 6-bit scale). */
+#define F32_HEADS 4
+#define CODES(planes) ((planes) & 3)  /* 1: 4-bit codes, 2: int8 */
 
-static inline int64_t block_bytes(int planes) { return (int64_t)sizeof(struct panel_head) + planes * 4 * P * 4; }
+static inline int64_t head_bytes(int planes) {
+  return planes & F32_HEADS ? 2 * P * (int64_t)sizeof(float) : (int64_t)sizeof(struct panel_head);
+}
+static inline int64_t block_bytes(int planes) { return head_bytes(planes) + CODES(planes) * 4 * P * 4; }
 
 int blockdot_simd(void) { return SIMD; }
 
-/* Block (p, b) of panels w with bb bytes a block: its head, 4-bit codes' octet o, int8 codes' pair (o, j). */
-static inline const struct panel_head *head_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, int64_t bb) {
-  return (const struct panel_head *)(w + (p * B + b) * bb);
+/* Block (p, b) of panels w with bb bytes a block: its 16 d and m as floats, 4-bit codes' octet o, int8
+   codes' pair (o, j). The codes end the block (256 bytes of 4-bit ones, 512 of int8), whatever its head. */
+static inline void heads_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, int64_t bb, int planes, vf *d, vf *m) {
+  const uint8_t *h = w + (p * B + b) * bb;
+  if (planes & F32_HEADS) {
+    *d = vload((const float *)h);
+    *m = vload((const float *)h + P);
+  } else {
+    *d = vhalf(((const struct panel_head *)h)->d);
+    *m = vhalf(((const struct panel_head *)h)->m);
+  }
 }
 static inline const uint32_t *octet_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, int64_t bb, int o) {
-  return (const uint32_t *)(w + (p * B + b) * bb + sizeof(struct panel_head)) + o * P;
+  return (const uint32_t *)(w + (p * B + b + 1) * bb - 4 * 4 * P) + o * P;
 }
 static inline const int8_t *pair_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, int64_t bb, int o, int j) {
-  return (const int8_t *)(w + (p * B + b) * bb + sizeof(struct panel_head)) + (4 * o + j) * 2 * P;
+  return (const int8_t *)(w + (p * B + b + 1) * bb - 2 * 4 * 4 * P) + (4 * o + j) * 2 * P;
 }
 /* AHEAD blocks past block b of each of panels p0 .. p0 + NP - 1, on their way to L2 */
 static inline void prefetch_ahead(const uint8_t *w, int64_t p0, int NP, int64_t B, int64_t b, int64_t bb) {
@@ -228,7 +247,7 @@ INLINE void tile(const struct xin *in, int64_t K, const uint8_t *w, int64_t B, i
     prefetch_ahead(w, p0, NP, B, b, bb);
     for (int o = 0; o < 4; o++) {
       const int64_t k = b * G + o * 8;
-      if (planes == 1) {
+      if (CODES(planes) == 1) {
         vi codes[4];
         for (int p = 0; p < NP; p++) codes[p] = viload(octet_at(w, p0 + p, B, b, bb, o));
         for (int i = 0; i < 8; i++)
@@ -245,8 +264,8 @@ INLINE void tile(const struct xin *in, int64_t K, const uint8_t *w, int64_t B, i
       }
     }
     for (int p = 0; p < NP; p++) {
-      const struct panel_head *h = head_at(w, p0 + p, B, b, bb);
-      const vf d = vhalf(h->d), m = vhalf(h->m);
+      vf d, m;
+      heads_at(w, p0 + p, B, b, bb, planes, &d, &m);
       for (int r = 0; r < MR; r++)
         acc[p * MR + r] = vfma(m, vset1(in->xsum[(r0 + r) * B + b]), vfma(d, g[p * MR + r], acc[p * MR + r]));
     }
@@ -268,15 +287,15 @@ INLINE void tile16(const struct xin *in, const uint8_t *w, int64_t B, int planes
     prefetch_ahead(w, p0, NP, B, b, bb);
     for (int o = 0; o < 4; o++)
       for (int p = 0; p < NP; p++) {
-        const vi codes = planes == 1 ? viload(octet_at(w, p0 + p, B, b, bb, o)) : vizero();
+        const vi codes = CODES(planes) == 1 ? viload(octet_at(w, p0 + p, B, b, bb, o)) : vizero();
         for (int j = 0; j < 4; j++) {
-          const vi pair = planes == 1 ? vpair(codes, j) : vpair8(pair_at(w, p0 + p, B, b, bb, o, j));
+          const vi pair = CODES(planes) == 1 ? vpair(codes, j) : vpair8(pair_at(w, p0 + p, B, b, bb, o, j));
           for (int r = 0; r < MR; r++) g[p * MR + r] = vdot(g[p * MR + r], pair, in->xq[((r0 + r) * B + b) * 16 + 4 * o + j]);
         }
       }
     for (int p = 0; p < NP; p++) {
-      const struct panel_head *h = head_at(w, p0 + p, B, b, bb);
-      const vf d = vhalf(h->d), m = vhalf(h->m);
+      vf d, m;
+      heads_at(w, p0 + p, B, b, bb, planes, &d, &m);
       for (int r = 0; r < MR; r++) {
         const int64_t rb = (r0 + r) * B + b;
         acc[p * MR + r] = vfma(m, vset1(in->xsum[rb]), vfma(vmul(d, vset1(in->xd[rb])), vcvt(g[p * MR + r]),
@@ -352,10 +371,10 @@ INLINE void tile16_avx2(const struct xin *in, const uint8_t *w, int64_t B, int p
     prefetch_ahead(w, p0, 1, B, b, bb);
     const int32_t *q0 = in->xq + ((r0 + 0) * B + b) * 16, *q1 = in->xq + ((r0 + 1) * B + b) * 16,
                   *q2 = in->xq + ((r0 + 2) * B + b) * 16, *q3 = in->xq + ((r0 + 3) * B + b) * 16;
-    if (planes == 1) block4(w, p0, B, b, bb, q0, q1, q2, q3, 1, g);
+    if (CODES(planes) == 1) block4(w, p0, B, b, bb, q0, q1, q2, q3, 1, g);
     else block4(w, p0, B, b, bb, q0, q1, q2, q3, 2, g);
-    const struct panel_head *h = head_at(w, p0, B, b, bb);
-    const vf d = vhalf(h->d), m = vhalf(h->m);
+    vf d, m;
+    heads_at(w, p0, B, b, bb, planes, &d, &m);
     for (int r = 0; r < 4; r++) {
       const int64_t rb = (r0 + r) * B + b;
       const vf sum = {_mm256_cvtepi32_ps(g[2 * r]), _mm256_cvtepi32_ps(g[2 * r + 1])};
@@ -631,7 +650,7 @@ int blockdot_dense_pairs(void) { return SIMD == 256; }  /* whether bf16 panels h
 #if defined(__AVX2__) && defined(__FMA__)
 typedef __m256i codes8;
 static inline codes8 codes_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, int64_t bb, int planes, int o, int n) {
-  if (planes == 1)
+  if (CODES(planes) == 1)
     return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)octet_at(w, p, B, b, bb, o)[n]),
                                               _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)), _mm256_set1_epi32(15));
   uint16_t pairs[4];  /* pair j: the codes at k = 8 o + j and k + 4 */
@@ -655,7 +674,7 @@ typedef struct { int32_t c[8]; } codes8;
 static inline codes8 codes_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, int64_t bb, int planes, int o, int n) {
   codes8 r;
   for (int i = 0; i < 8; i++)
-    r.c[i] = planes == 1 ? (int32_t)((octet_at(w, p, B, b, bb, o)[n] >> 4 * i) & 15) : pair_at(w, p, B, b, bb, o, i % 4)[2 * n + i / 4];
+    r.c[i] = CODES(planes) == 1 ? (int32_t)((octet_at(w, p, B, b, bb, o)[n] >> 4 * i) & 15) : pair_at(w, p, B, b, bb, o, i % 4)[2 * n + i / 4];
   return r;
 }
 static inline void dequant8(codes8 c, float d, float m, void *dst, int bf16) {
@@ -675,10 +694,11 @@ static inline void dequant8(codes8 c, float d, float m, void *dst, int bf16) {
 INLINE void dequantize_panel(const uint8_t *w, int64_t p, int64_t B, int64_t bb, int64_t N, int64_t K, void *out,
                              const int planes, const int bf16) {
   for (int64_t b = 0; b < B; b++) {
-    const struct panel_head *h = head_at(w, p, B, b, bb);
     float dl[P], ml[P];
-    vstore(dl, vhalf(h->d));
-    vstore(ml, vhalf(h->m));
+    vf d, m;
+    heads_at(w, p, B, b, bb, planes, &d, &m);
+    vstore(dl, d);
+    vstore(ml, m);
     for (int n = 0; n < P && p * P + n < N; n++)
       for (int o = 0; o < 4; o++)
         dequant8(codes_at(w, p, B, b, bb, planes, o, n), dl[n], ml[n],
@@ -690,17 +710,18 @@ void blockdot_dequantize(const uint8_t *w, int planes, int64_t N, int64_t K, voi
   const int64_t B = K / G, panels = (N + P - 1) / P, bb = block_bytes(planes);
   #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t p = 0; p < panels; p++) {
-    if (planes == 1) {
-      if (out_bf16) dequantize_panel(w, p, B, bb, N, K, out, 1, 1);
-      else dequantize_panel(w, p, B, bb, N, K, out, 1, 0);
+    const int heads = planes & F32_HEADS;
+    if (CODES(planes) == 1) {
+      if (out_bf16) dequantize_panel(w, p, B, bb, N, K, out, 1 | heads, 1);
+      else dequantize_panel(w, p, B, bb, N, K, out, 1 | heads, 0);
     } else {
-      if (out_bf16) dequantize_panel(w, p, B, bb, N, K, out, 2, 1);
-      else dequantize_panel(w, p, B, bb, N, K, out, 2, 0);
+      if (out_bf16) dequantize_panel(w, p, B, bb, N, K, out, 2 | heads, 1);
+      else dequantize_panel(w, p, B, bb, N, K, out, 2 | heads, 0);
     }
   }
 }
 
-/* y [M, N] = x [M, K] @ w^T, w in panels of 4-bit (planes 1) or int8 (2) codes ([ceil(N / 16), K / 32] blocks; rows
+/* y [M, N] = x [M, K] @ w^T, w in panels of 4-bit (planes 1) or int8 (2) codes, | F32_HEADS for float heads ([ceil(N / 16), K / 32] blocks; rows
    past N all zero). x and y are float32, or bf16 where x_bf16 / y_bf16; from int16_rows rows of x (0:
    never) x is rounded to int16 per block of 32 (the int16 path). Returns 0, or -1 when out of memory
    for the activations' float32 copies (the thread's scratch, blockdot_scratch). */

@@ -37,10 +37,13 @@ from nanoserve.model.gguf import BLOCK, BlockQuantized
 logger = logging.getLogger(__name__)
 
 PANEL = 16  # output rows a panel holds: one 16-lane vector
-# What blockdot runs: one fp16 scale (and min) per group of 32, exactly as stored; 4-bit codes
-# (Q4_0, Q4_1) in 1 plane, int8 codes in 2 (Q5_0's q - 16, Q5_1's q, IQ4_NL's table values).
-KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL")
-FOUR_BIT = ("Q4_0", "Q4_1")
+# What blockdot runs: one scale (and min) per group of 32, exactly as stored; 4-bit codes (Q4_0,
+# Q4_1, Q4_K) in 1 plane, int8 codes in 2 (Q8_0's, Q5_0's q - 16, Q5_1's and Q5_K's q, IQ4_NL's and
+# IQ4_XS's table values). Scales that fp16 holds exactly (every 32-weight kind's, stored as fp16) go
+# in fp16 heads; the K-quants' (fp16 d times a 6-bit group scale) in float32 heads (F32_HEADS).
+KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS")
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+F32_HEADS = 4  # blockdot.c's flag on `planes`: the heads hold float32 d and m
 DTYPES = (torch.float32, torch.bfloat16)  # the activations it takes
 
 
@@ -72,8 +75,7 @@ def failure() -> str | None:
 
 def supports(w: object, dtype: torch.dtype) -> bool:
     """Whether blockdot runs this stored matrix with activations in dtype."""
-    return (isinstance(w, BlockQuantized) and w.kind in KINDS and dtype in DTYPES
-            and w.codes.device.type == "cpu" and _fp16_exact(w))
+    return isinstance(w, BlockQuantized) and w.kind in KINDS and dtype in DTYPES and w.codes.device.type == "cpu"
 
 
 def _fp16_exact(w: BlockQuantized) -> bool:
@@ -96,7 +98,7 @@ class Panels:
 
     form_name = "blockdot"  # QuantLinear.form's name for a linear on these panels
     data: torch.Tensor
-    planes: int  # 1 (Q4_0, Q4_1: 4-bit codes) or 2 (the other KINDS: int8 codes, two nibbles' room)
+    planes: int  # 1 (4-bit codes) or 2 (int8 codes, two nibbles' room), | F32_HEADS for float32 heads
     shape: tuple[int, int]  # (N, K)
     kernel: Library  # the build that runs it
     int16_rows: int = 0  # from this many rows of x on, the int16 path (x rounded to int16 per block); 0: never
@@ -106,9 +108,11 @@ class Panels:
         N, K = self.shape
         if K % BLOCK:
             raise ValueError(f"blockdot panels hold matrices whose K is a multiple of {BLOCK}; got K = {K}")
-        if self.planes not in (1, 2):
-            raise ValueError(f"blockdot panels have 1 plane (4-bit codes) or 2 (int8 codes); got planes = {self.planes}")
-        expected = [-(-N // PANEL), K // BLOCK, 64 + 256 * self.planes]
+        if self.planes not in (1, 2, 1 | F32_HEADS, 2 | F32_HEADS):
+            raise ValueError(f"blockdot panels have 1 plane (4-bit codes) or 2 (int8 codes), | {F32_HEADS} for float32 "
+                             f"heads; got planes = {self.planes}")
+        head = 128 if self.planes & F32_HEADS else 64
+        expected = [-(-N // PANEL), K // BLOCK, head + 256 * (self.planes & 3)]
         data = self.data
         if list(data.shape) != expected or data.dtype != torch.uint8 or data.device.type != "cpu" \
                 or not data.is_contiguous():
@@ -243,6 +247,11 @@ def pack_dense(w: torch.Tensor, kernel: Library | None = None) -> DensePanels:
     return DensePanels(data.contiguous(), (N, K), kernel)
 
 
+def _float_bytes(t: torch.Tensor) -> torch.Tensor:
+    """float32 values [..., n] -> their bytes [..., 4 n] uint8."""
+    return t.float().contiguous().view(torch.uint8)
+
+
 def _half_bytes(t: torch.Tensor) -> torch.Tensor:
     """float32 values exact in fp16 [..., n] -> their fp16 bytes [..., 2 n] uint8."""
     return t.half().contiguous().view(torch.uint8)
@@ -284,7 +293,8 @@ def _pairs(codes: torch.Tensor) -> torch.Tensor:
 def pack(w: BlockQuantized, kernel: Library | None = None, int16_rows: int | None = None) -> Panels:
     """The blockdot form of a stored matrix (see `supports`): codes regrouped, scales as stored, run
     by `kernel` (None: this machine's build, `library()`), on the int16 path from int16_rows rows of x
-    (None: never).
+    (None: never). Scales and mins that fp16 holds exactly go in fp16 heads, others (a K-quant's)
+    in float32 heads: 6 bits a weight for Q4_K where its file has 4.5, 10 for Q5_K and IQ4_XS.
 
     Raises:
         ValueError: a matrix `supports` refuses, or no build to run it (failure() says why).
@@ -293,8 +303,7 @@ def pack(w: BlockQuantized, kernel: Library | None = None, int16_rows: int | Non
     if kernel is None:
         raise ValueError(f"the blockdot kernel could not be built: {failure()}")
     if not supports(w, torch.float32):
-        raise ValueError(f"blockdot runs {KINDS} matrices on the CPU with scales exact in fp16; got "
-                         f"{getattr(w, 'kind', type(w).__name__)}")
+        raise ValueError(f"blockdot runs {KINDS} matrices on the CPU; got {getattr(w, 'kind', type(w).__name__)}")
     N, K = w.shape
     if K % BLOCK:
         raise ValueError(f"blockdot packs matrices whose K is a multiple of {BLOCK}; got K = {K}")
@@ -302,6 +311,9 @@ def pack(w: BlockQuantized, kernel: Library | None = None, int16_rows: int | Non
     pad = -N % PANEL  # rows past N: codes, d and m all zero, so their outputs are 0 and cut
     scales, mins, codes = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (w.scales, mins, w.codes))
     panels, B = (N + pad) // PANEL, K // BLOCK
-    head = [_half_bytes(t.view(panels, PANEL, B).transpose(1, 2)) for t in (scales, mins)]  # [panels, B, 32] x 2
+    f32_heads = not _fp16_exact(w)
+    as_bytes = _float_bytes if f32_heads else _half_bytes
+    head = [as_bytes(t.view(panels, PANEL, B).transpose(1, 2)) for t in (scales, mins)]  # [panels, B, 32 or 64] x 2
     body, planes = (_octets(codes), 1) if w.kind in FOUR_BIT else (_pairs(codes), 2)
+    planes |= F32_HEADS if f32_heads else 0
     return Panels(torch.cat([*head, body], dim=-1).contiguous(), planes, (N, K), kernel, int16_rows or 0)
