@@ -1,0 +1,152 @@
+"""GGUF files as a llama.cpp user has them, written by llama.cpp's own tools: `convert_hf_to_gguf.py`
+(with its gguf-py) from tiny random checkpoints, and `llama-quantize` to every file type. Each file's
+tensors are held to gguf-py's dequantization, and its logits, served by nanoserve, to transformers'
+model over the same file (transformers dequantizes GGUF itself). A Llama 3.2-shaped checkpoint, whose
+rope scaling the converter writes as the tensor rope_freqs.weight, is held to transformers on the
+original checkpoint, token for token.
+
+The tools come from peerbench's set-up (`python -m benchmarks.peerbench --setup-llamacpp`: the
+llama-cpp-python sdist's llama.cpp, built under .peers/); where they are absent these tests skip and
+say so. tests/test_gguf_types.py holds every type to gguf-py without them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import LLAMA3_ROPE, make_hf_model
+
+from nanoserve import Engine, EngineConfig, SamplingParams
+from nanoserve.model import default
+from nanoserve.model.gguf import load_gguf, load_tensor, read_gguf_file
+from nanoserve.model.llama import LlamaModel
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / ".peers"
+QUANTIZE = PEERS / "llama.cpp-build" / "bin" / "llama-quantize"
+VENDORS = sorted(PEERS.glob("llama_cpp_python-*/vendor/llama.cpp"))
+# The file types a llama.cpp user quantizes to (llama-quantize's names), each a mix of block types.
+FILE_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "Q3_K_M", "Q2_K", "Q4_K_S", "Q5_0", "Q5_1", "IQ4_NL",
+              "Q4_0")
+
+needs_tools = pytest.mark.skipif(
+    not (QUANTIZE.is_file() and VENDORS and default.is_available()),
+    reason="llama.cpp's converter and llama-quantize are not built here (python -m benchmarks.peerbench "
+           "--setup-llamacpp) or the default model's tokenizer is not installed")
+
+
+def convert(checkpoint: Path, out: Path) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py on a saved checkpoint, in float32."""
+    vendor = VENDORS[-1]
+    env = os.environ | {"PYTHONPATH": f"{vendor / 'gguf-py'}{os.pathsep}{PEERS / 'pylib'}"}
+    subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "f32",
+                    "--outfile", str(out)], check=True, env=env, capture_output=True)
+    return out
+
+
+def quantize(f32: Path, file_type: str) -> Path:
+    out = f32.with_name(f"{f32.stem}-{file_type}.gguf")
+    subprocess.run([str(QUANTIZE), str(f32), str(out), file_type], check=True, capture_output=True)
+    return out
+
+
+def save_checkpoint(hf, folder: Path) -> Path:
+    """The model saved with the default model's tokenizer (the converter needs a tokenizer it knows)."""
+    hf.save_pretrained(folder)
+    source = default.default_model_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory) -> dict[str, Path]:
+    """A tiny Llama whose widths are multiples of 256 (so the K-quant tensors are real K-quants),
+    converted and quantized to every FILE_TYPES."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    hf = make_hf_model("llama", seed=41, vocab_size=49152, hidden_size=256, intermediate_size=512,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+    f32 = convert(save_checkpoint(hf, folder / "hf"), folder / "tiny-f32.gguf")
+    return {"F32": f32} | {t: quantize(f32, t) for t in FILE_TYPES}
+
+
+@needs_tools
+@pytest.mark.parametrize("file_type", FILE_TYPES)
+def test_every_tensor_of_a_quantized_file_equals_gguf_pys(tiny_files, file_type):
+    parsed = read_gguf_file(tiny_files[file_type])
+    kinds = set()
+    for name, tensor in parsed.tensors.items():
+        kind = parsed.type_name(name)
+        kinds.add(kind)
+        qtype = gguf.GGMLQuantizationType(tensor.type_id)
+        value = load_tensor(parsed, name)
+        ours = value.dequantize().numpy() if hasattr(value, "dequantize") else value.float().numpy()
+        reference = gguf.quants.dequantize(np.asarray(parsed.data(name)), qtype).astype(np.float32)
+        np.testing.assert_array_equal(ours.reshape(reference.shape), reference, err_msg=f"{name} ({kind})")
+    assert kinds - {"F32"}, "the file holds quantized tensors"
+
+
+def _hf_from_gguf(file: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
+
+
+PROMPT = [1, 504, 3303, 314, 253, 1345, 2617, 30, 378, 2060, 314]
+
+
+@needs_tools
+@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q6_K", "IQ4_XS", "Q3_K_M"])
+def test_a_quantized_file_serves_transformers_logits_over_the_same_file(tiny_files, file_type):
+    file = tiny_files[file_type]
+    hf = _hf_from_gguf(file)
+    with torch.no_grad():
+        expected = hf(torch.tensor([PROMPT])).logits[0, -1]
+    config, tensors = load_gguf(file)
+    model = LlamaModel.from_state_dict(config, tensors, torch.float32, "cpu")
+    want = torch.log_softmax(expected.double(), -1).topk(5)
+    for settings in ({"dtype": "float32", "quantization": None}, {}):  # the exact path, then the default's kernels
+        engine = Engine(model, None, EngineConfig(block_size=16, num_kv_blocks=16, **settings))
+        (out,) = engine.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0, logprobs=20))
+        top = sorted(out.logprobs[0].items(), key=lambda kv: -kv[1])[:5]
+        if settings:  # exact: transformers' top tokens and their log-probabilities
+            assert [t for t, _ in top] == want.indices.tolist()
+            for (_, got), logprob in zip(top, want.values.tolist(), strict=True):
+                assert abs(got - logprob) < 1e-4
+        else:  # the file's blocks on nanoserve's kernels: the same first token
+            assert out.token_ids[0] == want.indices[0].item(), engine.plan.render()
+
+
+@needs_tools
+def test_a_llama_3_2_file_is_token_identical_to_transformers_on_its_checkpoint(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    # Llama 3.2's rope: theta 500000 and llama3 frequency scaling (a short original context, so a
+    # tiny model's positions reach the scaled band), tied embeddings, head_dim 64.
+    hf = make_hf_model("llama", seed=43, vocab_size=49152, hidden_size=256, intermediate_size=512,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
+                       rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE), max_position_embeddings=512)
+    folder = save_checkpoint(hf, tmp_path / "hf")
+    file = convert(folder, tmp_path / "llama32-f32.gguf")
+    parsed = read_gguf_file(file)
+    assert "rope_freqs.weight" in parsed.tensors  # the converter's form of Llama 3.x scaling
+    config, tensors = load_gguf(file)
+    assert config.rope_freq_factors is not None and max(config.rope_freq_factors) == LLAMA3_ROPE["factor"]
+    model = LlamaModel.from_state_dict(config, tensors, torch.float32, "cpu")
+    engine = Engine(model, None, EngineConfig(dtype="float32", quantization=None, block_size=16, num_kv_blocks=64))
+    original = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = [PROMPT, PROMPT[:3] * 20, list(range(100, 180))]  # up to 80 tokens: past the original context of 32
+    for prompt in prompts:
+        with torch.no_grad():
+            want = original.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False,
+                                     pad_token_id=0)[0, len(prompt):].tolist()
+        (out,) = engine.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+        assert list(out.token_ids) == want
