@@ -82,8 +82,9 @@ def test_each_build_has_the_vector_width_its_flags_ask_for(kernel):
     assert built.simd == expected
 
 
-# Every kind blockdot runs: the 4-bit and int8 codes in fp16 heads, and the K-quants' in float32 heads.
-KINDS = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS"]
+# Every kind blockdot runs: the 4-bit and int8 codes in fp16 heads, the K-quants' in float32 heads, Q6_K's
+# and Q3_K's two scales a block.
+KINDS = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS", "Q6_K", "Q3_K"]
 
 
 def stored_of(kind: str, N: int, K: int = 96) -> BlockQuantized:
@@ -96,7 +97,7 @@ def stored_of(kind: str, N: int, K: int = 96) -> BlockQuantized:
         if stored.mins is not None:
             stored.mins = stored.mins.half().float()
         return stored
-    K = -(-K // 256) * 256 if kind in ("Q4_K", "Q5_K", "IQ4_XS") else K
+    K = -(-K // 256) * 256 if kind in ("Q4_K", "Q5_K", "IQ4_XS", "Q6_K", "Q3_K") else K
     return decode_blocks(random_blocks(kind, N, K, seed=N, finite=True), kind)
 
 
@@ -137,7 +138,8 @@ def block_mins(stored: BlockQuantized) -> torch.Tensor:
     mins where it has them, else 0 (its int8 q as stored)."""
     if stored.kind == "Q4_0":
         return -8 * stored.scales.double()
-    return (0 * stored.scales if stored.mins is None else stored.mins).double()
+    N, K = stored.shape
+    return torch.zeros(N, K // 32, dtype=torch.float64) if stored.mins is None else stored.mins.double()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -269,10 +271,10 @@ def test_scales_fp16_does_not_hold_go_in_float_heads_and_other_kinds_are_refused
     assert blockdot.supports(q4, torch.float32)
     panels = blockdot.pack(q4)
     assert panels.planes == 1 | blockdot.F32_HEADS and torch.equal(panels.dequantize(), q4.dequantize())
-    q6 = decode_blocks(random_blocks("Q6_K", 16, 256), "Q6_K")
-    assert not blockdot.supports(q6, torch.float32)
-    with pytest.raises(ValueError, match=r"blockdot runs \('Q4_0'.*matrices on the CPU; got Q6_K"):
-        blockdot.pack(q6)
+    q2 = decode_blocks(random_blocks("Q2_K", 16, 256), "Q2_K")
+    assert not blockdot.supports(q2, torch.float32)
+    with pytest.raises(ValueError, match=r"blockdot runs \('Q4_0'.*matrices on the CPU; got Q2_K"):
+        blockdot.pack(q2)
     fine = random_stored("Q4_1", 16, 32)
     fine.scales, fine.mins = fine.scales.half().float(), fine.mins.half().float()
     assert blockdot.supports(fine, torch.bfloat16) and not blockdot.supports(fine, torch.float16)

@@ -31,19 +31,21 @@ from nanoserve.model.rope import inverse_frequencies
 READ = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
+FP16_AT = {"Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,)}  # the kinds whose fp16 d is not first
+
+
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0, finite: bool = False) -> np.ndarray:
-    """rows of random stored bytes [rows, cols / weights * bytes]. finite: each block's leading fp16
-    scale (and, where the kind has one, the fp16 min or dmin after it: ggml-common.h puts d first in
-    every 32-weight group kind and in Q4_K, Q5_K and IQ4_XS) set to a finite value between 2^-12 and
-    2^-6, so that products stay finite and exact."""
+    """rows of random stored bytes [rows, cols / weights * bytes]. finite: each block's fp16 scales
+    (d, and the min or dmin where the kind has one, at the offsets ggml-common.h's block structs give)
+    set to finite values between 2^-12 and 2^-6, so that products stay finite and exact."""
     weights, nbytes = GGML_QUANT_SIZES[QT[kind]]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows * cols // weights, nbytes), dtype=np.uint8)
     if finite:
-        heads = 2 if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1
-        for h in range(heads):
+        offsets = FP16_AT.get(kind, (0, 2) if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else (0,))
+        for at in offsets:
             values = (rng.uniform(1, 2, raw.shape[0]) * 2.0 ** rng.integers(-12, -6, raw.shape[0])).astype(np.float16)
-            raw[:, 2 * h:2 * h + 2] = values.view(np.uint8).reshape(-1, 2)
+            raw[:, at:at + 2] = values.view(np.uint8).reshape(-1, 2)
     return raw.reshape(rows, -1)
 
 
@@ -83,7 +85,9 @@ def test_kinds_scaled_by_sixteen_are_refused_by_torchs_kernels_by_name(kind):
 
 @pytest.mark.skipif(blockdot.library() is None, reason="no C compiler builds blockdot here")
 @pytest.mark.parametrize("kind, planes", [("Q5_0", 2), ("Q5_1", 2), ("IQ4_NL", 2), ("Q4_K", 1 | blockdot.F32_HEADS),
-                                          ("Q5_K", 2 | blockdot.F32_HEADS), ("IQ4_XS", 2 | blockdot.F32_HEADS)])
+                                          ("Q5_K", 2 | blockdot.F32_HEADS), ("IQ4_XS", 2 | blockdot.F32_HEADS),
+                                          ("Q6_K", 2 | blockdot.F32_HEADS | blockdot.G16),
+                                          ("Q3_K", 2 | blockdot.F32_HEADS | blockdot.G16)])
 @pytest.mark.parametrize("int16_rows", [None, 1])
 def test_blockdot_runs_each_kind_on_its_panels_exactly(kind, planes, int16_rows):
     w = decode_blocks(random_blocks(kind, rows=40, cols=512, seed=5, finite=True), kind)
@@ -108,23 +112,24 @@ def _model_with(kinds: dict[str, str]):
 
 
 def test_the_plan_runs_each_kind_on_a_kernel_or_says_it_dequantized_it():
-    model = _model_with({"qkv": "Q5_0", "o": "Q6_K", "gate_up": "Q4_K", "down": "IQ4_NL"})
+    model = _model_with({"qkv": "Q5_0", "o": "Q6_K", "gate_up": "Q4_K", "down": "Q2_K"})
     # figures under which the checkpoint's blocks are kept, on either kernel
     probe = fake(0.2, 14.0, int4_ms=0.05, blockdot_ms=0.01, dense_ms=1.0)
 
     def figures(kernel_dtype=None):
         return dataclasses.replace(probe(kernel_dtype), int4_stream_ms=0.05, blockdot_stream_ms=0.01)
 
+    dense = ("torch", "onednn", "dense-panels")
     on_torch = resolve_plan(config_of(kernels="torch"), model, probe=figures)
     assert on_torch.quantization == "keep"
-    assert [on_torch.form_of(0, n).name for n in ("qkv", "gate_up", "down")] == ["torch-int4"] * 3
-    assert on_torch.form_of(0, "o").name in ("torch", "onednn")
-    assert "Q6_K dequantized at load to float32: no torch kernel here runs it" in on_torch.reasons
+    assert [on_torch.form_of(0, n).name for n in ("qkv", "gate_up")] == ["torch-int4"] * 2
+    assert on_torch.form_of(0, "o").name in dense and on_torch.form_of(0, "down").name in dense
+    assert "Q2_K, Q6_K dequantized at load to float32: no torch kernel here runs them" in on_torch.reasons
     if blockdot.library() is not None:
         plan = resolve_plan(config_of(kernels="blockdot"), model, probe=figures)
-        assert [plan.form_of(0, n).name for n in ("qkv", "gate_up", "down")] == ["blockdot"] * 3
-        assert plan.form_of(0, "o").name in ("torch", "onednn", "dense-panels")
-        assert "Q6_K dequantized at load to float32: no blockdot kernel here runs it" in plan.reasons
+        assert [plan.form_of(0, n).name for n in ("qkv", "o", "gate_up")] == ["blockdot"] * 3
+        assert plan.form_of(0, "down").name in dense
+        assert "Q2_K dequantized at load to float32: no blockdot kernel here runs it" in plan.reasons
         laid = prepare_model(model, plan)
         assert check_laid_out(laid, plan) == []
 

@@ -201,6 +201,9 @@ struct panel_head { uint16_t d[P], m[P]; };  /* then the codes: planes * 4 octet
 /* `planes` | F32_HEADS: the head holds float d[16], m[16] (128 bytes) in place of fp16 ones, for scales
    that fp16 does not hold exactly (a K-quant's d times its group's 6-bit scale). */
 #define F32_HEADS 4
+/* `planes` | G16 (with F32_HEADS): two scales a block, one for each 16 weights, and no min: the
+   float head holds d for k 0..15 then d for k 16..31 (Q6_K, Q3_K: int8 codes in groups of 16). */
+#define G16 8
 #define CODES(planes) ((planes) & 3)  /* 1: 4-bit codes, 2: int8 */
 
 static inline int64_t head_bytes(int planes) {
@@ -262,12 +265,19 @@ INLINE void tile(const struct xin *in, int64_t K, const uint8_t *w, int64_t B, i
             for (int r = 0; r < MR; r++) g[p * MR + r] = vfma(q, vset1(in->x[(r0 + r) * K + k + i]), g[p * MR + r]);
           }
       }
+      if ((planes & G16) && o == 1)  /* the first 16 weights' scale, then the sums start again */
+        for (int p = 0; p < NP; p++) {
+          vf d, d1;
+          heads_at(w, p0 + p, B, b, bb, planes, &d, &d1);
+          for (int r = 0; r < MR; r++) acc[p * MR + r] = vfma(d, g[p * MR + r], acc[p * MR + r]), g[p * MR + r] = vzero();
+        }
     }
     for (int p = 0; p < NP; p++) {
       vf d, m;
       heads_at(w, p0 + p, B, b, bb, planes, &d, &m);
       for (int r = 0; r < MR; r++)
-        acc[p * MR + r] = vfma(m, vset1(in->xsum[(r0 + r) * B + b]), vfma(d, g[p * MR + r], acc[p * MR + r]));
+        acc[p * MR + r] = planes & G16 ? vfma(m, g[p * MR + r], acc[p * MR + r])  /* m: the second 16's d */
+                                       : vfma(m, vset1(in->xsum[(r0 + r) * B + b]), vfma(d, g[p * MR + r], acc[p * MR + r]));
     }
   }
 }
@@ -285,7 +295,7 @@ INLINE void tile16(const struct xin *in, const uint8_t *w, int64_t B, int planes
     vi g[8];
     for (int a = 0; a < NP * MR; a++) g[a] = vizero();
     prefetch_ahead(w, p0, NP, B, b, bb);
-    for (int o = 0; o < 4; o++)
+    for (int o = 0; o < 4; o++) {
       for (int p = 0; p < NP; p++) {
         const vi codes = CODES(planes) == 1 ? viload(octet_at(w, p0 + p, B, b, bb, o)) : vizero();
         for (int j = 0; j < 4; j++) {
@@ -293,13 +303,25 @@ INLINE void tile16(const struct xin *in, const uint8_t *w, int64_t B, int planes
           for (int r = 0; r < MR; r++) g[p * MR + r] = vdot(g[p * MR + r], pair, in->xq[((r0 + r) * B + b) * 16 + 4 * o + j]);
         }
       }
+      if ((planes & G16) && o == 1)  /* the first 16 weights' scale, then the sums start again */
+        for (int p = 0; p < NP; p++) {
+          vf d, d1;
+          heads_at(w, p0 + p, B, b, bb, planes, &d, &d1);
+          for (int r = 0; r < MR; r++) {
+            const int64_t rb = (r0 + r) * B + b;
+            acc[p * MR + r] = vfma(vmul(d, vset1(in->xd[rb])), vcvt(g[p * MR + r]), acc[p * MR + r]);
+            g[p * MR + r] = vizero();
+          }
+        }
+    }
     for (int p = 0; p < NP; p++) {
       vf d, m;
       heads_at(w, p0 + p, B, b, bb, planes, &d, &m);
       for (int r = 0; r < MR; r++) {
         const int64_t rb = (r0 + r) * B + b;
-        acc[p * MR + r] = vfma(m, vset1(in->xsum[rb]), vfma(vmul(d, vset1(in->xd[rb])), vcvt(g[p * MR + r]),
-                                                             acc[p * MR + r]));
+        acc[p * MR + r] = planes & G16
+            ? vfma(vmul(m, vset1(in->xd[rb])), vcvt(g[p * MR + r]), acc[p * MR + r])  /* m: the second 16's d */
+            : vfma(m, vset1(in->xsum[rb]), vfma(vmul(d, vset1(in->xd[rb])), vcvt(g[p * MR + r]), acc[p * MR + r]));
       }
     }
   }
@@ -338,10 +360,10 @@ INLINE void tile16(const struct xin *in, const uint8_t *w, int64_t B, int planes
   } while (0)
 
 INLINE void block4(const uint8_t *w, int64_t p0, int64_t B, int64_t b, int64_t bb, const int32_t *q0, const int32_t *q1,
-                   const int32_t *q2, const int32_t *q3, const int planes, __m256i g[8]) {
+                   const int32_t *q2, const int32_t *q3, const int planes, const int o0, const int o1, __m256i g[8]) {
   const __m256i mask = _mm256_set1_epi32(0x000F000F);
   __m256i g0a = g[0], g0b = g[1], g1a = g[2], g1b = g[3], g2a = g[4], g2b = g[5], g3a = g[6], g3b = g[7];
-  for (int o = 0; o < 4; o++) {
+  for (int o = o0; o < o1; o++) {
     if (planes == 1) {
       const __m256i *ca = (const __m256i *)octet_at(w, p0, B, b, bb, o), *cb = ca + 1;
       PAIR4(0);
@@ -371,10 +393,26 @@ INLINE void tile16_avx2(const struct xin *in, const uint8_t *w, int64_t B, int p
     prefetch_ahead(w, p0, 1, B, b, bb);
     const int32_t *q0 = in->xq + ((r0 + 0) * B + b) * 16, *q1 = in->xq + ((r0 + 1) * B + b) * 16,
                   *q2 = in->xq + ((r0 + 2) * B + b) * 16, *q3 = in->xq + ((r0 + 3) * B + b) * 16;
-    if (CODES(planes) == 1) block4(w, p0, B, b, bb, q0, q1, q2, q3, 1, g);
-    else block4(w, p0, B, b, bb, q0, q1, q2, q3, 2, g);
     vf d, m;
     heads_at(w, p0, B, b, bb, planes, &d, &m);
+    if (planes & G16) {  /* int8 codes, a scale for each 16 weights (d, then m's slot), no min */
+      block4(w, p0, B, b, bb, q0, q1, q2, q3, 2, 0, 2, g);
+      for (int r = 0; r < 4; r++) {
+        const int64_t rb = (r0 + r) * B + b;
+        const vf sum = {_mm256_cvtepi32_ps(g[2 * r]), _mm256_cvtepi32_ps(g[2 * r + 1])};
+        acc[r] = vfma(vmul(d, vset1(in->xd[rb])), sum, acc[r]);
+      }
+      for (int a = 0; a < 8; a++) g[a] = _mm256_setzero_si256();
+      block4(w, p0, B, b, bb, q0, q1, q2, q3, 2, 2, 4, g);
+      for (int r = 0; r < 4; r++) {
+        const int64_t rb = (r0 + r) * B + b;
+        const vf sum = {_mm256_cvtepi32_ps(g[2 * r]), _mm256_cvtepi32_ps(g[2 * r + 1])};
+        acc[r] = vfma(vmul(m, vset1(in->xd[rb])), sum, acc[r]);
+      }
+      continue;
+    }
+    if (CODES(planes) == 1) block4(w, p0, B, b, bb, q0, q1, q2, q3, 1, 0, 4, g);
+    else block4(w, p0, B, b, bb, q0, q1, q2, q3, 2, 0, 4, g);
     for (int r = 0; r < 4; r++) {
       const int64_t rb = (r0 + r) * B + b;
       const vf sum = {_mm256_cvtepi32_ps(g[2 * r]), _mm256_cvtepi32_ps(g[2 * r + 1])};
@@ -700,9 +738,9 @@ INLINE void dequantize_panel(const uint8_t *w, int64_t p, int64_t B, int64_t bb,
     vstore(dl, d);
     vstore(ml, m);
     for (int n = 0; n < P && p * P + n < N; n++)
-      for (int o = 0; o < 4; o++)
-        dequant8(codes_at(w, p, B, b, bb, planes, o, n), dl[n], ml[n],
-                 (char *)out + ((p * P + n) * K + b * G + 8 * o) * (bf16 ? 2 : 4), bf16);
+      for (int o = 0; o < 4; o++)  /* G16: d for octets 0-1, m's slot (the second d) for 2-3, no min */
+        dequant8(codes_at(w, p, B, b, bb, planes, o, n), planes & G16 && o >= 2 ? ml[n] : dl[n],
+                 planes & G16 ? 0.0f : ml[n], (char *)out + ((p * P + n) * K + b * G + 8 * o) * (bf16 ? 2 : 4), bf16);
   }
 }
 
@@ -710,7 +748,7 @@ void blockdot_dequantize(const uint8_t *w, int planes, int64_t N, int64_t K, voi
   const int64_t B = K / G, panels = (N + P - 1) / P, bb = block_bytes(planes);
   #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t p = 0; p < panels; p++) {
-    const int heads = planes & F32_HEADS;
+    const int heads = planes & (F32_HEADS | G16);
     if (CODES(planes) == 1) {
       if (out_bf16) dequantize_panel(w, p, B, bb, N, K, out, 1 | heads, 1);
       else dequantize_panel(w, p, B, bb, N, K, out, 1 | heads, 0);

@@ -41,9 +41,12 @@ PANEL = 16  # output rows a panel holds: one 16-lane vector
 # Q4_1, Q4_K) in 1 plane, int8 codes in 2 (Q8_0's, Q5_0's q - 16, Q5_1's and Q5_K's q, IQ4_NL's and
 # IQ4_XS's table values). Scales that fp16 holds exactly (every 32-weight kind's, stored as fp16) go
 # in fp16 heads; the K-quants' (fp16 d times a 6-bit group scale) in float32 heads (F32_HEADS).
-KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS")
+# Q6_K and Q3_K scale each 16 weights and have no mins: their int8 codes in panels whose float32
+# heads hold the two scales of each block of 32 (G16). Q2_K (mins for each 16) is not run here.
+KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS", "Q6_K", "Q3_K")
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 F32_HEADS = 4  # blockdot.c's flag on `planes`: the heads hold float32 d and m
+G16 = 8  # blockdot.c's flag on `planes` (with F32_HEADS): the heads hold the d of each 16 weights, no m
 DTYPES = (torch.float32, torch.bfloat16)  # the activations it takes
 
 
@@ -108,9 +111,9 @@ class Panels:
         N, K = self.shape
         if K % BLOCK:
             raise ValueError(f"blockdot panels hold matrices whose K is a multiple of {BLOCK}; got K = {K}")
-        if self.planes not in (1, 2, 1 | F32_HEADS, 2 | F32_HEADS):
+        if self.planes not in (1, 2, 1 | F32_HEADS, 2 | F32_HEADS, 2 | F32_HEADS | G16):
             raise ValueError(f"blockdot panels have 1 plane (4-bit codes) or 2 (int8 codes), | {F32_HEADS} for float32 "
-                             f"heads; got planes = {self.planes}")
+                             f"heads, | {G16} for two scales a block; got planes = {self.planes}")
         head = 128 if self.planes & F32_HEADS else 64
         expected = [-(-N // PANEL), K // BLOCK, head + 256 * (self.planes & 3)]
         data = self.data
@@ -307,13 +310,15 @@ def pack(w: BlockQuantized, kernel: Library | None = None, int16_rows: int | Non
     N, K = w.shape
     if K % BLOCK:
         raise ValueError(f"blockdot packs matrices whose K is a multiple of {BLOCK}; got K = {K}")
-    mins = _mins(w)
+    sixteens = w.group == 16
+    # the two halves' scales of each block of 32 in the heads' d and m, or d and m as they are
+    first, second = (w.scales[:, 0::2], w.scales[:, 1::2]) if sixteens else (w.scales, _mins(w))
     pad = -N % PANEL  # rows past N: codes, d and m all zero, so their outputs are 0 and cut
-    scales, mins, codes = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (w.scales, mins, w.codes))
+    first, second, codes = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (first, second, w.codes))
     panels, B = (N + pad) // PANEL, K // BLOCK
-    f32_heads = not _fp16_exact(w)
+    f32_heads = sixteens or not _fp16_exact(w)
     as_bytes = _float_bytes if f32_heads else _half_bytes
-    head = [as_bytes(t.view(panels, PANEL, B).transpose(1, 2)) for t in (scales, mins)]  # [panels, B, 32 or 64] x 2
+    head = [as_bytes(t.view(panels, PANEL, B).transpose(1, 2)) for t in (first, second)]  # [panels, B, 32 or 64] x 2
     body, planes = (_octets(codes), 1) if w.kind in FOUR_BIT else (_pairs(codes), 2)
-    planes |= F32_HEADS if f32_heads else 0
+    planes |= (F32_HEADS if f32_heads else 0) | (G16 if sixteens else 0)
     return Panels(torch.cat([*head, body], dim=-1).contiguous(), planes, (N, K), kernel, int16_rows or 0)
