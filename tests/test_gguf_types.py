@@ -24,7 +24,7 @@ from nanoserve.model.ggml_blocks import BLOCK_TYPES
 from nanoserve.model.gguf import BlockQuantized, config_from_gguf, decode_blocks, load_gguf, read_gguf_file
 from nanoserve.model.plan import check_laid_out, resolve_plan
 from nanoserve.model.prepare import prepare_model
-from nanoserve.model.quant import kernel_passes, torch_runs
+from nanoserve.model.quant import cat_rows, kernel_passes, torch_runs
 from nanoserve.model.rope import inverse_frequencies
 
 # The types llama.cpp's quantize writes for the families nanoserve runs (the list).
@@ -198,3 +198,25 @@ def test_a_block_type_of_groups_of_sixteen_keeps_its_shape():
     assert isinstance(w.rows(torch.tensor([2, 0])), BlockQuantized)
     with pytest.raises(ValueError, match=r"Q6_K codes \[3, 40\] need K a multiple of 16"):
         BlockQuantized("Q6_K", torch.zeros(3, 40, dtype=torch.int8), torch.zeros(3, 2), None)
+
+
+def test_rows_of_several_kinds_stack_into_one_matrix_exactly():
+    # a llama.cpp mix: q and k in one type, v in another
+    q, k, v = (decode_blocks(random_blocks(kind, rows, 256, seed=rows, finite=True), kind)
+               for kind, rows in (("Q5_0", 32), ("Q4_0", 16), ("Q8_0", 16)))
+    qkv = cat_rows([q, k, v])
+    assert qkv.kind == "Q4_0+Q5_0+Q8_0" and qkv.codes.dtype == torch.int8 and qkv.mins is None
+    assert torch.equal(qkv.dequantize(), torch.cat([q.dequantize(), k.dequantize(), v.dequantize()]))
+    with_mins = cat_rows([decode_blocks(random_blocks("Q4_K", 16, 256, finite=True), "Q4_K"), q])
+    assert with_mins.kind == "Q4_K+Q5_0" and with_mins.mins is not None
+    if blockdot.library() is not None:
+        for stacked in (qkv, with_mins):
+            panels = blockdot.pack(stacked)
+            assert torch.equal(panels.dequantize(), stacked.dequantize())
+            x = torch.randn(3, 256)
+            expected = F.linear(x.double(), stacked.dequantize().double()).float()
+            torch.testing.assert_close(panels(x), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+    # groups of 16 beside groups of 32 have no exact common form: dense float32
+    q6 = decode_blocks(random_blocks("Q6_K", 16, 256, finite=True), "Q6_K")
+    mixed = cat_rows([q, q6])
+    assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([q.dequantize(), q6.dequantize()]))

@@ -114,12 +114,16 @@ def test_rows_past_max_kernel_rows_read_the_dense_copy():
     assert calls == [1, 4]  # 5 and 64 rows went to the dense copy
 
 
-def test_cat_rows_keeps_one_kind_quantized_and_mixes_into_dense():
+def test_cat_rows_keeps_kinds_quantized_and_mixes_the_rest_into_dense():
     a, b = random_stored("Q4_1", 16, 32, 1), random_stored("Q4_1", 16, 32, 2)
     joined = cat_rows([a, b])
-    assert isinstance(joined, BlockQuantized)
+    assert isinstance(joined, BlockQuantized) and joined.kind == "Q4_1"
     torch.testing.assert_close(joined.dequantize(), torch.cat([a.dequantize(), b.dequantize()]), atol=0, rtol=0)
-    mixed = cat_rows([a, random_stored("Q8_0", 16, 32, 3)])
+    q8 = random_stored("Q8_0", 16, 32, 3)
+    two_kinds = cat_rows([a, q8])  # groups of 32 both: int8 codes, the same weights
+    assert isinstance(two_kinds, BlockQuantized) and two_kinds.kind == "Q4_1+Q8_0"
+    assert torch.equal(two_kinds.dequantize(), torch.cat([a.dequantize(), q8.dequantize()]))
+    mixed = cat_rows([a, random_stored("int8", 16, 32, 4)])
     assert isinstance(mixed, torch.Tensor) and mixed.shape == (32, 32)
 
 

@@ -1,8 +1,9 @@
 """peerbench's precision axis: nanoserve and llama.cpp on the same GGUF file, decode against decode.
 
 Each pair serves one file: the f32 GGUF of the default model's weights (written by the setup from
-the dequantized Q4_1), BF16 and Q8_0 GGUFs made from it by llama.cpp's own llama-quantize, and the
-shipped Q4_1 file itself. nanoserve serves each file as stored (f32 in float32; BF16 in bfloat16;
+the dequantized Q4_1), BF16, Q8_0, Q4_K_M, Q5_K_M, Q6_K, IQ4_XS and Q3_K_M GGUFs made from it by
+llama.cpp's own llama-quantize, and the shipped Q4_1 file itself. Prefill is compared too: prompt
+tokens/s over the prompts of every slot (llama-batched-bench's S_PP). nanoserve serves each file as stored (f32 in float32; BF16 in bfloat16;
 Q8_0 and Q4_1 as int4 kernel passes with bf16 activations where the probe picks bf16), llama.cpp
 runs llama-batched-bench on it, and transformers' generate runs the same weights (the converted
 float32 directory) in float32 and bfloat16. The figure compared is the aggregate decode rate at the same
@@ -13,6 +14,7 @@ the pairs interleaved round by round; the report is medians and their ratio.
     python -m benchmarks.peerbench --setup-llamacpp              # once: the f32 GGUF and the binaries
     python -m benchmarks.peerbench.precision --slots 1 16 32 --rounds 2
     python -m benchmarks.peerbench.precision --pairs q4_1 --slots 1 --kernels torch blockdot   # both kernels
+    python -m benchmarks.peerbench.precision --pairs q4_k_m q5_k_m q6_k q8_0 iq4_xs --rounds 3 --no-transformers
 
 --kernels runs nanoserve once per value on the quantized files (PlanOverrides.kernels: auto, torch,
 blockdot), each against the same llama.cpp runs; --unfused adds a run of each with
@@ -45,7 +47,17 @@ PAIRS = {
     "bf16": ("smollm2-135m-bf16.gguf", "bfloat16", None),
     "q8_0": ("smollm2-135m-q8_0.gguf", "auto", "auto"),
     "q4_1": ("shipped", "auto", "auto"),
+    # the file types most GGUF downloads are, made by llama-quantize from the f32 file: the default
+    # model's 576-wide matrices fall back to Q5_0/Q5_1/Q8_0/IQ4_NL, its 1536-wide down projections
+    # are the K-quant (notes/gguf-types.md)
+    "q4_k_m": ("smollm2-135m-q4_k_m.gguf", "auto", "auto"),
+    "q5_k_m": ("smollm2-135m-q5_k_m.gguf", "auto", "auto"),
+    "q6_k": ("smollm2-135m-q6_k.gguf", "auto", "auto"),
+    "iq4_xs": ("smollm2-135m-iq4_xs.gguf", "auto", "auto"),
+    "q3_k_m": ("smollm2-135m-q3_k_m.gguf", "auto", "auto"),
+    "1b_q4_k_m": ("1b:Q4_K_M", "auto", "auto"),  # ONE_B below
 }
+DEFAULT_PAIRS = ("f32", "bf16", "q8_0", "q4_1")
 
 CHILD = r"""
 import json, sys
@@ -61,9 +73,30 @@ config = EngineConfig(dtype=dtype, quantization=None if quantization == "none" e
                       overrides=PlanOverrides(kernels=kernels, fused_decode=fused == "fused"))
 engine = Engine.from_pretrained(gguf, config)
 rates = {slots: decode_rate(engine, slots, tg - 2, pp) for slots in slots_list}
+
+
+def prefill_rate(slots):
+    # prompt tokens/s from adding `slots` prompts of pp tokens until every one is computed, as
+    # llama-batched-bench's S_PP times its prompt batch
+    import time
+    from nanoserve import SamplingParams
+    vocab = engine.model.config.vocab_size
+    start = time.perf_counter()
+    for i in range(slots):
+        engine.add_request([(200 + (i * 11 + j) % 1000) % vocab for j in range(pp)],
+                           SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    seconds = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+    return slots * pp / seconds
+
+
+prefill = {slots: prefill_rate(slots) for slots in slots_list}
 # VmHWM: this process's own peak (execve starts a new one; ru_maxrss would keep the parent's)
 peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")) / 1024
-print(json.dumps({"rates": rates, "rss_mib": psutil.Process().memory_info().rss / 2**20, "peak_rss_mib": peak,
+print(json.dumps({"rates": rates, "prefill": prefill, "rss_mib": psutil.Process().memory_info().rss / 2**20, "peak_rss_mib": peak,
                   "dtype": engine.plan.dtype, "quantization": engine.plan.quantization,
                   "kernels": engine.plan.kernels, "fused": engine.model.fused_layers is not None,
                   "kv_cache_dtype": engine.plan.kv_cache_dtype, "memory": engine.memory()}))
@@ -100,13 +133,71 @@ for slots in slots_list:
                        pad_token_id=model.config.eos_token_id)
     gaps = [b - a for a, b in zip(stamps.times[1:], stamps.times[2:])]  # decode steps, the first left out
     rates[slots] = slots / statistics.median(gaps)
-print(json.dumps({"rates": rates, "rss_mib": psutil.Process().memory_info().rss / 2**20}))
+print(json.dumps({"rates": rates, "prefill": prefill, "rss_mib": psutil.Process().memory_info().rss / 2**20}))
 """
 HF_DTYPES = {"f32": "float32", "bf16": "bfloat16"}  # transformers' rows, matched with these pairs
 
+# The machine's read bandwidth, in the same run: the best of 5 sums over 1 GiB of float32 (torch's
+# threads as given), the rate a decode step that reads every weight once could reach at best.
+BANDWIDTH_CHILD = r"""
+import sys, time, torch
+torch.set_num_threads(int(sys.argv[1]))
+t = torch.ones(2**28)
+best = min((lambda s: (t.sum(), time.perf_counter() - s)[1])(time.perf_counter()) for _ in range(5))
+print(t.nbytes / best / 1e9)
+"""
 
-def gguf_files() -> dict[str, Path]:
-    """Each pair's file, making the BF16 and Q8_0 GGUFs from the f32 one with llama-quantize once.
+
+def read_bandwidth_gbs(threads: int) -> float:
+    proc = subprocess.run([sys.executable, "-c", BANDWIDTH_CHILD, str(threads)], capture_output=True, text=True,
+                          check=True, timeout=600)
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+# A 1B-class file: random weights in Llama-3.2-1B's shape (the default tokenizer's vocabulary), written
+# by llama.cpp's converter and llama-quantize, where per-layer overheads matter less than bandwidth.
+ONE_B = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "head_dim": 64, "intermediate_size": 8192, "tie_word_embeddings": True, "rope_theta": 500000.0,
+         "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8192},
+         "max_position_embeddings": 131072, "rms_norm_eps": 1e-5}
+ONE_B_F32 = "llama32-1b-shape-random-f32.gguf"
+
+
+def one_b_file(file_type: str) -> Path:
+    """The 1B-class file in `file_type` (llama-quantize's name), made once under .peers/: the random
+    checkpoint (seeded), its f32 GGUF by convert_hf_to_gguf.py, then llama-quantize."""
+    out = PEERS_DIR / f"llama32-1b-shape-random-{file_type.lower()}.gguf"
+    if out.is_file():
+        return out
+    f32 = PEERS_DIR / ONE_B_F32
+    if not f32.is_file():
+        import shutil
+
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from nanoserve.model.default import default_model_dir
+
+        folder = PEERS_DIR / "llama32-1b-shape-random"
+        torch.manual_seed(0)
+        source = default_model_dir()
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, bos_token_id=1, eos_token_id=2, **ONE_B))
+        model.save_pretrained(folder)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(source / name, folder / name)
+        del model
+        vendor = next(PEERS_DIR.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        env = os.environ | {"PYTHONPATH": f"{vendor / 'gguf-py'}{os.pathsep}{PEERS_DIR / 'pylib'}"}
+        subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
+                        "--outfile", str(f32)], check=True, env=env)
+        shutil.rmtree(folder)
+    subprocess.run([str(QUANTIZE), str(f32), str(out), file_type], check=True, capture_output=True)
+    return out
+
+
+def gguf_files(names=tuple(PAIRS)) -> dict[str, Path]:
+    """Each named pair's file, making the quantized GGUFs from the f32 one with llama-quantize once.
 
     Raises:
         FileNotFoundError: naming the setup command when the f32 GGUF or llama-quantize is missing.
@@ -117,7 +208,11 @@ def gguf_files() -> dict[str, Path]:
     if not f32.is_file() or not QUANTIZE.is_file():
         raise FileNotFoundError(f"{f32} or {QUANTIZE} missing: run `python -m benchmarks.peerbench --setup-llamacpp`")
     files = {}
-    for name, (file, _, _) in PAIRS.items():
+    for name in names:
+        file = PAIRS[name][0]
+        if file.startswith("1b:"):
+            files[name] = one_b_file(file[3:])
+            continue
         path = gguf_path() if file == "shipped" else PEERS_DIR / file
         if not path.is_file():
             subprocess.run([str(QUANTIZE), str(f32), str(path), name.upper()], check=True, capture_output=True)
@@ -137,7 +232,9 @@ def nanoserve_rates(gguf: Path, dtype: str, quantization: str | None, pp: int, t
     quantized = f"/{result['kernels']}" if result["quantization"] else ""
     quantized += "/fused" if result["fused"] else ""  # the glue in C (nanoserve.model.fused_decode)
     quantized += "/kv16" if result["kv_cache_dtype"] == "float16" else ""  # a float16 K/V cache, as llama.cpp's
-    return {"rates": {int(k): v for k, v in result["rates"].items()}, "rss_mib": result["rss_mib"],
+    return {"rates": {int(k): v for k, v in result["rates"].items()},
+            "prefill": {int(k): v for k, v in result["prefill"].items()}, "rss_mib": result["rss_mib"],
+            "weight_bytes": sum(v for k, v in result["memory"].items() if k in ("dense", "quantized")),
             "peak_rss_mib": result["peak_rss_mib"], "kv_pool_mib": result["memory"]["kv_cache"] / 2**20,
             "precision": f"{result['dtype']}/{result['quantization']}{quantized}"}
 
@@ -161,12 +258,13 @@ def llama_rates(gguf: Path, pp: int, tg: int, threads: int, slots: list[int]) ->
     missing = [s for s in slots if s not in rows]
     if missing:
         raise RuntimeError(f"llama-batched-bench on {gguf.name} gave no row for {missing}: {child.error}")
-    return {"rates": {s: float(rows[s]["speed_tg"]) for s in slots}, "rss_mib": child.peak_rss_mib}
+    return {"rates": {s: float(rows[s]["speed_tg"]) for s in slots},
+            "prefill": {s: float(rows[s]["speed_pp"]) for s in slots}, "rss_mib": child.peak_rss_mib}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
+    parser.add_argument("--pairs", nargs="+", default=list(DEFAULT_PAIRS), choices=list(PAIRS))
     parser.add_argument("--slots", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--pp", type=int, default=64, help="prompt tokens per sequence")
@@ -180,13 +278,20 @@ def main() -> None:
                         help="also run each of those with fused_decode=False")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="nanoserve's EngineConfig.kv_cache_dtype (llama.cpp's cache is float16, its default)")
+    parser.add_argument("--bandwidth", action="store_true",
+                        help="measure the read bandwidth each round; report each system's decode rate at one "
+                             "sequence times the bytes it reads a token, as a share of it")
     parser.add_argument("--out", default="runs/peerbench_precision.csv")
     args = parser.parse_args()
     if args.rounds < 1 or min(args.slots) < 1:
         parser.error("--rounds and every --slots value must be >= 1")
-    files = gguf_files()
+    files = gguf_files(args.pairs)
     got: dict[tuple[str, str], list[dict]] = {}
+    bandwidths: list[float] = []
     for r in range(args.rounds):
+        if args.bandwidth:
+            bandwidths.append(read_bandwidth_gbs(args.threads))
+            print(f"  round {r + 1} read bandwidth: {bandwidths[-1]:.1f} GB/s", flush=True)
         for name in args.pairs:
             _, dtype, quantization = PAIRS[name]
             ours = [f"nanoserve:{k}" for k in (args.kernels if quantization else args.kernels[:1])]
@@ -210,21 +315,29 @@ def main() -> None:
     rows = []
     print(f"\npeerbench precision: decode tok/s (aggregate, median of {args.rounds}), pp={args.pp} tg={args.tg}, "
           f"{args.threads} threads")
-    print(f"{'file':<6}{'nanoserve as':<32}{'slots':>6}{'nanoserve':>11}{'llama.cpp':>11}{'ratio':>8}"
-          f"{'RSS MiB n end/peak, l peak, n pool':>36}")
+    print(f"{'file':<7}{'nanoserve as':<32}{'slots':>6}{'nanoserve':>11}{'llama.cpp':>11}{'ratio':>8}{'spread':>12}"
+          f"{'prefill ratio':>14}{'RSS MiB n end/peak, l peak, n pool':>36}")
     for name, system in [key for key in got if key[1].startswith("nanoserve")]:
         ours, theirs = got[(name, system)], got[(name, "llama.cpp")]
         for s in args.slots:
             n = statistics.median(x["rates"][s] for x in ours)
             ll = statistics.median(x["rates"][s] for x in theirs)
+            # each round's own ratio (the runs were interleaved round by round): the spread
+            per_round = [a["rates"][s] / b["rates"][s] for a, b in zip(ours, theirs, strict=False)]
+            pp_ratio = (statistics.median(x["prefill"][s] for x in ours)
+                        / statistics.median(x["prefill"][s] for x in theirs))
             rss_n = max(x["rss_mib"] for x in ours)
             peak_n, pool_n = max(x["peak_rss_mib"] for x in ours), max(x["kv_pool_mib"] for x in ours)
             rss_l = max((x["rss_mib"] for x in theirs if not math.isnan(x["rss_mib"])), default=math.nan)
-            print(f"{name:<6}{ours[0]['precision']:<32}{s:>6}{n:>11.1f}{ll:>11.1f}{n / ll:>8.2f}"
-                  f"{rss_n:>14.0f}/{peak_n:<6.0f}{rss_l:>6.0f}{pool_n:>8.0f}")
+            spread = f"{min(per_round):.2f}-{max(per_round):.2f}"
+            print(f"{name:<7}{ours[0]['precision']:<32}{s:>6}{n:>11.1f}{ll:>11.1f}{n / ll:>8.2f}{spread:>12}"
+                  f"{pp_ratio:>14.2f}{rss_n:>14.0f}/{peak_n:<6.0f}{rss_l:>6.0f}{pool_n:>8.0f}")
             rows.append({"file": name, "gguf": files[name].name, "nanoserve_precision": ours[0]["precision"],
                          "slots": s, "nanoserve_decode_tok_s": n, "llamacpp_decode_tok_s": ll,
-                         "nanoserve_over_llamacpp": n / ll, "nanoserve_rss_mib": rss_n, "nanoserve_peak_rss_mib": peak_n,
+                         "nanoserve_over_llamacpp": n / ll, "ratio_min": min(per_round), "ratio_max": max(per_round),
+                         "nanoserve_prefill_tok_s": statistics.median(x["prefill"][s] for x in ours),
+                         "llamacpp_prefill_tok_s": statistics.median(x["prefill"][s] for x in theirs),
+                         "prefill_nanoserve_over_llamacpp": pp_ratio, "nanoserve_rss_mib": rss_n, "nanoserve_peak_rss_mib": peak_n,
                          "nanoserve_kv_pool_mib": pool_n, "llamacpp_peak_rss_mib": rss_l,
                          "pp": args.pp, "tg": args.tg, "rounds": args.rounds, "threads": args.threads,
                          "date": time.strftime("%Y-%m-%d")})
@@ -248,6 +361,20 @@ def main() -> None:
                              "transformers_rss_mib": max(x["rss_mib"] for x in theirs),
                              "pp": args.pp, "tg": args.tg, "rounds": args.rounds, "threads": args.threads,
                              "date": time.strftime("%Y-%m-%d")})
+    if bandwidths and 1 in args.slots:
+        bandwidth = statistics.median(bandwidths)
+        print(f"\nat one sequence, bytes read a token x tokens/s over the read bandwidth ({bandwidth:.1f} GB/s, "
+              f"median of {len(bandwidths)}: {min(bandwidths):.1f}-{max(bandwidths):.1f}):")
+        for name, system in [key for key in got if key[1].startswith("nanoserve")]:
+            ours, theirs = got[(name, system)], got[(name, "llama.cpp")]
+            n = statistics.median(x["rates"][1] for x in ours) * ours[0]["weight_bytes"] / 1e9 / bandwidth
+            ll = statistics.median(x["rates"][1] for x in theirs) * files[name].stat().st_size / 1e9 / bandwidth
+            print(f"  {name:<10} nanoserve {n:.0%} (its {ours[0]['weight_bytes'] / 2**20:.0f} MiB of weights), "
+                  f"llama.cpp {ll:.0%} (the file's {files[name].stat().st_size / 2**20:.0f} MiB)")
+            rows.append({"file": name, "gguf": files[name].name, "slots": 1, "read_bandwidth_gbs": bandwidth,
+                         "nanoserve_weight_bytes": ours[0]["weight_bytes"], "nanoserve_share_of_bandwidth": n,
+                         "file_bytes": files[name].stat().st_size, "llamacpp_share_of_bandwidth": ll,
+                         "rounds": args.rounds, "threads": args.threads, "date": time.strftime("%Y-%m-%d")})
     write_csv(args.out, rows)
     print(f"wrote {args.out}")
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from nanoserve.model.cabi import BASE_FLAGS as _BASE  # noqa: F401
 from nanoserve.model.cabi import BUILDS, FLAGS, Library, load  # noqa: F401
 from nanoserve.model.forms import CForm, Form, Regroup, dense_code, dtype_name
+from nanoserve.model.ggml_blocks import parts
 from nanoserve.model.gguf import BLOCK, BlockQuantized
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,12 @@ def failure() -> str | None:
 
 def supports(w: object, dtype: torch.dtype) -> bool:
     """Whether blockdot runs this stored matrix with activations in dtype."""
-    return isinstance(w, BlockQuantized) and w.kind in KINDS and dtype in DTYPES and w.codes.device.type == "cpu"
+    return (isinstance(w, BlockQuantized) and runs(w.kind) and dtype in DTYPES and w.codes.device.type == "cpu")
+
+
+def runs(kind: str) -> bool:
+    """Whether blockdot runs a stored kind (rows of several kinds stacked: each of them)."""
+    return all(part in KINDS for part in parts(kind))
 
 
 def _fp16_exact(w: BlockQuantized) -> bool:

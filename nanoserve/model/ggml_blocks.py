@@ -197,6 +197,12 @@ BLOCK_TYPES = {t.name: t for t in (
     BlockType("IQ4_XS", 23, 256, 136, 32, _iq4_xs),
 )}
 BY_ID = {t.type_id: t for t in BLOCK_TYPES.values()}
+
+
+def parts(kind: str) -> list[str]:
+    """The file types a stored kind holds: itself, or for the rows of several types stacked into one
+    matrix (q, k and v of different types: "Q5_0+Q8_0", int8 codes in groups of 32), each of them."""
+    return kind.split("+")
 UNPACK_ROWS = 4096  # rows unpacked at a time: the temporaries of a wide matrix stay a few tens of MB
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.forms import STORED, Form, Regroup
-from nanoserve.model.ggml_blocks import BLOCK_TYPES, BY_ID, unpack_rows
+from nanoserve.model.ggml_blocks import BLOCK_TYPES, BY_ID, parts, unpack_rows
 
 BLOCK = 32  # weights per group in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL and the 32-weight K-quants
 DENSE_TYPES = {0: ("F32", "<f4", 4), 1: ("F16", "<f2", 2), 30: ("BF16", "<i2", 2)}  # id -> (name, numpy dtype, bytes)
@@ -46,21 +46,23 @@ class BlockQuantized:
     mins: torch.Tensor | None  # [N, K // G] float32 for kinds with mins (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K), else None
 
     def __post_init__(self) -> None:
-        if self.kind not in BLOCK_TYPES:
-            raise ValueError(f"BlockQuantized kind {self.kind!r} is not one of {tuple(BLOCK_TYPES)}")
+        if any(kind not in BLOCK_TYPES for kind in parts(self.kind)):
+            raise ValueError(f"BlockQuantized kind {self.kind!r} is not one of {tuple(BLOCK_TYPES)} (or several "
+                             "joined by '+')")
         N, K = self.codes.shape
         G = self.group
         if K % G or self.scales.shape != (N, K // G):
             raise ValueError(f"{self.kind} codes {[N, K]} need K a multiple of {G} and scales "
                              f"{[N, K // G]}, got scales {list(self.scales.shape)}")
-        has_mins = BLOCK_TYPES[self.kind].has_mins
-        if (self.mins is not None) != has_mins:
-            raise ValueError(f"{self.kind} {'needs' if has_mins else 'takes no'} mins")
+        if self.kind in BLOCK_TYPES and (self.mins is not None) != BLOCK_TYPES[self.kind].has_mins:
+            raise ValueError(f"{self.kind} {'needs' if BLOCK_TYPES[self.kind].has_mins else 'takes no'} mins")
+        if self.kind not in BLOCK_TYPES and (G != BLOCK or self.codes.dtype != torch.int8):
+            raise ValueError(f"{self.kind}: rows of several types are held as int8 codes in groups of {BLOCK}")
 
     @property
     def group(self) -> int:
         """Weights a scale covers."""
-        return BLOCK_TYPES[self.kind].group
+        return BLOCK_TYPES[self.kind].group if self.kind in BLOCK_TYPES else BLOCK
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -217,10 +217,10 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
             kind = "Q4_1"  # nanoserve's int4 is Q4_1's form
         if kind is None:
             return dataclasses.replace(dense, all_reduced=form.all_reduced)
-        on_blockdot = precision.kernels == "blockdot" and kind in blockdot.KINDS and dtype in blockdot.DTYPES
+        on_blockdot = precision.kernels == "blockdot" and blockdot.runs(kind) and dtype in blockdot.DTYPES
         # A kind blockdot does not run stays off torch's kernels where blockdot is this machine's
         # choice: they are its slower path (precision's probe), slower than the dense matrix on AVX2.
-        on_torch = torch_runs(kind) and (precision.kernels == "torch" or kind in blockdot.KINDS or kind == "int8")
+        on_torch = torch_runs(kind) and (precision.kernels == "torch" or kind == "int8" or blockdot.runs(kind))
         if not on_blockdot and not on_torch:
             unrun.add(kind)
             return dataclasses.replace(dense, all_reduced=form.all_reduced)

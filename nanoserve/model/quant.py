@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from nanoserve.model import blockdot
 from nanoserve.model.forms import STORED, CForm, Dense, Form, Regroup, Weight, can_pack, dtype_name, pack
-from nanoserve.model.ggml_blocks import BLOCK_TYPES
+from nanoserve.model.ggml_blocks import BLOCK_TYPES, parts
 from nanoserve.model.gguf import BLOCK, BlockQuantized
 
 GROUP = BLOCK  # 32: the group size of every int4 layout here
@@ -117,19 +117,29 @@ def quantize_int4(w: torch.Tensor) -> BlockQuantized:
 
 
 
-def cat_rows(parts: list[torch.Tensor | Stored]) -> torch.Tensor | Stored:
-    """Stacks matrices along N (q, k, v into one qkv): quantized parts of one kind stay quantized,
-    anything mixed becomes dense float32."""
-    if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(parts).contiguous()
-    first = parts[0]
-    if isinstance(first, BlockQuantized) and all(isinstance(p, BlockQuantized) and p.kind == first.kind
-                                                   for p in parts):
-        return BlockQuantized(first.kind, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                              None if first.mins is None else torch.cat([p.mins for p in parts]))
-    if all(isinstance(p, ChannelInt8) for p in parts):
-        return ChannelInt8(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
-    return torch.cat([p.float() if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]).contiguous()
+def cat_rows(matrices: list[torch.Tensor | Stored]) -> torch.Tensor | Stored:
+    """Stacks matrices along N (q, k, v into one qkv): quantized matrices of one kind stay as they
+    are; of several kinds with groups of 32 (a llama.cpp mix: Q5_0 q and k beside a Q8_0 v), their
+    codes widened to int8 (Q4_0's q - 8), scales and mins as they are: the same weights, exactly;
+    anything else mixed becomes dense float32."""
+    if all(isinstance(m, torch.Tensor) for m in matrices):
+        return torch.cat(matrices).contiguous()
+    first = matrices[0]
+    if all(isinstance(m, BlockQuantized) for m in matrices):
+        if all(m.kind == first.kind for m in matrices):
+            return BlockQuantized(first.kind, torch.cat([m.codes for m in matrices]),
+                                  torch.cat([m.scales for m in matrices]),
+                                  None if first.mins is None else torch.cat([m.mins for m in matrices]))
+        if all(m.group == GROUP for m in matrices):
+            with_mins = any(m.mins is not None for m in matrices)
+            codes = [(m.codes.to(torch.int8) - 8 if m.kind == "Q4_0" else m.codes.to(torch.int8)) for m in matrices]
+            mins = [torch.zeros_like(m.scales) if m.mins is None else m.mins for m in matrices]
+            kind = "+".join(sorted({part for m in matrices for part in parts(m.kind)}))
+            return BlockQuantized(kind, torch.cat(codes), torch.cat([m.scales for m in matrices]),
+                                  torch.cat(mins) if with_mins else None)
+    if all(isinstance(m, ChannelInt8) for m in matrices):
+        return ChannelInt8(torch.cat([m.codes for m in matrices]), torch.cat([m.scales for m in matrices]))
+    return torch.cat([m.float() if isinstance(m, torch.Tensor) else m.dequantize() for m in matrices]).contiguous()
 
 
 @dataclass
@@ -181,7 +191,7 @@ def int4_pass(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dt
 
 def torch_runs(kind: str) -> bool:
     """Whether torch's kernels run a stored kind: one scale (and zero) per group of 32, as theirs take."""
-    return kind == "int8" or BLOCK_TYPES[kind].group == GROUP
+    return kind == "int8" or all(BLOCK_TYPES[part].group == GROUP for part in parts(kind))
 
 
 def kernel_passes(w: Stored, dtype: torch.dtype) -> list[Int4Pass | Int8Pass]:
@@ -199,7 +209,7 @@ def kernel_passes(w: Stored, dtype: torch.dtype) -> list[Int4Pass | Int8Pass]:
     mins = torch.zeros_like(w.scales) if w.mins is None else w.mins
     if w.kind == "Q4_0":
         return [int4_pass(w.codes, w.scales, mins, dtype)]  # w = d (q - 8): z = 0
-    if BLOCK_TYPES[w.kind].unsigned:
+    if w.codes.dtype == torch.uint8:  # 4-bit codes in 0..15
         return [int4_pass(w.codes, w.scales, mins + 8 * w.scales, dtype)]  # w = d q + m = d (q - 8) + (m + 8 d)
     codes = w.codes.to(torch.int32)  # int8 codes
     low = codes & 15  # 0..15
