@@ -18,8 +18,15 @@ installed apart from the venv, e.g. under .peers/), llama.cpp's own logits are s
 same Q4_1 file, and on the f32, BF16 and Q8_0 GGUFs of the same weights where peerbench's precision
 axis has made them. A precision whose perplexity is more than 2% worse than float32 says so.
 
+--file-types scores llama.cpp's file types of the default model instead (Q4_K_M, Q6_K, ...: made by
+llama-quantize from the f32 GGUF): nanoserve's perplexity over each file's weights against
+llama-perplexity's on the same file and text, by the same protocol (chunks of 512 evaluated alone,
+each chunk's second half scored), after `python -m benchmarks.peerbench --setup-llamacpp` and
+`cmake --build .peers/llama.cpp-build --target llama-perplexity`.
+
     python quantbench.py                         # the full text, every precision; a few minutes
     python quantbench.py --tokens 1024 --quick   # a smaller run
+    python quantbench.py --file-types q4_k_m q5_k_m q6_k q8_0 iq4_xs q3_k_m --out runs/quantbench_types.csv
 
 llama-cpp-python apart from the venv (after `python -m benchmarks.peerbench --setup-llamacpp`):
     CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \
@@ -31,7 +38,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -108,9 +117,15 @@ def main() -> None:
                         help="a folder holding llama-cpp-python (scored where it imports)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", default="runs/quantbench.csv")
+    parser.add_argument("--file-types", nargs="+", default=None, metavar="PAIR",
+                        help="instead: perplexity of llama.cpp file types of the default model (peerbench's "
+                             "precision pairs, e.g. q4_k_m q6_k) by nanoserve and by llama-perplexity")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.file_types:
+        file_types(args.file_types, args.threads, args.out)
+        return
     if args.child:
         child(args.child, args.slots, args.steps)
         return
@@ -240,6 +255,76 @@ def llamacpp_row(path: Path, name: str, gguf: Path, token_ids: list[int], refere
         logits = torch.from_numpy(np.load(out))[:-1]
     report = compare(reference, logits, targets)
     return accuracy_row(f"llama.cpp {name.lower()}", "llama.cpp", name, report)
+
+
+# --- --file-types: each llama.cpp file type of the default model, beside llama.cpp's own perplexity ---
+
+PERPLEXITY = "llama-perplexity"
+CHUNK = 512  # llama-perplexity's -c: each chunk is evaluated from an empty context
+
+
+def chunked_perplexity(model, token_ids: list[int], bos: int | None = None, chunk: int = CHUNK) -> tuple[float, int]:
+    """llama-perplexity's protocol over nanoserve's logits: the text cut into whole chunks of `chunk`
+    tokens, each evaluated alone (its first token replaced by `bos` where the file adds one), and the
+    tokens of each chunk's second half scored (position j's logits against token j + 1, j from
+    chunk / 2 to chunk - 2). Returns the perplexity and the number of chunks."""
+    nll, count = 0.0, 0
+    token_ids = token_ids if bos is None else [bos, *token_ids]
+    chunks = len(token_ids) // chunk
+    for c in range(chunks):
+        ids = token_ids[c * chunk:(c + 1) * chunk]
+        ids = ids if bos is None else [bos, *ids[1:]]
+        logits = teacher_forced_logits(model, ids, chunk=chunk).double()
+        first = chunk // 2
+        logprobs = torch.log_softmax(logits[first:chunk - 1], dim=-1)
+        nll -= logprobs.gather(1, torch.tensor(ids[first + 1:]).unsqueeze(1)).sum().item()
+        count += chunk - 1 - first
+    return math.exp(nll / count), chunks
+
+
+def llama_perplexity(gguf: Path, text: Path, threads: int) -> tuple[float, int]:
+    """llama.cpp's own `llama-perplexity -c 512` on the file and text: its final estimate and chunks."""
+    from benchmarks.peerbench.llamacpp import BATCHED_BENCH
+
+    binary = BATCHED_BENCH.parent / PERPLEXITY
+    proc = subprocess.run([str(binary), "-m", str(gguf), "-f", str(text), "-c", str(CHUNK), "-b", str(CHUNK),
+                           "-t", str(threads)], capture_output=True, text=True, timeout=3600)
+    out = proc.stdout + proc.stderr
+    estimate = re.search(r"Final estimate: PPL = ([0-9.]+)", out)
+    chunks = re.search(r"calculating perplexity over (\d+) chunks", out)
+    if proc.returncode != 0 or not estimate:
+        raise RuntimeError(f"{binary.name} on {gguf.name} failed:\n{out[-3000:]}")
+    return float(estimate.group(1)), int(chunks.group(1)) if chunks else -1
+
+
+def file_types(names: list[str], threads: int, out: str) -> None:
+    """Each file's perplexity on data/quantbench.txt by nanoserve (over the file's weights as stored,
+    dequantized exactly: what a prompt's steps multiply by) and by llama-perplexity, same protocol."""
+    from benchmarks.peerbench.precision import gguf_files
+    from nanoserve.model.gguf import read_gguf_file
+
+    files = gguf_files(["f32", *names])
+    rows = []
+    print(f"quantbench --file-types: perplexity over {TEXT.name} in chunks of {CHUNK} (llama-perplexity's "
+          f"protocol), {threads} threads")
+    reference = None
+    for name, file in files.items():
+        engine = Engine.from_pretrained(file, EngineConfig(dtype="float32", quantization=None, max_model_len=CHUNK + 8))
+        token_ids = engine.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+        metadata = read_gguf_file(file).metadata
+        bos = metadata.get("tokenizer.ggml.bos_token_id") if metadata.get("tokenizer.ggml.add_bos_token") else None
+        ours, chunks = chunked_perplexity(engine.model, token_ids, bos)
+        del engine
+        theirs, their_chunks = llama_perplexity(file, TEXT, threads)
+        reference = reference or ours
+        rows.append({"file": name, "gguf": file.name, "nanoserve_perplexity": ours, "llamacpp_perplexity": theirs,
+                     "nanoserve_over_llamacpp": ours / theirs - 1, "nanoserve_chunks": chunks,
+                     "llamacpp_chunks": their_chunks, "change_from_f32": ours / reference - 1,
+                     "threads": threads, "date": time.strftime("%Y-%m-%d")})
+        print(f"  {name:<8} nanoserve {ours:.4f} ({chunks} chunks)  llama.cpp {theirs:.4f} ({their_chunks} chunks)  "
+              f"{ours / theirs - 1:+.3%}  vs f32 {ours / reference - 1:+.2%}", flush=True)
+    write_csv(out, rows)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -12,11 +12,13 @@ torch's kernels serve, and a WARNING says so.
 Whether it is used is not assumed: nanoserve.model.precision times it against torch's kernel at
 start-up.
 
-`pack` turns a `BlockQuantized` matrix (GGUF's Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and IQ4_NL; nanoserve's
-own int4, whose scales are fp16) into `Panels` without a float round trip: the codes regrouped into
-panels of 16 output rows, the blocks' fp16 scales as stored. 5 bits a weight for Q4_0 and Q4_1, as
-in the file; 8.5 for the int8-coded kinds (Q8_0 as in the file; Q5_0, Q5_1 and IQ4_NL widened from
-their 5.5, 6 and 4.5, the price of reading them exactly with the int8 kernel). `Panels` take x [M, K] in float32 or bfloat16 and return [M, N] in x's dtype.
+`pack` turns a `BlockQuantized` matrix (every kind in KINDS, and nanoserve's own int4) into `Panels`
+without a float round trip: the codes regrouped into panels of 16 output rows, the scales as stored.
+A block of 16 rows by 32 weights is its head (fp16 d and m: 64 bytes; float32: 128) and its codes
+(256 bytes of 4-bit ones, 512 of int8): 5 bits a weight for Q4_0 (4.5 in its file) and Q4_1 (5); 6
+for Q4_K (4.5); 9 for Q8_0 (8.5), Q5_0 (5.5), Q5_1 (6) and IQ4_NL (4.5); 10 for Q5_K (5.5), Q6_K
+(6.6), IQ4_XS (4.25) and Q3_K (3.4): the price of reading each exactly with two kernels
+(notes/gguf-types.md). `Panels` take x [M, K] in float32 or bfloat16 and return [M, N] in x's dtype.
 """
 
 from __future__ import annotations
@@ -303,7 +305,7 @@ def pack(w: BlockQuantized, kernel: Library | None = None, int16_rows: int | Non
     """The blockdot form of a stored matrix (see `supports`): codes regrouped, scales as stored, run
     by `kernel` (None: this machine's build, `library()`), on the int16 path from int16_rows rows of x
     (None: never). Scales and mins that fp16 holds exactly go in fp16 heads, others (a K-quant's)
-    in float32 heads: 6 bits a weight for Q4_K where its file has 4.5, 10 for Q5_K and IQ4_XS.
+    in float32 heads (the module docstring gives the bytes).
 
     Raises:
         ValueError: a matrix `supports` refuses, or no build to run it (failure() says why).
