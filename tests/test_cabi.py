@@ -131,7 +131,8 @@ def test_panels_refuse_activations_c_cannot_read():
 def test_panels_refuse_a_shape_c_cannot_read():
     with pytest.raises(ValueError, match="blockdot panels hold matrices whose K is a multiple of 32; got K = 48"):
         blockdot.Panels(torch.zeros(1, 1, 320, dtype=torch.uint8), 1, (16, 48), NO_C)
-    with pytest.raises(ValueError, match=r"1 plane \(4-bit codes\) or 2 \(int8 codes\); got planes = 3"):
+    with pytest.raises(ValueError, match=r"1 plane \(4-bit codes\) or 2 \(int8 codes\), \| 4 for float32 heads, \| 8 for "
+                                         r"two scales a block; got planes = 3"):
         blockdot.Panels(torch.zeros(1, 2, 832, dtype=torch.uint8), 3, (16, 64), NO_C)
     with pytest.raises(ValueError, match=r"blockdot panels of \[20, 64\] in 2 plane\(s\) are a contiguous uint8 tensor "
                                          r"\[2, 2, 576\] on the CPU; got torch.uint8 \[2, 2, 320\] on cpu"):
