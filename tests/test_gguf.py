@@ -255,8 +255,9 @@ def test_unserved_type_is_refused_by_name(tmp_path):
 
 
 def test_other_architecture_is_refused_by_name(tmp_path):
-    write_tiny_gguf(tmp_path / "tiny.gguf", arch="gemma2")
-    with pytest.raises(ValueError, match=r"GGUF architecture 'gemma2' is not supported: nanoserve reads \('llama', 'qwen2', 'qwen3'\)"):
+    write_tiny_gguf(tmp_path / "tiny.gguf", arch="gemma3")
+    with pytest.raises(ValueError, match=r"GGUF architecture 'gemma3' is not supported: nanoserve reads "
+                                         r"\('llama', 'qwen2', 'qwen3', 'gemma', 'gemma2'\)"):
         read_gguf_config(tmp_path / "tiny.gguf")
 
 
@@ -290,13 +291,16 @@ def test_find_gguf(tmp_path):
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 FAMILY_NAMES = HF_NAMES | {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+GEMMA2_NAMES = FAMILY_NAMES | {"post_attention_norm": "post_attention_layernorm",
+                               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 def write_gguf_from_hf(path, hf, arch: str, types: dict[str, QT] | None = None) -> None:
     """A float32 GGUF of a transformers model as llama.cpp's converter writes `arch`: its config as
     metadata, its tensors under GGUF names (no output.weight when tied), q/k rows and biases
-    interleaved for "llama" only, a byte-pair tokenizer of one merge and CHAT_TEMPLATE. `types`
-    stores the weights of some GGUF stems ("attn_q", "ffn_down", ...) quantized instead."""
+    interleaved for "llama" only, Gemma's norm weights as 1 + w, a byte-pair tokenizer of one merge
+    and CHAT_TEMPLATE. `types` stores the weights of some GGUF stems ("attn_q", "ffn_down", ...)
+    quantized instead."""
     c = hf.config
     writer = gguf.GGUFWriter(path, arch)
     for add, value in [(writer.add_block_count, c.num_hidden_layers), (writer.add_context_length, c.max_position_embeddings),
@@ -309,7 +313,12 @@ def write_gguf_from_hf(path, hf, arch: str, types: dict[str, QT] | None = None) 
                        (writer.add_token_list, [chr(33 + i) for i in range(c.vocab_size - 1)] + ['!"']),
                        (writer.add_token_merges, ['! "']), (writer.add_chat_template, CHAT_TEMPLATE)]:
         add(value)
-    gguf_stem = {hf_module: stem for stem, hf_module in FAMILY_NAMES.items()}
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
+        writer.add_sliding_window(c.sliding_window)
+    names = GEMMA2_NAMES if arch == "gemma2" else FAMILY_NAMES
+    gguf_stem = {hf_module: stem for stem, hf_module in names.items()}
     for name, tensor in hf.state_dict().items():
         module, _, suffix = name.rpartition(".")
         if module == "lm_head" and c.tie_word_embeddings:
@@ -317,6 +326,8 @@ def write_gguf_from_hf(path, hf, arch: str, types: dict[str, QT] | None = None) 
         value = tensor.numpy()
         if arch == "llama" and module.endswith(("q_proj", "k_proj")):
             value = llama_cpp_permute(value, c.num_attention_heads if module.endswith("q_proj") else c.num_key_value_heads)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            value = value + 1
         layer, sub = module.split(".", 3)[2:] if module.startswith("model.layers.") else (None, module)
         stem = gguf_stem[sub]
         qtype = (types or {}).get(stem) if suffix == "weight" else None
@@ -333,6 +344,11 @@ def write_gguf_from_hf(path, hf, arch: str, types: dict[str, QT] | None = None) 
     ("llama", "mistral", {"sliding_window": None}),  # llama.cpp writes Mistral as llama, without a window
     ("qwen2", "qwen2", {"tie_word_embeddings": True}),
     ("qwen3", "qwen3", {"head_dim": 12}),
+    ("gemma", "gemma", {}),
+    # the file has no query scale: llama.cpp's 1 / sqrt(head_dim), which transformers' model is given;
+    # a window shorter than the prompts, so the windowed layers differ from the full ones
+    ("gemma2", "gemma2", {"query_pre_attn_scalar": 8, "sliding_window": 5, "attn_logit_softcapping": 3.0,
+                          "final_logit_softcapping": 2.0}),
 ])
 def test_family_file_serves_the_logits_of_its_transformers_model(tmp_path, arch, family, overrides):
     # A qwen file un-permuted as llama's is, or a llama file left interleaved, fails here: rope would
@@ -340,8 +356,8 @@ def test_family_file_serves_the_logits_of_its_transformers_model(tmp_path, arch,
     hf = make_hf_model(family, seed=5, **overrides)
     write_gguf_from_hf(tmp_path / "m.gguf", hf, arch)
     config, tensors = load_gguf(tmp_path)
-    assert config.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                   "qwen3": "Qwen3ForCausalLM"}[arch]
+    assert config.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                   "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}[arch]
     assert (config.qkv_bias, config.qk_norm, config.head_dim) == (arch == "qwen2", arch == "qwen3", hf.config.head_dim)
     model = LlamaModel.from_state_dict(config, tensors, torch.float32, "cpu")
     engine = Engine(model, None, EngineConfig(dtype="float32", quantization=None, block_size=4, num_kv_blocks=80))

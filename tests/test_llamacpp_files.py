@@ -3,7 +3,10 @@
 tensors are held to gguf-py's dequantization, and its logits, served by nanoserve, to transformers'
 model over the same file (transformers dequantizes GGUF itself). A Llama 3.2-shaped checkpoint, whose
 rope scaling the converter writes as the tensor rope_freqs.weight, is held to transformers on the
-original checkpoint, token for token.
+original checkpoint, token for token; so are Qwen2, Qwen3, Mistral, Gemma and Gemma 2 checkpoints
+(with a small SentencePiece tokenizer trained in the test: Gemma's converter reads no other kind, and
+the others' refuse the default model's BPE tokenizer under a Qwen or Mistral config), and their
+Q4_K_M files to transformers over the same file where transformers reads that architecture.
 
 The tools come from peerbench's set-up (`python -m benchmarks.peerbench --setup-llamacpp`: the
 llama-cpp-python sdist's llama.cpp, built under .peers/); where they are absent these tests skip and
@@ -12,6 +15,8 @@ say so. tests/test_gguf_types.py holds every type to gguf-py without them.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -26,6 +31,7 @@ from conftest import LLAMA3_ROPE, make_hf_model
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.model import default
+from nanoserve.model.config import LlamaConfig
 from nanoserve.model.gguf import load_gguf, load_tensor, read_gguf_file
 from nanoserve.model.llama import LlamaModel
 
@@ -47,8 +53,9 @@ def convert(checkpoint: Path, out: Path) -> Path:
     """llama.cpp's convert_hf_to_gguf.py on a saved checkpoint, in float32."""
     vendor = VENDORS[-1]
     env = os.environ | {"PYTHONPATH": f"{vendor / 'gguf-py'}{os.pathsep}{PEERS / 'pylib'}"}
-    subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "f32",
-                    "--outfile", str(out)], check=True, env=env, capture_output=True)
+    done = subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "f32",
+                           "--outfile", str(out)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
     return out
 
 
@@ -106,22 +113,27 @@ PROMPT = [1, 504, 3303, 314, 253, 1345, 2617, 30, 378, 2060, 314]
 @needs_tools
 @pytest.mark.parametrize("file_type", ["Q4_K_M", "Q6_K", "IQ4_XS", "Q3_K_M"])
 def test_a_quantized_file_serves_transformers_logits_over_the_same_file(tiny_files, file_type):
-    file = tiny_files[file_type]
+    assert_serves_transformers_logits(tiny_files[file_type], PROMPT)
+
+
+def assert_serves_transformers_logits(file: Path, prompt: list[int]) -> None:
+    """On the exact path, transformers' top-5 tokens and log-probabilities over the same file (1e-4);
+    on the default path (the file's blocks on nanoserve's kernels), its first token."""
     hf = _hf_from_gguf(file)
     with torch.no_grad():
-        expected = hf(torch.tensor([PROMPT])).logits[0, -1]
+        expected = hf(torch.tensor([prompt])).logits[0, -1]
     config, tensors = load_gguf(file)
     model = LlamaModel.from_state_dict(config, tensors, torch.float32, "cpu")
     want = torch.log_softmax(expected.double(), -1).topk(5)
-    for settings in ({"dtype": "float32", "quantization": None}, {}):  # the exact path, then the default's kernels
+    for settings in ({"dtype": "float32", "quantization": None}, {}):
         engine = Engine(model, None, EngineConfig(block_size=16, num_kv_blocks=16, **settings))
-        (out,) = engine.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0, logprobs=20))
+        (out,) = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=20))
         top = sorted(out.logprobs[0].items(), key=lambda kv: -kv[1])[:5]
-        if settings:  # exact: transformers' top tokens and their log-probabilities
+        if settings:
             assert [t for t, _ in top] == want.indices.tolist()
             for (_, got), logprob in zip(top, want.values.tolist(), strict=True):
                 assert abs(got - logprob) < 1e-4
-        else:  # the file's blocks on nanoserve's kernels: the same first token
+        else:
             assert out.token_ids[0] == want.indices[0].item(), engine.plan.render()
 
 
@@ -150,3 +162,83 @@ def test_a_llama_3_2_file_is_token_identical_to_transformers_on_its_checkpoint(t
                                      pad_token_id=0)[0, len(prompt):].tolist()
         (out,) = engine.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
         assert list(out.token_ids) == want
+
+
+# Tiny checkpoints of the other families, hidden sizes a multiple of 256 so the K-quant tensors are
+# real K-quants. Gemma's head_dim of 256 makes llama.cpp's query scale (1 / sqrt(head_dim)) and
+# transformers' (query_pre_attn_scalar, 256 by default and absent from the file) the same.
+WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            tie_word_embeddings=True)
+WIDE = WIDE | dict(vocab_size=1024)
+FAMILIES = {
+    "qwen2": WIDE,
+    # transformers' GGUF loader leaves Qwen3's head_dim at its default of 128 (the file's key_length
+    # unread), as every Qwen3 release has it
+    "qwen3": WIDE | dict(head_dim=128),
+    "mistral": WIDE | dict(sliding_window=None),
+    "gemma": WIDE | dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256),
+    "gemma2": WIDE | dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256),
+}
+# transformers' GGUF loader reads these files' architectures ("llama" for Mistral's); not Gemma 1's.
+HF_READS_GGUF = ("qwen2", "qwen3", "mistral", "gemma2")
+
+
+def sentencepiece_tokenizer(folder: Path, vocab_size: int) -> None:
+    """tokenizer.model: a SentencePiece BPE model trained on the repository's docs; the converter pads
+    its vocabulary to the model's `vocab_size`."""
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]))
+    train = ("import sys, sentencepiece as spm; spm.SentencePieceTrainer.train(input=sys.argv[1], "
+             "model_prefix=sys.argv[2], vocab_size=int(sys.argv[3]), model_type='bpe', hard_vocab_limit=False)")
+    env = os.environ | {"PYTHONPATH": str(PEERS / "pylib")}
+    subprocess.run([sys.executable, "-c", train, str(corpus), str(folder / "tokenizer"), str(vocab_size // 2)],
+                   check=True, env=env, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def family_files(tmp_path_factory) -> dict[str, tuple[Path, Path, Path]]:
+    """family -> (its checkpoint folder, the F32 file, the Q4_K_M file), each by llama.cpp's tools."""
+    files = {}
+    for family, overrides in FAMILIES.items():
+        folder = tmp_path_factory.mktemp(family)
+        hf = make_hf_model(family, seed=47, **overrides)
+        checkpoint = folder / "hf"
+        hf.save_pretrained(checkpoint)
+        sentencepiece_tokenizer(checkpoint, overrides["vocab_size"])
+        f32 = convert(checkpoint, folder / f"{family}-f32.gguf")
+        files[family] = (checkpoint, f32, quantize(f32, "Q4_K_M"))
+    return files
+
+
+@needs_tools
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_family_file_is_token_identical_to_transformers_on_its_checkpoint(family_files, family):
+    from transformers import AutoModelForCausalLM
+
+    checkpoint, f32, _ = family_files[family]
+    config, tensors = load_gguf(f32)
+    hf_config = LlamaConfig.from_hf_dict(json.loads((checkpoint / "config.json").read_text()))
+    if family == "mistral":  # llama.cpp writes Mistral as "llama", without its window
+        hf_config = dataclasses.replace(hf_config, architecture="LlamaForCausalLM")
+    for field in ("architecture", "head_dim", "num_kv_heads", "rope_theta", "hidden_act", "qkv_bias", "qk_norm",
+                  "norm_offset", "embed_scale", "sandwich_norms", "query_pre_attn_scalar", "attn_logit_softcap",
+                  "final_logit_softcap", "sliding_window", "sliding_layers", "tie_word_embeddings"):
+        assert getattr(config, field) == getattr(hf_config, field), field
+    model = LlamaModel.from_state_dict(config, tensors, torch.float32, "cpu")
+    engine = Engine(model, None, EngineConfig(dtype="float32", quantization=None, block_size=16, num_kv_blocks=64))
+    original = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    for prompt in ([t % 1000 for t in PROMPT], list(range(100, 160))):
+        with torch.no_grad():
+            want = original.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                                     pad_token_id=0)[0, len(prompt):].tolist()
+        (out,) = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+        assert len(want) >= 8 and list(out.token_ids)[:len(want)] == want  # transformers stops at its EOS
+
+
+@needs_tools
+@pytest.mark.parametrize("family", HF_READS_GGUF)
+def test_a_family_k_quant_file_serves_transformers_logits_over_the_same_file(family_files, family):
+    _, _, file = family_files[family]
+    kinds = {read_gguf_file(file).type_name(name) for name in read_gguf_file(file).tensors}
+    assert {"Q4_K", "Q6_K"} <= kinds, kinds
+    assert_serves_transformers_logits(file, [t % 1000 for t in PROMPT])

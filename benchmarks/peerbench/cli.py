@@ -34,6 +34,7 @@ peerbench_divergence.csv, never hidden.
     python -m benchmarks.peerbench                   # the full run (about 35 minutes on 2 cores)
     python -m benchmarks.peerbench --quick           # about 2 minutes: 8 requests, slots 1 4 8
     python -m benchmarks.peerbench --setup-llamacpp  # once: sdist, f32 GGUF, llama-batched-bench under .peers/
+    python -m benchmarks.peerbench --setup-ik-llamacpp [SOURCE]  # once: ik_llama.cpp's llama-batched-bench (~1 h)
 
 Writes OUT/peerbench.csv (units in the column names), OUT/peerbench_divergence.csv and, when
 matplotlib is installed, OUT/peerbench.png (output tokens/s against concurrency, every system).
@@ -53,9 +54,11 @@ from benchmarks.peerbench.limits import safetensors_sizes
 from benchmarks.peerbench.llamacpp import (
     BATCHED_BENCH,
     GGUF_NAME,
+    IK_LLAMA_CPP_REPO,
     PEERS_DIR,
     has_module,
     run_batched_bench,
+    setup_ik_llamacpp,
     setup_llamacpp,
 )
 from benchmarks.peerbench.measured import LLAMA_BATCHED, LLAMA_PY, SYSTEMS, Measured, log, measured_from_json
@@ -70,6 +73,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--setup-llamacpp", action="store_true", help="fetch/convert/build the llama.cpp peers, then exit")
+    parser.add_argument("--setup-ik-llamacpp", nargs="?", const=IK_LLAMA_CPP_REPO, metavar="SOURCE",
+                        help="clone ik_llama.cpp from SOURCE (default: GitHub) and build its llama-batched-bench, then exit")
     parser.add_argument("--quick", action="store_true", help="8 requests, short lengths, slots 1 4 8: about 2 minutes")
     parser.add_argument("--skip-llamacpp", action="store_true", help="leave both llama.cpp systems out")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
@@ -89,6 +94,9 @@ def main() -> None:
         return
     if args.setup_llamacpp:
         setup_llamacpp()
+        return
+    if args.setup_ik_llamacpp:
+        setup_ik_llamacpp(args.setup_ik_llamacpp)
         return
 
     quick = args.quick

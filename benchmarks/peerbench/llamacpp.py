@@ -19,6 +19,12 @@ from benchmarks.peerbench.measured import LLAMA_BATCHED, LLAMA_PY, Measured, err
 PEERS_DIR = ROOT / ".peers"  # listed in .git/info/exclude: sdist, GGUF and llama.cpp build live here
 GGUF_NAME = "smollm2-135m-f32.gguf"
 BATCHED_BENCH = PEERS_DIR / "llama.cpp-build" / "bin" / "llama-batched-bench"
+IK_BATCHED_BENCH = PEERS_DIR / "ik_llama.cpp-build" / "bin" / "llama-batched-bench"
+IK_LLAMA_CPP_REPO = "https://github.com/ikawrakow/ik_llama.cpp"
+# Native, but without AMX tiles: on a Xeon with AMX, llama.cpp's AMX matmul died here on its first
+# tile instruction (SIGILL at ldtilecfg), while torch's oneDNN ran AMX in the same sandbox. The notes
+# say so beside every llama.cpp figure from such a machine.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 LLAMA_CPP_SDIST = "llama-cpp-python"
 
 
@@ -137,19 +143,37 @@ def setup_llamacpp(python: str = sys.executable) -> None:
         subprocess.run([python, str(vendor / "convert_hf_to_gguf.py"), str(default_model_dir()), "--outtype", "f32",
                         "--outfile", str(gguf)], check=True, env=env)
     if not BATCHED_BENCH.is_file():
-        build = BATCHED_BENCH.parent.parent
-        start = time.perf_counter()
-        # Native, but without AMX tiles: on a Xeon with AMX, llama.cpp's AMX matmul died here on its
-        # first tile instruction (SIGILL at ldtilecfg, 2026-12-02), while torch's oneDNN ran AMX in the
-        # same sandbox. The notes say so beside every llama.cpp figure from such a machine.
-        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-        subprocess.run(["cmake", "-S", str(vendor), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-                        f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}",
-                        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"], check=True)
-        subprocess.run(["cmake", "--build", str(build), "--target", "llama-batched-bench", "llama-quantize",
-                        "-j", str(os.cpu_count())], check=True)
-        print(f"built {BATCHED_BENCH} in {time.perf_counter() - start:.0f} s")
+        build_batched_bench(vendor, BATCHED_BENCH.parent.parent, ["llama-quantize"])
     print(f"GGUF: {gguf}\nllama-batched-bench: {BATCHED_BENCH}")
     print("llama-cpp-python (optional, compiles llama.cpp for minutes): "
           f"CMAKE_ARGS=-DGGML_NATIVE=ON {python} -m pip install {sdists[-1]}")
 
+
+
+def build_batched_bench(src: Path, build: Path, extra_targets: Sequence[str] = (), cmake_args: Sequence[str] = ()) -> None:
+    """Configure and build llama-batched-bench (and `extra_targets`) from the llama.cpp tree `src`."""
+    start = time.perf_counter()
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+                    f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}", "-DLLAMA_CURL=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", *cmake_args], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-batched-bench", *extra_targets,
+                    "-j", str(os.cpu_count())], check=True)
+    print(f"built {build / 'bin' / 'llama-batched-bench'} in {time.perf_counter() - start:.0f} s")
+
+
+def setup_ik_llamacpp(source: str = IK_LLAMA_CPP_REPO) -> None:
+    """Once: clone ik_llama.cpp (the fork with the iqk CPU kernels) from `source` and build its
+    llama-batched-bench under .peers/ (about an hour on two cores; the build is kept).
+
+    `source` is anything `git clone` takes: the GitHub address, or a local clone or mirror. The
+    flash-attention kernels for quantized KV caches are left out (GGML_IQK_FA_ALL_QUANTS=OFF): the
+    peers run with an f32 KV cache, and they are most of the build's time.
+    """
+    PEERS_DIR.mkdir(exist_ok=True)
+    src = PEERS_DIR / "ik_llama.cpp"
+    if not src.is_dir():
+        subprocess.run(["git", "clone", "--depth", "1", source, str(src)], check=True)
+    if not IK_BATCHED_BENCH.is_file():
+        build_batched_bench(src, IK_BATCHED_BENCH.parent.parent, cmake_args=["-DGGML_IQK_FA_ALL_QUANTS=OFF"])
+    commit = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    print(f"ik_llama.cpp {commit.stdout.strip()}: {IK_BATCHED_BENCH}")

@@ -247,6 +247,20 @@ class GGUFArchitecture:
     hf_architecture: str  # the config.json "architectures" entry
     permutes_qk: bool  # llama.cpp's converter interleaves the rotary halves of q/k rows; undone on load
     names: dict[str, str]  # GGUF tensor stem -> HF module name ("{i}" is the layer)
+    # llama.cpp's converter stores Gemma's norm weights as 1 + w (its forward multiplies by them as
+    # they are); the loader subtracts the 1 again, as transformers' GGUF loader does, and the model
+    # adds it back (LlamaConfig.norm_offset).
+    norm_shift: float = 0.0
+
+    def as_hf(self, name: str, value: torch.Tensor | BlockQuantized, head_dim: int) -> torch.Tensor | BlockQuantized:
+        """A tensor read from the file (`name`: its HF name) in Hugging Face's convention."""
+        if self.permutes_qk and name.split(".")[-2] in ("q_proj", "k_proj"):
+            # rows are output channels (blocks run along K); the interleaving is within each head
+            order = qk_row_order(value.shape[0], value.shape[0] // head_dim)
+            value = value.rows(order) if isinstance(value, BlockQuantized) else value.index_select(0, order)
+        if self.norm_shift and name.endswith("norm.weight"):
+            value = value.float() - self.norm_shift
+        return value
 
 
 LLAMA_NAMES = {
@@ -267,13 +281,20 @@ QWEN3_NAMES = LLAMA_NAMES | {
     "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
     "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
 }
+GEMMA2_NAMES = LLAMA_NAMES | {
+    "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.ffn_norm": "model.layers.{i}.pre_feedforward_layernorm",
+    "blk.{i}.post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm",
+}
 # Mistral's files are written as "llama" (with no sliding window: llama.cpp's converter drops it).
-# Qwen's rope is HF's rotate-half layout already, so llama.cpp stores its q/k rows as they are; a
-# bias (blk.N.attn_q.bias) takes its weight's name.
+# Qwen's and Gemma's rope is HF's rotate-half layout already, so llama.cpp stores their q/k rows as
+# they are; a bias (blk.N.attn_q.bias) takes its weight's name.
 ARCHITECTURES = {
     "llama": GGUFArchitecture("LlamaForCausalLM", permutes_qk=True, names=LLAMA_NAMES),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", permutes_qk=False, names=LLAMA_NAMES),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", permutes_qk=False, names=QWEN3_NAMES),
+    "gemma": GGUFArchitecture("GemmaForCausalLM", permutes_qk=False, names=LLAMA_NAMES, norm_shift=1.0),
+    "gemma2": GGUFArchitecture("Gemma2ForCausalLM", permutes_qk=False, names=GEMMA2_NAMES, norm_shift=1.0),
 }
 
 
@@ -336,11 +357,27 @@ def config_from_gguf(parsed: GGUFFile) -> LlamaConfig:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "rope_freq_factors": rope_freq_factors(parsed),
     }
+    if arch == "gemma2":
+        d |= gemma2_keys(arch_key, d)
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if d[k] is None]
     if missing:
         raise ValueError(f"GGUF metadata gives no value for {missing} (architecture {arch!r})")
     return LlamaConfig.from_hf_dict(d)
+
+
+def gemma2_keys(arch_key, d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's soft-capping, window and attention scale as llama.cpp reads them: a key the file
+    lacks takes llama.cpp's default (transformers' too: caps 50 and 30, window 4096). The file has no
+    query_pre_attn_scalar; llama.cpp scales queries by 1 / sqrt(head_dim), or by 1 / sqrt(E / H) for the
+    46-layer (27B) model, and so does this config."""
+    keys = {"attn_logit_softcapping": arch_key("attn_logit_softcapping"),
+            "final_logit_softcapping": arch_key("final_logit_softcapping"),
+            "sliding_window": arch_key("attention.sliding_window", 4096)}
+    head_dim = d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
+    keys["query_pre_attn_scalar"] = (d["hidden_size"] // d["num_attention_heads"] if d["num_hidden_layers"] == 46
+                                     else head_dim)
+    return {k: v for k, v in keys.items() if v is not None}
 
 
 def rope_scaling(arch_key) -> dict[str, Any] | None:
@@ -433,18 +470,12 @@ def load_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor | B
     parsed.check_types()
     config = config_from_gguf(parsed)
     _, spec = architecture_of(parsed)
-    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
     tensors: dict[str, torch.Tensor | BlockQuantized] = {}
     for gguf_name in parsed.tensors:
         if gguf_name == ROPE_FREQS:
             continue
         name = hf_name(gguf_name, spec.names)
-        value = load_tensor(parsed, gguf_name)
-        proj = name.split(".")[-2]
-        if spec.permutes_qk and proj in heads:
-            order = qk_row_order(value.shape[0], heads[proj])  # rows are output channels; blocks run along K
-            value = value.rows(order) if isinstance(value, BlockQuantized) else value.index_select(0, order)
-        tensors[name] = value
+        tensors[name] = spec.as_hf(name, load_tensor(parsed, gguf_name), config.head_dim)
     return config, tensors
 
 

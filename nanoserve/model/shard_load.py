@@ -26,7 +26,6 @@ from nanoserve.model.gguf import (
     config_from_gguf,
     decode_blocks,
     hf_name,
-    qk_row_order,
     read_gguf_config,
     read_gguf_file,
 )
@@ -85,13 +84,8 @@ def _gguf_slices(parsed: GGUFFile, config: LlamaConfig, shard: Shard) -> Tensors
             continue
         name = hf_name(gguf_name, spec.names)
         cut = slice_of(name, config, shard)
-        value = _gguf_read(parsed, gguf_name, cut)
-        proj = name.split(".")[-2]
-        if spec.permutes_qk and proj in ("q_proj", "k_proj"):
-            # The interleaving is within each head, and a rank holds whole heads.
-            order = qk_row_order(value.shape[0], value.shape[0] // config.head_dim)
-            value = value.rows(order) if isinstance(value, BlockQuantized) else value.index_select(0, order)
-        tensors[name] = value
+        # The q/k interleaving is within each head, and a rank holds whole heads.
+        tensors[name] = spec.as_hf(name, _gguf_read(parsed, gguf_name, cut), config.head_dim)
     return tensors
 
 
