@@ -26,7 +26,7 @@ from test_quant import random_stored
 
 from nanoserve.model import blockdot, precision
 from nanoserve.model.gguf import BlockQuantized, decode_blocks
-from nanoserve.model.quant import QuantLinear, quant_linear, quantize_int4
+from nanoserve.model.quant import QuantLinear, cat_rows, quant_linear, quantize_int4
 
 # Tests of this machine's own build; without a C compiler torch's kernels serve and they have nothing to run.
 needs_build = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
@@ -83,8 +83,10 @@ def test_each_build_has_the_vector_width_its_flags_ask_for(kernel):
 
 
 # Every kind blockdot runs: the 4-bit and int8 codes in fp16 heads, the K-quants' in float32 heads, Q6_K's
-# and Q3_K's two scales a block.
-KINDS = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS", "Q6_K", "Q3_K"]
+# and Q3_K's two scales a block, Q2_K's two scales and two mins; and rows of several kinds stacked
+# (a llama.cpp mix's qkv): Q4_K rows (a min a group of 32) beside Q6_K rows (groups of 16, no min).
+KINDS = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS", "Q6_K", "Q3_K", "Q2_K",
+         "Q4_K+Q6_K"]
 
 
 def stored_of(kind: str, N: int, K: int = 96) -> BlockQuantized:
@@ -97,7 +99,11 @@ def stored_of(kind: str, N: int, K: int = 96) -> BlockQuantized:
         if stored.mins is not None:
             stored.mins = stored.mins.half().float()
         return stored
-    K = -(-K // 256) * 256 if kind in ("Q4_K", "Q5_K", "IQ4_XS", "Q6_K", "Q3_K") else K
+    K = -(-K // 256) * 256 if kind.endswith("_K") or kind in ("IQ4_XS", "Q4_K+Q6_K") else K
+    if "+" in kind:  # the first kind's rows, then 16 of the second's
+        first, second = kind.split("+")
+        return cat_rows([decode_blocks(random_blocks(first, N - 16, K, seed=N, finite=True), first),
+                         decode_blocks(random_blocks(second, 16, K, seed=N + 1, finite=True), second)])
     return decode_blocks(random_blocks(kind, N, K, seed=N, finite=True), kind)
 
 
@@ -134,12 +140,12 @@ def int16_rounded(x: torch.Tensor) -> torch.Tensor:
 
 
 def block_mins(stored: BlockQuantized) -> torch.Tensor:
-    """m of w = d q + m per (row, block) as the kernel splits it: Q4_0's -8 d (q in 0..15), a kind's own
+    """m of w = d q + m per (row, group) as the kernel splits it: Q4_0's -8 d (q in 0..15), a kind's own
     mins where it has them, else 0 (its int8 q as stored)."""
     if stored.kind == "Q4_0":
         return -8 * stored.scales.double()
     N, K = stored.shape
-    return torch.zeros(N, K // 32, dtype=torch.float64) if stored.mins is None else stored.mins.double()
+    return torch.zeros(N, K // stored.group, dtype=torch.float64) if stored.mins is None else stored.mins.double()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -155,9 +161,12 @@ def test_the_int16_path_equals_its_rounding_done_by_hand(kernel, kind, N, rows):
     w = stored.dequantize().double()
     # The kernel takes m sum(x), the m part, from x itself: only the d q part sees the rounding.
     rounded = int16_rounded(x)
-    sums = lambda t: t.view(rows, K // 32, 32).sum(-1)  # noqa: E731
+    G = stored.group
+    sums = lambda t: t.view(rows, K // G, G).sum(-1)  # noqa: E731
     expected = rounded @ w.T + (sums(x.double()) - sums(rounded)) @ block_mins(stored).T
-    scale = expected.abs().max().item()
+    # float32's rounding scales with the largest term: the min part m sum(x) where it outweighs the
+    # result (Q2_K's random mins do)
+    scale = max(expected.abs().max().item(), (sums(x.double()).abs() @ block_mins(stored).abs().T).max().item())
     out = panels(x)
     torch.testing.assert_close(out.double(), expected, atol=1e-5 * scale, rtol=0)
     # against the unrounded product: within what rounding each x by at most half a step allows
@@ -271,10 +280,10 @@ def test_scales_fp16_does_not_hold_go_in_float_heads_and_other_kinds_are_refused
     assert blockdot.supports(q4, torch.float32)
     panels = blockdot.pack(q4)
     assert panels.planes == 1 | blockdot.F32_HEADS and torch.equal(panels.dequantize(), q4.dequantize())
-    q2 = decode_blocks(random_blocks("Q2_K", 16, 256), "Q2_K")
-    assert not blockdot.supports(q2, torch.float32)
-    with pytest.raises(ValueError, match=r"blockdot runs \('Q4_0'.*matrices on the CPU; got Q2_K"):
-        blockdot.pack(q2)
+    per_channel = random_stored("int8", 16, 32)  # nanoserve's own int8 (a scale a row) is torch's to run
+    assert not blockdot.supports(per_channel, torch.float32)
+    with pytest.raises(ValueError, match=r"blockdot runs \('Q4_0'.*matrices on the CPU; got ChannelInt8"):
+        blockdot.pack(per_channel)
     fine = random_stored("Q4_1", 16, 32)
     fine.scales, fine.mins = fine.scales.half().float(), fine.mins.half().float()
     assert blockdot.supports(fine, torch.bfloat16) and not blockdot.supports(fine, torch.float16)

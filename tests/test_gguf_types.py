@@ -22,6 +22,7 @@ from nanoserve.model import blockdot
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.ggml_blocks import BLOCK_TYPES
 from nanoserve.model.gguf import BlockQuantized, config_from_gguf, decode_blocks, load_gguf, read_gguf_file
+from nanoserve.model.llama import MATMULS
 from nanoserve.model.plan import check_laid_out, resolve_plan
 from nanoserve.model.prepare import prepare_model
 from nanoserve.model.quant import cat_rows, kernel_passes, torch_runs
@@ -125,11 +126,10 @@ def test_the_plan_runs_each_kind_on_a_kernel_or_says_it_dequantized_it():
     assert [on_torch.form_of(0, n).name for n in ("qkv", "gate_up")] == ["torch-int4"] * 2
     assert on_torch.form_of(0, "o").name in dense and on_torch.form_of(0, "down").name in dense
     assert "Q2_K, Q6_K dequantized at load to float32: no torch kernel here runs them" in on_torch.reasons
-    if blockdot.library() is not None:
+    if blockdot.library() is not None:  # blockdot runs every kind
         plan = resolve_plan(config_of(kernels="blockdot"), model, probe=figures)
-        assert [plan.form_of(0, n).name for n in ("qkv", "o", "gate_up")] == ["blockdot"] * 3
-        assert plan.form_of(0, "down").name in dense
-        assert "Q2_K dequantized at load to float32: no blockdot kernel here runs it" in plan.reasons
+        assert [plan.form_of(0, n).name for n in MATMULS] == ["blockdot"] * 4
+        assert not any("dequantized at load" in reason for reason in plan.reasons), plan.reasons
         laid = prepare_model(model, plan)
         assert check_laid_out(laid, plan) == []
 
@@ -209,14 +209,20 @@ def test_rows_of_several_kinds_stack_into_one_matrix_exactly():
     assert torch.equal(qkv.dequantize(), torch.cat([q.dequantize(), k.dequantize(), v.dequantize()]))
     with_mins = cat_rows([decode_blocks(random_blocks("Q4_K", 16, 256, finite=True), "Q4_K"), q])
     assert with_mins.kind == "Q4_K+Q5_0" and with_mins.mins is not None
+    # groups of 16 beside groups of 32: groups of 16, a 32-weight group's scale (and min) for both halves
+    q6 = decode_blocks(random_blocks("Q6_K", 16, 256, finite=True), "Q6_K")
+    q4k = decode_blocks(random_blocks("Q4_K", 32, 256, seed=3, finite=True), "Q4_K")
+    sixteens = cat_rows([q, q6])
+    assert (sixteens.kind, sixteens.group, sixteens.mins) == ("Q5_0+Q6_K", 16, None)
+    assert torch.equal(sixteens.dequantize(), torch.cat([q.dequantize(), q6.dequantize()]))
+    sixteens_with_mins = cat_rows([q4k, q6])  # a Q4_K_M file's q and k beside its Q6_K v
+    assert (sixteens_with_mins.kind, sixteens_with_mins.group) == ("Q4_K+Q6_K", 16)
+    assert torch.equal(sixteens_with_mins.dequantize(), torch.cat([q4k.dequantize(), q6.dequantize()]))
     if blockdot.library() is not None:
-        for stacked in (qkv, with_mins):
+        for stacked in (qkv, with_mins, sixteens, sixteens_with_mins):
             panels = blockdot.pack(stacked)
             assert torch.equal(panels.dequantize(), stacked.dequantize())
             x = torch.randn(3, 256)
             expected = F.linear(x.double(), stacked.dequantize().double()).float()
             torch.testing.assert_close(panels(x), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
-    # groups of 16 beside groups of 32 have no exact common form: dense float32
-    q6 = decode_blocks(random_blocks("Q6_K", 16, 256, finite=True), "Q6_K")
-    mixed = cat_rows([q, q6])
-    assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([q.dequantize(), q6.dequantize()]))
+

@@ -27,13 +27,16 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import LLAMA3_ROPE, make_hf_model
+from conftest import LLAMA3_ROPE, config_of, make_hf_model
+from test_precision import fake
 
 from nanoserve import Engine, EngineConfig, SamplingParams
-from nanoserve.model import default
+from nanoserve.model import blockdot, default
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.gguf import load_gguf, load_tensor, read_gguf_file
-from nanoserve.model.llama import LlamaModel
+from nanoserve.model.llama import MATMULS, LlamaModel
+from nanoserve.model.plan import check_laid_out, resolve_plan
+from nanoserve.model.prepare import prepare_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / ".peers"
@@ -242,3 +245,24 @@ def test_a_family_k_quant_file_serves_transformers_logits_over_the_same_file(fam
     kinds = {read_gguf_file(file).type_name(name) for name in read_gguf_file(file).tensors}
     assert {"Q4_K", "Q6_K"} <= kinds, kinds
     assert_serves_transformers_logits(file, [t % 1000 for t in PROMPT])
+
+
+@needs_tools
+@pytest.mark.skipif(blockdot.library() is None, reason=f"no blockdot build here: {blockdot.failure()}")
+@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q3_K_M", "Q2_K"])
+def test_every_matrix_of_a_mixed_file_runs_on_blockdot_as_stored(tiny_files, file_type):
+    # Where the probe keeps a file's blocks, none of its matrices is dequantized at load: a Q4_K q
+    # beside a Q6_K v (Q4_K_M's qkv) and Q2_K's groups of 16 with mins run on the kernel too.
+    config, tensors = load_gguf(tiny_files[file_type])
+    model = LlamaModel.from_state_dict(config, tensors, torch.float32, "cpu")
+    probe = fake(0.2, 14.0, int4_ms=0.05, blockdot_ms=0.01, dense_ms=1.0)
+
+    def figures(kernel_dtype=None):
+        return dataclasses.replace(probe(kernel_dtype), int4_stream_ms=0.05, blockdot_stream_ms=0.01)
+
+    plan = resolve_plan(config_of(kernels="blockdot"), model, probe=figures)
+    forms = {(i, name): plan.form_of(i, name).name for i in range(config.num_layers) for name in MATMULS}
+    assert set(forms.values()) == {"blockdot"}, (forms, plan.reasons)
+    kinds = {getattr(layer, name).kind for layer in model.layers for name in MATMULS}
+    assert any("+" in kind for kind in kinds) or file_type == "Q2_K", kinds  # a stacked mix among them
+    assert check_laid_out(prepare_model(model, plan), plan) == []

@@ -175,6 +175,21 @@ def test_parse_batched_bench_keeps_only_its_jsonl_rows():
     assert rows[1]["t"] == 11.5
 
 
+def test_parse_batched_bench_table_reads_ik_llamacpps_markdown_rows():
+    from benchmarks.peerbench.precision import parse_batched_bench_table
+
+    # ik_llama.cpp's batched-bench prints only this table (its format string, filled in by hand)
+    text = "\n".join([
+        "|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |",
+        "|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|",
+        "|    64 |     32 |    1 |   1536 |    0.500 |   128.00 |    2.000 |    16.00 |    2.500 |   614.40 |",
+        "|    64 |     32 |   16 |   1536 |    4.000 |   256.00 |    8.000 |    64.00 |   12.000 |   128.00 |",
+        "llama_print_timings:        load time =     123.45 ms",
+    ])
+    rows = parse_batched_bench_table(text)
+    assert rows == [{"pl": 1.0, "speed_pp": 128.0, "speed_tg": 16.0}, {"pl": 16.0, "speed_pp": 256.0, "speed_tg": 64.0}]
+
+
 def test_batched_bench_row_uses_its_own_totals():
     m = Measured(workload="offline", system=LLAMA_BATCHED, concurrency=4, output_tokens=256,
                     prompt_tokens=512, wall_s=8.0, ttft_s=2.0, tpot_s=0.09375, steps=64)

@@ -37,7 +37,13 @@ import time
 from pathlib import Path
 
 from benchmarks.peerbench.launcher import ROOT, run_child
-from benchmarks.peerbench.llamacpp import BATCHED_BENCH, GGUF_NAME, PEERS_DIR, parse_batched_bench
+from benchmarks.peerbench.llamacpp import (
+    BATCHED_BENCH,
+    GGUF_NAME,
+    IK_BATCHED_BENCH,
+    PEERS_DIR,
+    parse_batched_bench,
+)
 from nanoserve.instruments.csv_writer import write_csv
 
 QUANTIZE = BATCHED_BENCH.parent / "llama-quantize"
@@ -248,13 +254,27 @@ def hf_rates(dtype: str, pp: int, tg: int, threads: int, slots: list[int]) -> di
     return {"rates": {int(k): v for k, v in result["rates"].items()}, "rss_mib": result["rss_mib"]}
 
 
-def llama_rates(gguf: Path, pp: int, tg: int, threads: int, slots: list[int]) -> dict:
-    """llama-batched-bench's S_TG (aggregate decode tokens/s) at each number of sequences; f16 KV (its default)."""
-    cmd = [str(BATCHED_BENCH), "-m", str(gguf), "-c", str(max(slots) * (pp + tg)), "-b", "2048", "-ub", "512",
-           "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, slots)), "-t", str(threads),
-           "-tb", str(threads), "--output-format", "jsonl"]
+def parse_batched_bench_table(text: str) -> list[dict[str, float]]:
+    """The rows of llama-batched-bench's markdown table (ik_llama.cpp's prints no JSONL):
+    | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and all(c.replace(".", "", 1).isdigit() for c in cells):
+            values = [float(c) for c in cells]
+            rows.append({"pl": values[2], "speed_pp": values[5], "speed_tg": values[7]})
+    return rows
+
+
+def llama_rates(gguf: Path, pp: int, tg: int, threads: int, slots: list[int], ik: bool = False) -> dict:
+    """llama-batched-bench's S_TG (aggregate decode tokens/s) at each number of sequences, llama.cpp's
+    or (ik) ik_llama.cpp's; f16 KV and the rest of its defaults."""
+    cmd = [str(IK_BATCHED_BENCH if ik else BATCHED_BENCH), "-m", str(gguf), "-c", str(max(slots) * (pp + tg)),
+           "-b", "2048", "-ub", "512", "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, slots)),
+           "-t", str(threads), "-tb", str(threads), *([] if ik else ["--output-format", "jsonl"])]
     child = run_child(cmd, 1800, None)
-    rows = {int(r["pl"]): r for r in parse_batched_bench(child.result or "")}
+    parse = parse_batched_bench_table if ik else parse_batched_bench
+    rows = {int(r["pl"]): r for r in parse(child.result or "")}
     missing = [s for s in slots if s not in rows]
     if missing:
         raise RuntimeError(f"llama-batched-bench on {gguf.name} gave no row for {missing}: {child.error}")
@@ -281,8 +301,13 @@ def main() -> None:
     parser.add_argument("--bandwidth", action="store_true",
                         help="measure the read bandwidth each round; report each system's decode rate at one "
                              "sequence times the bytes it reads a token, as a share of it")
+    parser.add_argument("--ik", action="store_true",
+                        help="also run ik_llama.cpp's llama-batched-bench on each file, interleaved "
+                             "(python -m benchmarks.peerbench --setup-ik-llamacpp builds it)")
     parser.add_argument("--out", default="runs/peerbench_precision.csv")
     args = parser.parse_args()
+    if args.ik and not IK_BATCHED_BENCH.is_file():
+        parser.error(f"--ik: no {IK_BATCHED_BENCH} (python -m benchmarks.peerbench --setup-ik-llamacpp)")
     if args.rounds < 1 or min(args.slots) < 1:
         parser.error("--rounds and every --slots value must be >= 1")
     files = gguf_files(args.pairs)
@@ -296,14 +321,16 @@ def main() -> None:
             _, dtype, quantization = PAIRS[name]
             ours = [f"nanoserve:{k}" for k in (args.kernels if quantization else args.kernels[:1])]
             ours += [f"{system}:unfused" for system in ours] if args.unfused else []
-            order = [*ours, "llama.cpp"] if r % 2 == 0 else ["llama.cpp", *ours]
+            peers = ["llama.cpp", "ik_llama.cpp"] if args.ik else ["llama.cpp"]
+            order = [*ours, *peers] if r % 2 == 0 else [*peers, *ours]
             for system in order:
                 if system.startswith("nanoserve"):
                     result = nanoserve_rates(files[name], dtype, quantization, args.pp, args.tg, args.threads,
                                              args.slots, system.split(":")[1], not system.endswith(":unfused"),
                                              args.kv_cache_dtype)
                 else:
-                    result = llama_rates(files[name], args.pp, args.tg, args.threads, args.slots)
+                    result = llama_rates(files[name], args.pp, args.tg, args.threads, args.slots,
+                                         ik=system == "ik_llama.cpp")
                 got.setdefault((name, system), []).append(result)
                 print(f"  round {r + 1} {name} {system}: "
                       + ", ".join(f"{s}: {v:.1f}" for s, v in result["rates"].items()), flush=True)
@@ -341,6 +368,23 @@ def main() -> None:
                          "nanoserve_kv_pool_mib": pool_n, "llamacpp_peak_rss_mib": rss_l,
                          "pp": args.pp, "tg": args.tg, "rounds": args.rounds, "threads": args.threads,
                          "date": time.strftime("%Y-%m-%d")})
+    if args.ik:
+        print(f"\nnanoserve over ik_llama.cpp's llama-batched-bench (median of {args.rounds}, per-round spread):")
+        for name, system in [key for key in got if key[1].startswith("nanoserve")]:
+            ours, theirs = got[(name, system)], got[(name, "ik_llama.cpp")]
+            for s in args.slots:
+                n, ik = (statistics.median(x["rates"][s] for x in runs) for runs in (ours, theirs))
+                per_round = [a["rates"][s] / b["rates"][s] for a, b in zip(ours, theirs, strict=False)]
+                pp_ratio = (statistics.median(x["prefill"][s] for x in ours)
+                            / statistics.median(x["prefill"][s] for x in theirs))
+                print(f"  {name:<10} {s:>3} slots: nanoserve {n:.1f}, ik_llama.cpp {ik:.1f} tok/s, ratio {n / ik:.2f} "
+                      f"({min(per_round):.2f}-{max(per_round):.2f}), prefill ratio {pp_ratio:.2f}")
+                rows.append({"file": name, "gguf": files[name].name, "nanoserve_precision": ours[0]["precision"],
+                             "slots": s, "nanoserve_decode_tok_s": n, "ik_llamacpp_decode_tok_s": ik,
+                             "nanoserve_over_ik_llamacpp": n / ik, "ratio_min": min(per_round),
+                             "ratio_max": max(per_round), "prefill_nanoserve_over_ik_llamacpp": pp_ratio,
+                             "pp": args.pp, "tg": args.tg, "rounds": args.rounds, "threads": args.threads,
+                             "date": time.strftime("%Y-%m-%d")})
     if not args.no_transformers:
         default = got[("q4_1", f"nanoserve:{args.kernels[0]}")] if "q4_1" in args.pairs else None
         print("\ntransformers generate on the same weights (static batch), nanoserve over it:")

@@ -11,7 +11,8 @@
  * 4 bits (0..15) or 8 (int8); `planes` names which, as the 4-bit planes the codes take:
  *   Q4_1: 4-bit codes (planes = 1), d and m as stored;   Q4_0 (d (q - 8)): 4-bit codes, m = -8 d;
  *   Q8_0 (d q): int8 codes as stored (planes = 2), m = 0; Q5_0, Q5_1 and IQ4_NL as int8 codes (q - 16,
- *   q, the table's value) with fp16 d and m; Q4_K (4-bit) and Q5_K, IQ4_XS (int8) with float heads.
+ *   q, the table's value) with fp16 d and m; Q4_K (4-bit) and Q5_K, IQ4_XS (int8) with float heads;
+ *   Q6_K, Q3_K and Q2_K, whose groups are 16, with two scales (G16) and mins (G16M) a block.
  * All of these are exact in the heads' type and in float32 (blockdot.py checks that fp16 ones are).
  *
  * Layout ("panels"): output rows in panels of 16, one vector lane per row. Block (p, b) is
@@ -204,10 +205,14 @@ struct panel_head { uint16_t d[P], m[P]; };  /* then the codes: planes * 4 octet
 /* `planes` | G16 (with F32_HEADS): two scales a block, one for each 16 weights, and no min: the
    float head holds d for k 0..15 then d for k 16..31 (Q6_K, Q3_K: int8 codes in groups of 16). */
 #define G16 8
+/* `planes` | G16M (with G16 and F32_HEADS): a min for each 16 weights too, after the two scales:
+   float d0[16], d1[16], m0[16], m1[16] (Q2_K; and rows of 32-weight kinds with mins stacked beside
+   16-weight ones, a K-quant q beside a Q6_K v, their scale and min given to both halves). */
+#define G16M 16
 #define CODES(planes) ((planes) & 3)  /* 1: 4-bit codes, 2: int8 */
 
 static inline int64_t head_bytes(int planes) {
-  return planes & F32_HEADS ? 2 * P * (int64_t)sizeof(float) : (int64_t)sizeof(struct panel_head);
+  return planes & F32_HEADS ? (planes & G16M ? 4 : 2) * P * (int64_t)sizeof(float) : (int64_t)sizeof(struct panel_head);
 }
 static inline int64_t block_bytes(int planes) { return head_bytes(planes) + CODES(planes) * 4 * P * 4; }
 
@@ -224,6 +229,12 @@ static inline void heads_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, i
     *d = vhalf(((const struct panel_head *)h)->d);
     *m = vhalf(((const struct panel_head *)h)->m);
   }
+}
+/* G16M: block (p, b)'s mins of its first and second 16 weights */
+static inline void mins16_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, int64_t bb, vf *m0, vf *m1) {
+  const float *h = (const float *)(w + (p * B + b) * bb);
+  *m0 = vload(h + 2 * P);
+  *m1 = vload(h + 3 * P);
 }
 static inline const uint32_t *octet_at(const uint8_t *w, int64_t p, int64_t B, int64_t b, int64_t bb, int o) {
   return (const uint32_t *)(w + (p * B + b + 1) * bb - 4 * 4 * P) + o * P;
@@ -265,19 +276,26 @@ INLINE void tile(const struct xin *in, int64_t K, const uint8_t *w, int64_t B, i
             for (int r = 0; r < MR; r++) g[p * MR + r] = vfma(q, vset1(in->x[(r0 + r) * K + k + i]), g[p * MR + r]);
           }
       }
-      if ((planes & G16) && o == 1)  /* the first 16 weights' scale, then the sums start again */
+      if ((planes & G16) && o == 1)  /* the first 16 weights' scale (and min), then the sums start again */
         for (int p = 0; p < NP; p++) {
-          vf d, d1;
+          vf d, d1, m0, m1;
           heads_at(w, p0 + p, B, b, bb, planes, &d, &d1);
-          for (int r = 0; r < MR; r++) acc[p * MR + r] = vfma(d, g[p * MR + r], acc[p * MR + r]), g[p * MR + r] = vzero();
+          if (planes & G16M) mins16_at(w, p0 + p, B, b, bb, &m0, &m1);
+          for (int r = 0; r < MR; r++) {
+            acc[p * MR + r] = vfma(d, g[p * MR + r], acc[p * MR + r]), g[p * MR + r] = vzero();
+            if (planes & G16M) acc[p * MR + r] = vfma(m0, vset1(in->xsum16[((r0 + r) * B + b) * 2]), acc[p * MR + r]);
+          }
         }
     }
     for (int p = 0; p < NP; p++) {
-      vf d, m;
+      vf d, m, m0, m1;
       heads_at(w, p0 + p, B, b, bb, planes, &d, &m);
-      for (int r = 0; r < MR; r++)
+      if (planes & G16M) mins16_at(w, p0 + p, B, b, bb, &m0, &m1);
+      for (int r = 0; r < MR; r++) {
         acc[p * MR + r] = planes & G16 ? vfma(m, g[p * MR + r], acc[p * MR + r])  /* m: the second 16's d */
                                        : vfma(m, vset1(in->xsum[(r0 + r) * B + b]), vfma(d, g[p * MR + r], acc[p * MR + r]));
+        if (planes & G16M) acc[p * MR + r] = vfma(m1, vset1(in->xsum16[((r0 + r) * B + b) * 2 + 1]), acc[p * MR + r]);
+      }
     }
   }
 }
@@ -303,25 +321,29 @@ INLINE void tile16(const struct xin *in, const uint8_t *w, int64_t B, int planes
           for (int r = 0; r < MR; r++) g[p * MR + r] = vdot(g[p * MR + r], pair, in->xq[((r0 + r) * B + b) * 16 + 4 * o + j]);
         }
       }
-      if ((planes & G16) && o == 1)  /* the first 16 weights' scale, then the sums start again */
+      if ((planes & G16) && o == 1)  /* the first 16 weights' scale (and min), then the sums start again */
         for (int p = 0; p < NP; p++) {
-          vf d, d1;
+          vf d, d1, m0, m1;
           heads_at(w, p0 + p, B, b, bb, planes, &d, &d1);
+          if (planes & G16M) mins16_at(w, p0 + p, B, b, bb, &m0, &m1);
           for (int r = 0; r < MR; r++) {
             const int64_t rb = (r0 + r) * B + b;
             acc[p * MR + r] = vfma(vmul(d, vset1(in->xd[rb])), vcvt(g[p * MR + r]), acc[p * MR + r]);
+            if (planes & G16M) acc[p * MR + r] = vfma(m0, vset1(in->xsum16[rb * 2]), acc[p * MR + r]);
             g[p * MR + r] = vizero();
           }
         }
     }
     for (int p = 0; p < NP; p++) {
-      vf d, m;
+      vf d, m, m0, m1;
       heads_at(w, p0 + p, B, b, bb, planes, &d, &m);
+      if (planes & G16M) mins16_at(w, p0 + p, B, b, bb, &m0, &m1);
       for (int r = 0; r < MR; r++) {
         const int64_t rb = (r0 + r) * B + b;
         acc[p * MR + r] = planes & G16
             ? vfma(vmul(m, vset1(in->xd[rb])), vcvt(g[p * MR + r]), acc[p * MR + r])  /* m: the second 16's d */
             : vfma(m, vset1(in->xsum[rb]), vfma(vmul(d, vset1(in->xd[rb])), vcvt(g[p * MR + r]), acc[p * MR + r]));
+        if (planes & G16M) acc[p * MR + r] = vfma(m1, vset1(in->xsum16[rb * 2 + 1]), acc[p * MR + r]);
       }
     }
   }
@@ -396,11 +418,14 @@ INLINE void tile16_avx2(const struct xin *in, const uint8_t *w, int64_t B, int p
     vf d, m;
     heads_at(w, p0, B, b, bb, planes, &d, &m);
     if (planes & G16) {  /* int8 codes, a scale for each 16 weights (d, then m's slot), no min */
+      vf m0, m1;
+      if (planes & G16M) mins16_at(w, p0, B, b, bb, &m0, &m1);
       block4(w, p0, B, b, bb, q0, q1, q2, q3, 2, 0, 2, g);
       for (int r = 0; r < 4; r++) {
         const int64_t rb = (r0 + r) * B + b;
         const vf sum = {_mm256_cvtepi32_ps(g[2 * r]), _mm256_cvtepi32_ps(g[2 * r + 1])};
         acc[r] = vfma(vmul(d, vset1(in->xd[rb])), sum, acc[r]);
+        if (planes & G16M) acc[r] = vfma(m0, vset1(in->xsum16[rb * 2]), acc[r]);
       }
       for (int a = 0; a < 8; a++) g[a] = _mm256_setzero_si256();
       block4(w, p0, B, b, bb, q0, q1, q2, q3, 2, 2, 4, g);
@@ -408,6 +433,7 @@ INLINE void tile16_avx2(const struct xin *in, const uint8_t *w, int64_t B, int p
         const int64_t rb = (r0 + r) * B + b;
         const vf sum = {_mm256_cvtepi32_ps(g[2 * r]), _mm256_cvtepi32_ps(g[2 * r + 1])};
         acc[r] = vfma(vmul(m, vset1(in->xd[rb])), sum, acc[r]);
+        if (planes & G16M) acc[r] = vfma(m1, vset1(in->xsum16[rb * 2 + 1]), acc[r]);
       }
       continue;
     }
@@ -466,7 +492,7 @@ static void task(const struct xin *in, int64_t M, int64_t K, int64_t N, const ui
   }
 }
 
-int64_t blockdot_scratch_floats(int64_t M, int64_t K) { return 2 * M * (K / G) + M * K / 2; }
+int64_t blockdot_scratch_floats(int64_t M, int64_t K) { return 4 * M * (K / G) + M * K / 2; }
 
 /* blockdot_scratch's buffers: one a thread, found through a pthread key whose destructor frees it
    when the thread exits. */
@@ -521,9 +547,10 @@ void blockdot_scratch_stats(int64_t *stats) {
 
 void blockdot_inputs(const float *x, int64_t M, int64_t K, int q16, float *scratch, struct xin *in) {
   const int64_t B = K / G;
-  float *xsum = scratch, *xd = xsum + M * B;
+  float *xsum = scratch, *xsum16 = xsum + M * B, *xd = xsum16 + 2 * M * B;
   in->x = x;
   in->xsum = xsum;
+  in->xsum16 = xsum16;
   in->xq = q16 ? (const int32_t *)(xd + M * B) : NULL;
   in->xd = xd;
 }
@@ -532,7 +559,7 @@ void blockdot_prepare_rows(const struct xin *in, int64_t K, int64_t r0, int64_t 
   const int64_t B = K / G;
   const float *x = in->x;
   /* the scratch blockdot_inputs laid out, written here a row at a time */
-  float *xsum = (float *)in->xsum, *xd = (float *)in->xd;
+  float *xsum = (float *)in->xsum, *xsum16 = (float *)in->xsum16, *xd = (float *)in->xd;
   int32_t *xq = (int32_t *)in->xq;
   for (int64_t r = r0; r < r1; r++)
     for (int64_t b = 0; b < B; b++) {
@@ -545,6 +572,12 @@ void blockdot_prepare_rows(const struct xin *in, int64_t K, int64_t r0, int64_t 
         amax = a > amax ? a : amax;  /* fmaxf was a call per element here */
       }
       xsum[r * B + b] = sum;
+      for (int h = 0; h < 2; h++) {  /* each 16's own sum, for G16M's mins */
+        float half = 0;
+        #pragma omp simd reduction(+ : half)
+        for (int j = 0; j < G / 2; j++) half += xb[h * G / 2 + j];
+        xsum16[(r * B + b) * 2 + h] = half;
+      }
       if (!xq) continue;
       /* x ~ xd q, q = round(x / xd) in -32767..32767 (to nearest even: adding and taking away
          1.5 2^23 leaves the integer nearest a float below 2^22, in vector instructions) */
@@ -732,15 +765,22 @@ static inline void dequant8(codes8 c, float d, float m, void *dst, int bf16) {
 INLINE void dequantize_panel(const uint8_t *w, int64_t p, int64_t B, int64_t bb, int64_t N, int64_t K, void *out,
                              const int planes, const int bf16) {
   for (int64_t b = 0; b < B; b++) {
-    float dl[P], ml[P];
+    float dl[P], ml[P], m0l[P] = {0}, m1l[P] = {0};
     vf d, m;
     heads_at(w, p, B, b, bb, planes, &d, &m);
     vstore(dl, d);
     vstore(ml, m);
+    if (planes & G16M) {
+      vf m0, m1;
+      mins16_at(w, p, B, b, bb, &m0, &m1);
+      vstore(m0l, m0);
+      vstore(m1l, m1);
+    }
     for (int n = 0; n < P && p * P + n < N; n++)
-      for (int o = 0; o < 4; o++)  /* G16: d for octets 0-1, m's slot (the second d) for 2-3, no min */
+      for (int o = 0; o < 4; o++)  /* G16: d for octets 0-1, m's slot (the second d) for 2-3; G16M's mins */
         dequant8(codes_at(w, p, B, b, bb, planes, o, n), planes & G16 && o >= 2 ? ml[n] : dl[n],
-                 planes & G16 ? 0.0f : ml[n], (char *)out + ((p * P + n) * K + b * G + 8 * o) * (bf16 ? 2 : 4), bf16);
+                 planes & G16 ? (o >= 2 ? m1l[n] : m0l[n]) : ml[n],
+                 (char *)out + ((p * P + n) * K + b * G + 8 * o) * (bf16 ? 2 : 4), bf16);
   }
 }
 
@@ -748,7 +788,7 @@ void blockdot_dequantize(const uint8_t *w, int planes, int64_t N, int64_t K, voi
   const int64_t B = K / G, panels = (N + P - 1) / P, bb = block_bytes(planes);
   #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t p = 0; p < panels; p++) {
-    const int heads = planes & (F32_HEADS | G16);
+    const int heads = planes & (F32_HEADS | G16 | G16M);
     if (CODES(planes) == 1) {
       if (out_bf16) dequantize_panel(w, p, B, bb, N, K, out, 1 | heads, 1);
       else dequantize_panel(w, p, B, bb, N, K, out, 1 | heads, 0);

@@ -6,13 +6,15 @@
 #include <stdint.h>
 #include <string.h>
 
-/* What the tiles read: x in float32 ([M, K]), per row and block of 32 the sum of x ([M, K / 32]),
+/* What the tiles read: x in float32 ([M, K]), per row and block of 32 the sum of x ([M, K / 32]) and
+   of each half of it ([M, K / 16]),
    and on the int16 path (xq not NULL) x rounded to int16 per row and block, x ~ xd q: per block 16
    words, for each octet of 8 k the pairs of k = (0, 4), (1, 5), (2, 6), (3, 7) ([M, K / 2] int32),
    and the scales xd ([M, K / 32]). */
 struct xin {
   const float *x;
   const float *xsum;
+  const float *xsum16;  /* per row and 16 weights the sum of x ([M, K / 16]): for G16M's mins */
   const int32_t *xq;
   const float *xd;
 };

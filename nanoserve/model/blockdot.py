@@ -45,11 +45,12 @@ PANEL = 16  # output rows a panel holds: one 16-lane vector
 # IQ4_XS's table values). Scales that fp16 holds exactly (every 32-weight kind's, stored as fp16) go
 # in fp16 heads; the K-quants' (fp16 d times a 6-bit group scale) in float32 heads (F32_HEADS).
 # Q6_K and Q3_K scale each 16 weights and have no mins: their int8 codes in panels whose float32
-# heads hold the two scales of each block of 32 (G16). Q2_K (mins for each 16) is not run here.
-KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS", "Q6_K", "Q3_K")
+# heads hold the two scales of each block of 32 (G16); Q2_K's mins for each 16 after them (G16M).
+KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS", "Q6_K", "Q3_K", "Q2_K")
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 F32_HEADS = 4  # blockdot.c's flag on `planes`: the heads hold float32 d and m
 G16 = 8  # blockdot.c's flag on `planes` (with F32_HEADS): the heads hold the d of each 16 weights, no m
+G16M = 16  # blockdot.c's flag on `planes` (with G16): the m of each 16 weights after their d
 DTYPES = (torch.float32, torch.bfloat16)  # the activations it takes
 
 
@@ -119,10 +120,11 @@ class Panels:
         N, K = self.shape
         if K % BLOCK:
             raise ValueError(f"blockdot panels hold matrices whose K is a multiple of {BLOCK}; got K = {K}")
-        if self.planes not in (1, 2, 1 | F32_HEADS, 2 | F32_HEADS, 2 | F32_HEADS | G16):
+        if self.planes not in (1, 2, 1 | F32_HEADS, 2 | F32_HEADS, 2 | F32_HEADS | G16, 2 | F32_HEADS | G16 | G16M):
             raise ValueError(f"blockdot panels have 1 plane (4-bit codes) or 2 (int8 codes), | {F32_HEADS} for float32 "
-                             f"heads, | {G16} for two scales a block; got planes = {self.planes}")
-        head = 128 if self.planes & F32_HEADS else 64
+                             f"heads, | {G16} for two scales a block (int8), | {G16M} for two mins too; "
+                             f"got planes = {self.planes}")
+        head = 256 if self.planes & G16M else 128 if self.planes & F32_HEADS else 64
         expected = [-(-N // PANEL), K // BLOCK, head + 256 * (self.planes & 3)]
         data = self.data
         if list(data.shape) != expected or data.dtype != torch.uint8 or data.device.type != "cpu" \
@@ -319,14 +321,16 @@ def pack(w: BlockQuantized, kernel: Library | None = None, int16_rows: int | Non
     if K % BLOCK:
         raise ValueError(f"blockdot packs matrices whose K is a multiple of {BLOCK}; got K = {K}")
     sixteens = w.group == 16
-    # the two halves' scales of each block of 32 in the heads' d and m, or d and m as they are
-    first, second = (w.scales[:, 0::2], w.scales[:, 1::2]) if sixteens else (w.scales, _mins(w))
+    # the two halves' scales of each block of 32 in the heads' d and m (then their mins, G16M), or d
+    # and m as they are
+    heads = ([w.scales[:, 0::2], w.scales[:, 1::2]] + ([] if w.mins is None else [w.mins[:, 0::2], w.mins[:, 1::2]])
+             if sixteens else [w.scales, _mins(w)])
     pad = -N % PANEL  # rows past N: codes, d and m all zero, so their outputs are 0 and cut
-    first, second, codes = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (first, second, w.codes))
+    *heads, codes = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (*heads, w.codes))
     panels, B = (N + pad) // PANEL, K // BLOCK
     f32_heads = sixteens or not _fp16_exact(w)
     as_bytes = _float_bytes if f32_heads else _half_bytes
-    head = [as_bytes(t.view(panels, PANEL, B).transpose(1, 2)) for t in (first, second)]  # [panels, B, 32 or 64] x 2
+    head = [as_bytes(t.view(panels, PANEL, B).transpose(1, 2)) for t in heads]  # [panels, B, 32 or 64] each
     body, planes = (_octets(codes), 1) if w.kind in FOUR_BIT else (_pairs(codes), 2)
-    planes |= (F32_HEADS if f32_heads else 0) | (G16 if sixteens else 0)
+    planes |= (F32_HEADS if f32_heads else 0) | (G16 if sixteens else 0) | (G16M if len(heads) == 4 else 0)
     return Panels(torch.cat([*head, body], dim=-1).contiguous(), planes, (N, K), kernel, int16_rows or 0)

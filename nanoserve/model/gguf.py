@@ -56,13 +56,14 @@ class BlockQuantized:
                              f"{[N, K // G]}, got scales {list(self.scales.shape)}")
         if self.kind in BLOCK_TYPES and (self.mins is not None) != BLOCK_TYPES[self.kind].has_mins:
             raise ValueError(f"{self.kind} {'needs' if BLOCK_TYPES[self.kind].has_mins else 'takes no'} mins")
-        if self.kind not in BLOCK_TYPES and (G != BLOCK or self.codes.dtype != torch.int8):
-            raise ValueError(f"{self.kind}: rows of several types are held as int8 codes in groups of {BLOCK}")
+        if self.kind not in BLOCK_TYPES and self.codes.dtype != torch.int8:
+            raise ValueError(f"{self.kind}: rows of several types are held as int8 codes")
 
     @property
     def group(self) -> int:
-        """Weights a scale covers."""
-        return BLOCK_TYPES[self.kind].group if self.kind in BLOCK_TYPES else BLOCK
+        """Weights a scale covers: rows of several types, the smallest of theirs (a 32-weight group's
+        scale and min given to both its halves where it stands beside a 16-weight type)."""
+        return min(BLOCK_TYPES[part].group for part in parts(self.kind))
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -119,9 +119,10 @@ def quantize_int4(w: torch.Tensor) -> BlockQuantized:
 
 def cat_rows(matrices: list[torch.Tensor | Stored]) -> torch.Tensor | Stored:
     """Stacks matrices along N (q, k, v into one qkv): quantized matrices of one kind stay as they
-    are; of several kinds with groups of 32 (a llama.cpp mix: Q5_0 q and k beside a Q8_0 v), their
-    codes widened to int8 (Q4_0's q - 8), scales and mins as they are: the same weights, exactly;
-    anything else mixed becomes dense float32."""
+    are; of several kinds (a llama.cpp mix: Q5_0 q and k beside a Q8_0 v, Q4_K beside Q6_K), their
+    codes widened to int8 (Q4_0's q - 8), scales and mins as they are, in groups of the smallest
+    (a group of 32 beside groups of 16 gives its scale and min to both its halves): the same
+    weights, exactly; anything else mixed becomes dense float32."""
     if all(isinstance(m, torch.Tensor) for m in matrices):
         return torch.cat(matrices).contiguous()
     first = matrices[0]
@@ -130,13 +131,14 @@ def cat_rows(matrices: list[torch.Tensor | Stored]) -> torch.Tensor | Stored:
             return BlockQuantized(first.kind, torch.cat([m.codes for m in matrices]),
                                   torch.cat([m.scales for m in matrices]),
                                   None if first.mins is None else torch.cat([m.mins for m in matrices]))
-        if all(m.group == GROUP for m in matrices):
-            with_mins = any(m.mins is not None for m in matrices)
-            codes = [(m.codes.to(torch.int8) - 8 if m.kind == "Q4_0" else m.codes.to(torch.int8)) for m in matrices]
-            mins = [torch.zeros_like(m.scales) if m.mins is None else m.mins for m in matrices]
-            kind = "+".join(sorted({part for m in matrices for part in parts(m.kind)}))
-            return BlockQuantized(kind, torch.cat(codes), torch.cat([m.scales for m in matrices]),
-                                  torch.cat(mins) if with_mins else None)
+        group = min(m.group for m in matrices)
+        with_mins = any(m.mins is not None for m in matrices)
+        codes = [(m.codes.to(torch.int8) - 8 if m.kind == "Q4_0" else m.codes.to(torch.int8)) for m in matrices]
+        scales = [m.scales.repeat_interleave(m.group // group, dim=1) for m in matrices]
+        mins = [torch.zeros_like(s) if m.mins is None else m.mins.repeat_interleave(m.group // group, dim=1)
+                for m, s in zip(matrices, scales, strict=True)]
+        kind = "+".join(sorted({part for m in matrices for part in parts(m.kind)}))
+        return BlockQuantized(kind, torch.cat(codes), torch.cat(scales), torch.cat(mins) if with_mins else None)
     if all(isinstance(m, ChannelInt8) for m in matrices):
         return ChannelInt8(torch.cat([m.codes for m in matrices]), torch.cat([m.scales for m in matrices]))
     return torch.cat([m.float() if isinstance(m, torch.Tensor) else m.dequantize() for m in matrices]).contiguous()
