@@ -21,7 +21,7 @@ axis has made them. A precision whose perplexity is more than 2% worse than floa
 --file-types scores llama.cpp's file types of the default model instead (Q4_K_M, Q6_K, ...: made by
 llama-quantize from the f32 GGUF): nanoserve's perplexity over each file's weights against
 llama-perplexity's on the same file and text, by the same protocol (chunks of 512 evaluated alone,
-each chunk's second half scored), after `python -m benchmarks.peerbench --setup-llamacpp` and
+each chunk's second half scored), with its top-1 agreement and mean KL against the f32 file, after `python -m benchmarks.peerbench --setup-llamacpp` and
 `cmake --build .peers/llama.cpp-build --target llama-perplexity`.
 
     python quantbench.py                         # the full text, every precision; a few minutes
@@ -263,23 +263,39 @@ PERPLEXITY = "llama-perplexity"
 CHUNK = 512  # llama-perplexity's -c: each chunk is evaluated from an empty context
 
 
-def chunked_perplexity(model, token_ids: list[int], bos: int | None = None, chunk: int = CHUNK) -> tuple[float, int]:
+def scored_chunks(model, token_ids: list[int], bos: int | None = None, chunk: int = CHUNK):
     """llama-perplexity's protocol over nanoserve's logits: the text cut into whole chunks of `chunk`
     tokens, each evaluated alone (its first token replaced by `bos` where the file adds one), and the
     tokens of each chunk's second half scored (position j's logits against token j + 1, j from
-    chunk / 2 to chunk - 2). Returns the perplexity and the number of chunks."""
-    nll, count = 0.0, 0
+    chunk / 2 to chunk - 2). Yields, per chunk, the scored tokens [chunk / 2 - 1] and their
+    positions' log-probabilities [chunk / 2 - 1, V] (float32)."""
     token_ids = token_ids if bos is None else [bos, *token_ids]
-    chunks = len(token_ids) // chunk
-    for c in range(chunks):
+    first = chunk // 2
+    for c in range(len(token_ids) // chunk):
         ids = token_ids[c * chunk:(c + 1) * chunk]
         ids = ids if bos is None else [bos, *ids[1:]]
         logits = teacher_forced_logits(model, ids, chunk=chunk).double()
-        first = chunk // 2
-        logprobs = torch.log_softmax(logits[first:chunk - 1], dim=-1)
-        nll -= logprobs.gather(1, torch.tensor(ids[first + 1:]).unsqueeze(1)).sum().item()
-        count += chunk - 1 - first
-    return math.exp(nll / count), chunks
+        yield torch.tensor(ids[first + 1:]), torch.log_softmax(logits[first:chunk - 1], dim=-1).float()
+
+
+def chunked_perplexity(model, token_ids: list[int], bos: int | None = None, chunk: int = CHUNK,
+                       reference: list[torch.Tensor] | None = None) -> dict:
+    """Over scored_chunks: the perplexity, the number of chunks, each chunk's log-probabilities
+    ("logprobs"), and against `reference` (another model's "logprobs" on the same chunks) the share
+    of scored positions whose top token is the same ("top1") and the mean KL(reference || this)."""
+    nll, count, logprobs, agree, kl = 0.0, 0, [], 0, 0.0
+    for c, (targets, lp) in enumerate(scored_chunks(model, token_ids, bos, chunk)):
+        nll -= lp.double().gather(1, targets.unsqueeze(1)).sum().item()
+        count += len(targets)
+        logprobs.append(lp)
+        if reference is not None:
+            ref = reference[c].double()
+            agree += (ref.argmax(-1) == lp.argmax(-1)).sum().item()
+            kl += (ref.exp() * (ref - lp.double())).sum().item()
+    out = {"perplexity": math.exp(nll / count), "chunks": len(logprobs), "logprobs": logprobs}
+    if reference is not None:
+        out |= {"top1": agree / count, "kl": kl / count}
+    return out
 
 
 def llama_perplexity(gguf: Path, text: Path, threads: int) -> tuple[float, int]:
@@ -299,7 +315,9 @@ def llama_perplexity(gguf: Path, text: Path, threads: int) -> tuple[float, int]:
 
 def file_types(names: list[str], threads: int, out: str) -> None:
     """Each file's perplexity on data/quantbench.txt by nanoserve (over the file's weights as stored,
-    dequantized exactly: what a prompt's steps multiply by) and by llama-perplexity, same protocol."""
+    dequantized exactly: what a prompt's steps multiply by) and by llama-perplexity, same protocol;
+    and nanoserve's top-1 agreement and mean KL against the f32 file's log-probabilities, position by
+    position."""
     from benchmarks.peerbench.precision import gguf_files
     from nanoserve.model.gguf import read_gguf_file
 
@@ -313,16 +331,21 @@ def file_types(names: list[str], threads: int, out: str) -> None:
         token_ids = engine.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
         metadata = read_gguf_file(file).metadata
         bos = metadata.get("tokenizer.ggml.bos_token_id") if metadata.get("tokenizer.ggml.add_bos_token") else None
-        ours, chunks = chunked_perplexity(engine.model, token_ids, bos)
+        scored = chunked_perplexity(engine.model, token_ids, bos,
+                                    reference=None if reference is None else reference["logprobs"])
         del engine
+        ours, chunks = scored["perplexity"], scored["chunks"]
         theirs, their_chunks = llama_perplexity(file, TEXT, threads)
-        reference = reference or ours
+        reference = reference or scored
+        top1, kl = scored.get("top1", 1.0), scored.get("kl", 0.0)
         rows.append({"file": name, "gguf": file.name, "nanoserve_perplexity": ours, "llamacpp_perplexity": theirs,
                      "nanoserve_over_llamacpp": ours / theirs - 1, "nanoserve_chunks": chunks,
-                     "llamacpp_chunks": their_chunks, "change_from_f32": ours / reference - 1,
+                     "llamacpp_chunks": their_chunks, "change_from_f32": ours / reference["perplexity"] - 1,
+                     "top1_agreement_with_f32": top1, "mean_kl_from_f32": kl,
                      "threads": threads, "date": time.strftime("%Y-%m-%d")})
         print(f"  {name:<8} nanoserve {ours:.4f} ({chunks} chunks)  llama.cpp {theirs:.4f} ({their_chunks} chunks)  "
-              f"{ours / theirs - 1:+.3%}  vs f32 {ours / reference - 1:+.2%}", flush=True)
+              f"{ours / theirs - 1:+.3%}  vs f32 {ours / reference['perplexity'] - 1:+.2%}, top-1 {top1:.2%}, "
+              f"KL {kl:.5f}", flush=True)
     write_csv(out, rows)
     print(f"wrote {out}")
 
