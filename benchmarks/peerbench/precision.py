@@ -272,6 +272,8 @@ def llama_rates(gguf: Path, pp: int, tg: int, threads: int, slots: list[int], ik
     cmd = [str(IK_BATCHED_BENCH if ik else BATCHED_BENCH), "-m", str(gguf), "-c", str(max(slots) * (pp + tg)),
            "-b", "2048", "-ub", "512", "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, slots)),
            "-t", str(threads), "-tb", str(threads), *([] if ik else ["--output-format", "jsonl"])]
+    if ik:  # its table goes to stderr: the shell hands it to stdout and becomes the binary (exec)
+        cmd = ["sh", "-c", 'exec "$0" "$@" 2>&1', *cmd]
     child = run_child(cmd, 1800, None)
     parse = parse_batched_bench_table if ik else parse_batched_bench
     rows = {int(r["pl"]): r for r in parse(child.result or "")}
