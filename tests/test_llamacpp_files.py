@@ -266,3 +266,14 @@ def test_every_matrix_of_a_mixed_file_runs_on_blockdot_as_stored(tiny_files, fil
     kinds = {getattr(layer, name).kind for layer in model.layers for name in MATMULS}
     assert any("+" in kind for kind in kinds) or file_type == "Q2_K", kinds  # a stacked mix among them
     assert check_laid_out(prepare_model(model, plan), plan) == []
+
+
+@needs_tools
+@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q2_K"])
+def test_a_quantized_file_serves_text_through_from_pretrained(tiny_files, file_type):
+    # what `nanoserve serve --model FILE.gguf` builds: the engine, the file's own tokenizer, a text prompt
+    engine = Engine.from_pretrained(tiny_files[file_type], EngineConfig(block_size=16, num_kv_blocks=32))
+    (out,) = engine.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                          ignore_eos=True))
+    assert len(out.token_ids) == 4 and out.text == engine.tokenizer.decode(out.token_ids)
+    assert engine.allocator.num_free == 32  # every block back in the pool
