@@ -403,3 +403,19 @@ def test_the_kv_cache_rounds_and_widens_as_torch_does_on_every_build(kernel, dty
     back = torch.empty(x.numel())
     kernel.lib.fused_kv_widen(cache.data_ptr(), back.data_ptr(), x.numel(), kinds[dtype])
     assert torch.equal(back[:-1], expected[:-1].float()) and back[-1].isnan()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q2_K", "Q4_K+Q6_K"])
+@pytest.mark.parametrize("int16_rows", [0, 1])
+def test_a_rows_output_bits_do_not_change_with_the_rows_beside_it(kernel, kind, int16_rows):
+    # Batch invariance at the kernel: each output is one fixed sequence of operations over its own
+    # row of x (the tiles differ in how many rows and panels they hold, not in a row's arithmetic),
+    # so a row alone, or at any place in a call of any width, gets the same bits.
+    _, kernel = kernel
+    stored = stored_of(kind, 200)
+    panels = blockdot.pack(stored, kernel, int16_rows=int16_rows or None)
+    x = torch.randn(37, stored.shape[1], generator=torch.Generator().manual_seed(9))
+    full = panels(x)
+    for width in (1, 2, 3, 4, 5, 8, 9, 16):
+        for start in (0, 5, 37 - width):
+            assert torch.equal(panels(x[start:start + width]), full[start:start + width]), (width, start)
