@@ -132,7 +132,7 @@ def test_panels_refuse_a_shape_c_cannot_read():
     with pytest.raises(ValueError, match="blockdot panels hold matrices whose K is a multiple of 32; got K = 48"):
         blockdot.Panels(torch.zeros(1, 1, 320, dtype=torch.uint8), 1, (16, 48), NO_C)
     with pytest.raises(ValueError, match=r"1 plane \(4-bit codes\) or 2 \(int8 codes\), \| 4 for float32 heads, \| 8 for "
-                                         r"two scales a block; got planes = 3"):
+                                         r"two scales a block \(int8\), \| 16 for two mins too; got planes = 3"):
         blockdot.Panels(torch.zeros(1, 2, 832, dtype=torch.uint8), 3, (16, 64), NO_C)
     with pytest.raises(ValueError, match=r"blockdot panels of \[20, 64\] in 2 plane\(s\) are a contiguous uint8 tensor "
                                          r"\[2, 2, 576\] on the CPU; got torch.uint8 \[2, 2, 320\] on cpu"):
@@ -192,12 +192,12 @@ def test_the_scratch_is_allocated_once_per_thread_and_grown_only_when_a_call_nee
 
     def calls():  # in a thread of its own, so its scratch starts empty
         seen.append(stats())
-        small(torch.randn(2, 64))  # 72 floats (288 bytes): half again, in 4096-byte pages
+        small(torch.randn(2, 64))  # 80 floats (320 bytes): half again, in 4096-byte pages
         seen.append(stats())
         for rows in (1, 2, 2, 1):
             small(torch.randn(rows, 64))
         seen.append(stats())
-        wide(torch.randn(8, 1024).bfloat16())  # 8192 + 512 + 4096 floats: 51,200 bytes
+        wide(torch.randn(8, 1024).bfloat16())  # 8192 + 1024 + 4096 floats: 53,248 bytes
         seen.append(stats())
         for rows in (8, 3, 8):
             wide(torch.randn(rows, 1024))
@@ -207,7 +207,7 @@ def test_the_scratch_is_allocated_once_per_thread_and_grown_only_when_a_call_nee
     thread = threading.Thread(target=calls)
     thread.start()
     thread.join()
-    assert seen == [(0, 0), (4096, 1), (4096, 1), (77824, 2), (77824, 2)]
+    assert seen == [(0, 0), (4096, 1), (4096, 1), (81920, 2), (81920, 2)]
 
 
 # ---- the build: cache directory, launcher, stale builds ----------------------------------------------
