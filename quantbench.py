@@ -21,8 +21,9 @@ axis has made them. A precision whose perplexity is more than 2% worse than floa
 --file-types scores llama.cpp's file types of the default model instead (Q4_K_M, Q6_K, ...: made by
 llama-quantize from the f32 GGUF): nanoserve's perplexity over each file's weights against
 llama-perplexity's on the same file and text, by the same protocol (chunks of 512 evaluated alone,
-each chunk's second half scored), with its top-1 agreement and mean KL against the f32 file, after `python -m benchmarks.peerbench --setup-llamacpp` and
-`cmake --build .peers/llama.cpp-build --target llama-perplexity`.
+each chunk's second half scored), with its top-1 agreement and mean KL against the f32 file, after
+`python -m benchmarks.peerbench --setup-llamacpp` and `cmake --build .peers/llama.cpp-build --target
+llama-perplexity`.
 
     python quantbench.py                         # the full text, every precision; a few minutes
     python quantbench.py --tokens 1024 --quick   # a smaller run

@@ -34,7 +34,7 @@ peerbench_divergence.csv, never hidden.
     python -m benchmarks.peerbench                   # the full run (about 35 minutes on 2 cores)
     python -m benchmarks.peerbench --quick           # about 2 minutes: 8 requests, slots 1 4 8
     python -m benchmarks.peerbench --setup-llamacpp  # once: sdist, f32 GGUF, llama-batched-bench under .peers/
-    python -m benchmarks.peerbench --setup-ik-llamacpp [SOURCE]  # once: ik_llama.cpp's llama-batched-bench (~1 h)
+    python -m benchmarks.peerbench --setup-ik-llamacpp [SOURCE]  # once: ik_llama.cpp's llama-batched-bench (~30 min)
 
 Writes OUT/peerbench.csv (units in the column names), OUT/peerbench_divergence.csv and, when
 matplotlib is installed, OUT/peerbench.png (output tokens/s against concurrency, every system).

@@ -149,7 +149,6 @@ def setup_llamacpp(python: str = sys.executable) -> None:
           f"CMAKE_ARGS=-DGGML_NATIVE=ON {python} -m pip install {sdists[-1]}")
 
 
-
 def build_batched_bench(src: Path, build: Path, extra_targets: Sequence[str] = (), cmake_args: Sequence[str] = ()) -> None:
     """Configure and build llama-batched-bench (and `extra_targets`) from the llama.cpp tree `src`."""
     start = time.perf_counter()
@@ -163,11 +162,11 @@ def build_batched_bench(src: Path, build: Path, extra_targets: Sequence[str] = (
 
 def setup_ik_llamacpp(source: str = IK_LLAMA_CPP_REPO) -> None:
     """Once: clone ik_llama.cpp (the fork with the iqk CPU kernels) from `source` and build its
-    llama-batched-bench under .peers/ (about an hour on two cores; the build is kept).
+    llama-batched-bench under .peers/ (about half an hour on two cores; the build is kept).
 
     `source` is anything `git clone` takes: the GitHub address, or a local clone or mirror. The
-    flash-attention kernels for quantized KV caches are left out (GGML_IQK_FA_ALL_QUANTS=OFF): the
-    peers run with an f32 KV cache, and they are most of the build's time.
+    flash-attention kernels for quantized K/V caches are left out (GGML_IQK_FA_ALL_QUANTS=OFF): the
+    peers run with f16 or f32 caches, and those kernels are much of the build's time.
     """
     PEERS_DIR.mkdir(exist_ok=True)
     src = PEERS_DIR / "ik_llama.cpp"

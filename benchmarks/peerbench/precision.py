@@ -274,7 +274,8 @@ def llama_rates(gguf: Path, pp: int, tg: int, threads: int, slots: list[int], ik
            "-t", str(threads), "-tb", str(threads), *([] if ik else ["--output-format", "jsonl"])]
     if ik:  # its table goes to stderr: the shell hands it to stdout and becomes the binary (exec)
         cmd = ["sh", "-c", 'exec "$0" "$@" 2>&1', *cmd]
-    child = run_child(cmd, 1800, None)
+    # in its build folder: ik_llama.cpp writes llama.log where it runs
+    child = run_child(cmd, 1800, None, cwd=IK_BATCHED_BENCH.parent if ik else None)
     parse = parse_batched_bench_table if ik else parse_batched_bench
     rows = {int(r["pl"]): r for r in parse(child.result or "")}
     missing = [s for s in slots if s not in rows]
@@ -282,6 +283,16 @@ def llama_rates(gguf: Path, pp: int, tg: int, threads: int, slots: list[int], ik
         raise RuntimeError(f"llama-batched-bench on {gguf.name} gave no row for {missing}: {child.error}")
     return {"rates": {s: float(rows[s]["speed_tg"]) for s in slots},
             "prefill": {s: float(rows[s]["speed_pp"]) for s in slots}, "rss_mib": child.peak_rss_mib}
+
+
+def paired(ours: list[dict], theirs: list[dict], slots: int) -> tuple[float, float, list[float], float]:
+    """Two systems' interleaved rounds at `slots`: their median decode rates, each round's own ratio
+    (the spread) and the ratio of their median prefill rates."""
+    n, t = (statistics.median(x["rates"][slots] for x in runs) for runs in (ours, theirs))
+    per_round = [a["rates"][slots] / b["rates"][slots] for a, b in zip(ours, theirs, strict=False)]
+    pp_ratio = (statistics.median(x["prefill"][slots] for x in ours)
+                / statistics.median(x["prefill"][slots] for x in theirs))
+    return n, t, per_round, pp_ratio
 
 
 def main() -> None:
@@ -349,12 +360,7 @@ def main() -> None:
     for name, system in [key for key in got if key[1].startswith("nanoserve")]:
         ours, theirs = got[(name, system)], got[(name, "llama.cpp")]
         for s in args.slots:
-            n = statistics.median(x["rates"][s] for x in ours)
-            ll = statistics.median(x["rates"][s] for x in theirs)
-            # each round's own ratio (the runs were interleaved round by round): the spread
-            per_round = [a["rates"][s] / b["rates"][s] for a, b in zip(ours, theirs, strict=False)]
-            pp_ratio = (statistics.median(x["prefill"][s] for x in ours)
-                        / statistics.median(x["prefill"][s] for x in theirs))
+            n, ll, per_round, pp_ratio = paired(ours, theirs, s)
             rss_n = max(x["rss_mib"] for x in ours)
             peak_n, pool_n = max(x["peak_rss_mib"] for x in ours), max(x["kv_pool_mib"] for x in ours)
             rss_l = max((x["rss_mib"] for x in theirs if not math.isnan(x["rss_mib"])), default=math.nan)
@@ -375,10 +381,7 @@ def main() -> None:
         for name, system in [key for key in got if key[1].startswith("nanoserve")]:
             ours, theirs = got[(name, system)], got[(name, "ik_llama.cpp")]
             for s in args.slots:
-                n, ik = (statistics.median(x["rates"][s] for x in runs) for runs in (ours, theirs))
-                per_round = [a["rates"][s] / b["rates"][s] for a, b in zip(ours, theirs, strict=False)]
-                pp_ratio = (statistics.median(x["prefill"][s] for x in ours)
-                            / statistics.median(x["prefill"][s] for x in theirs))
+                n, ik, per_round, pp_ratio = paired(ours, theirs, s)
                 print(f"  {name:<10} {s:>3} slots: nanoserve {n:.1f}, ik_llama.cpp {ik:.1f} tok/s, ratio {n / ik:.2f} "
                       f"({min(per_round):.2f}-{max(per_round):.2f}), prefill ratio {pp_ratio:.2f}")
                 rows.append({"file": name, "gguf": files[name].name, "nanoserve_precision": ours[0]["precision"],
