@@ -109,6 +109,17 @@ class EngineConfig:
     # (float32 in the fused decode), each value widened as it is read; quantbench reports what it
     # costs (notes/quantbench.md).
     kv_cache_dtype: str = "auto"
+    # A request's tokens depend on its prompt, parameters and seed only, never on what else the engine
+    # runs: its logits the same bits alone or beside any other rows, at any width, however its prompt
+    # was cut into chunks or found in the prefix cache (an unseeded sampled request draws from the
+    # engine's shared generator, which the others advance). "auto": the invariant plan (every step in
+    # one C call, prompts too, every matmul on blockdot's or dense panels at every width) wherever the
+    # other choices allow it; the exact path, compile, tensor parallelism, int8, a GPU and the families
+    # fused_decode.c does not run keep their own plan, which Engine.plan marks not invariant. True: the
+    # invariant plan or a ValueError naming what rules it out (dtype float32 with quantization None
+    # then runs on dense panels, not the exact path's torch ops). False: the fastest plan (prompts on
+    # torch's matmuls, which are faster past 64 rows; notes/batch-invariance.md has the cost).
+    batch_invariant: bool | str = "auto"
     # The execution plan's choices pinned for an experiment (abbench); the defaults leave each to the plan.
     overrides: PlanOverrides = PlanOverrides()
     device: str = "cpu"
@@ -139,6 +150,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {list(_DTYPES)}")
         if self.quantization not in _QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} is not one of {list(_QUANTIZATIONS)}")
+        if not (isinstance(self.batch_invariant, bool) or self.batch_invariant == "auto"):
+            raise ValueError(f"batch_invariant={self.batch_invariant!r} must be True, False or 'auto'")
         if not isinstance(self.overrides, PlanOverrides):
             raise ValueError(f"overrides={self.overrides!r} must be a PlanOverrides")
         try:

@@ -82,6 +82,10 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
     attn = metadata(None)
     if sliding_window is not None and max(context_lens) > sliding_window:  # else every key is inside the window
         attn.windowed = metadata(sliding_window)
+    nb = max(len(b) for b in block_tables)
+    attn.block_tables = torch.tensor([b + [0] * (nb - len(b)) for b in block_tables], dtype=torch.int64,
+                                     device=device)  # [S, nb]
+    attn.row_seqs = torch.repeat_interleave(torch.arange(num_seqs, device=device), tensor(query_lens))  # [T]
     return ModelInputs(input_ids_t, positions_t, tensor(logits_indices), attn)
 
 

@@ -419,3 +419,18 @@ def test_a_rows_output_bits_do_not_change_with_the_rows_beside_it(kernel, kind, 
     for width in (1, 2, 3, 4, 5, 8, 9, 16):
         for start in (0, 5, 37 - width):
             assert torch.equal(panels(x[start:start + width]), full[start:start + width]), (width, start)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_output_bits_do_not_change_with_the_rows_beside_it_on_dense_panels(kernel, dtype):
+    # The dense panels' tiles hold 1 to 12 rows (3 on AVX2) as the call's width divides: each row is two
+    # sums (even and odd k) in every tile, so its bits are the same in any; K odd reaches the tail.
+    _, kernel = kernel
+    for K in (96, 97):
+        w = torch.randn(40, K, generator=torch.Generator().manual_seed(10)).to(dtype)
+        panels = blockdot.pack_dense(w, kernel)
+        x = torch.randn(37, K, generator=torch.Generator().manual_seed(11))
+        full = panels(x)  # float32 activations, as the one call gives them
+        for width in (1, 2, 3, 4, 5, 7, 8, 12, 13, 25):
+            for start in (0, 5, 37 - width):
+                assert torch.equal(panels(x[start:start + width]), full[start:start + width]), (K, width, start)

@@ -41,6 +41,9 @@ PATHS = {
     "int4-torch-kernels": ({"quantization": "int4", "kernels": "torch"}, "c-per-layer"),
     "int4-decoder-layer": ({"quantization": "int4", "kernels": "blockdot", "fused_decode": False}, "torch"),
     "int8": ({"quantization": "int8"}, "c-per-layer"),
+    # the batch-invariant plan: every step, prompts too, in the one call
+    "invariant-dense": ({"quantization": None, "batch_invariant": True}, "c-one-call"),
+    "invariant-int4": ({"quantization": "int4", "batch_invariant": True}, "c-one-call"),
 }
 # test_families' switches; Qwen3's head_dim 16, so that o's input width (H D = 64) quantizes to int4
 CASES = FAMILIES | {"qwen3": ("qwen3", {"head_dim": 16})}
@@ -50,7 +53,7 @@ C_FAMILIES = {"mistral-window", "qwen2", "qwen2-window", "qwen3"}  # the others'
 def engine_for(hf, **overrides) -> Engine:
     config = config_of(**({"dtype": "float32", "block_size": 4, "num_kv_blocks": 80, "max_num_seqs": 4,
                               "decode_group_min_rows": 2, "blockdot_int16_rows": None, "kv_cache_dtype": "float32",
-                              "max_kernel_rows": None} | overrides))
+                              "max_kernel_rows": None, "batch_invariant": False} | overrides))
     return Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), config)
 
 
@@ -61,10 +64,16 @@ def test_every_family_on_every_path_gives_transformers_logits(name, path):
     family, family_overrides = CASES[name]
     overrides, decode = PATHS[path]
     hf = make_hf_model(family, seed=21, **family_overrides | {"tie_word_embeddings": False})
+    invariant = overrides.get("batch_invariant", False)
+    if invariant and name not in C_FAMILIES:
+        with pytest.raises(ValueError, match="batch_invariant=True, but no C decode: the family's"):
+            engine_for(hf, **overrides)
+        return
     engine = engine_for(hf, **overrides)
     assert check_laid_out(engine.model, engine.plan) == []  # the engine refuses to start otherwise
     expected_decode = decode if name in C_FAMILIES or decode == "torch" else "torch"
-    assert (engine.plan.decode, engine.plan.mixed) == (expected_decode, "torch")
+    assert (engine.plan.decode, engine.plan.mixed) == (expected_decode, "c-one-call" if invariant else "torch")
+    assert engine.plan.is_batch_invariant == invariant
     # exact: torch's ops on dense float32 matrices, which a family the C decode refuses gets from "dense-one-call" too
     assert engine.plan.exact == (path == "exact" or (path == "dense-one-call" and expected_decode == "torch"))
     if overrides["quantization"]:

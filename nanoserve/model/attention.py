@@ -55,6 +55,10 @@ class AttentionMetadata:
     # The same step for layers with a sliding window (its own groups and runs, this slot_mapping);
     # None when no context in the step is longer than W, so the groups above serve those layers too.
     windowed: AttentionMetadata | None = None
+    # Each sequence's whole block table [S, nb] (zero-padded) and each row's sequence [T]: what
+    # fused_decode.c reads, every row a query over its own context through the cache.
+    block_tables: torch.Tensor | None = None
+    row_seqs: torch.Tensor | None = None
 
 
 def paged_attention(

@@ -620,7 +620,9 @@ void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const
    sum, one pass over the panel per tile of rows (from L2 after the first), and the panel read as one
    contiguous stream. A dot-product form (rows of w against rows of x, the sums reduced across lanes
    at the end) read x once per pair of w rows: half the FMA rate at 32 rows (notes/fused_decode.md). */
-#define DP_MR (SIMD == 512 ? 12 : 6)  /* rows of x a tile: 12 (AVX-512) or 6 x 2 (AVX2) vector sums */
+/* Rows of x a tile: 12 (AVX-512) or 3 (AVX2, whose vf is two registers): two vector sums a row, 24 (12) of the
+   32 (16) vector registers. */
+#define DP_MR (SIMD == 512 ? 12 : 3)
 INLINE vf dense_k(const void *p, int64_t k, const int bf16) {
 #if SIMD == 256
   if (bf16) {
@@ -631,23 +633,23 @@ INLINE vf dense_k(const void *p, int64_t k, const int bf16) {
 #endif
   return bf16 ? vbf16((const uint16_t *)p + 16 * k) : vload((const float *)p + 16 * k);
 }
-/* Rows r0 .. r0 + MR - 1 of x against panel p: y[r, n0 .. n0 + nn - 1]. Up to 3 rows, two sums a row
-   (even and odd k) so that enough FMAs are in flight. `next` (or NULL): the panel to fetch to L2 on
-   the way, a line every `stride` steps of k from byte *cursor up to `end` (the cursor goes on from
+/* Rows r0 .. r0 + MR - 1 of x against panel p: y[r, n0 .. n0 + nn - 1]. Two sums a row (even and odd k,
+   added at the end) at every MR: a row's sums are the same whatever tile it is in, so its output bits
+   do not change with the width of the call (with one sum a row in tiles of four rows or more, they did).
+   `next` (or NULL): the panel to fetch to L2 on the way, a line every `stride` steps of k from byte *cursor up to `end` (the cursor goes on from
    one tile of the panel to the next). */
 INLINE void dense_tile(const float *x, int64_t K, const void *p, const int bf16, int64_t r0, const int MR, float *y,
                        int64_t N, int64_t n0, int64_t nn, const char *next, int64_t *cursor, int64_t end, int stride) {
   enum { U = 2 };
-  const int u = MR <= 3 ? 2 : 1;
   vf acc[U][DP_MR];
-  for (int s = 0; s < u; s++)
+  for (int s = 0; s < U; s++)
     for (int r = 0; r < MR; r++) acc[s][r] = vzero();
   const float *xr = x + r0 * K;
   int64_t k = 0;
   int64_t c = *cursor;
   int countdown = stride;
-  for (; k + u <= K; k += u)
-    for (int s = 0; s < u; s++) {
+  for (; k + U <= K; k += U)
+    for (int s = 0; s < U; s++) {
       if (next && --countdown == 0) { countdown = stride; if (c < end) { prefetch(next + c); c += 64; } }
       const vf wv = dense_k(p, k + s, bf16);
       for (int r = 0; r < MR; r++) acc[s][r] = vfma(wv, vset1(xr[r * K + k + s]), acc[s][r]);
@@ -658,7 +660,7 @@ INLINE void dense_tile(const float *x, int64_t K, const void *p, const int bf16,
   }
   *cursor = c;
   for (int r = 0; r < MR; r++) {
-    const vf sum = u == 2 ? vadd(acc[0][r], acc[1][r]) : acc[0][r];
+    const vf sum = vadd(acc[0][r], acc[1][r]);
     if (nn == P) vstore(y + (r0 + r) * N + n0, sum);
     else {
       float lanes[P];
@@ -683,7 +685,10 @@ INLINE void dense_panel(const float *x, int64_t M, int64_t K, const void *p, con
     const int mr = (int)(base + (t < extra));
     switch (mr) {  /* each width its own unrolled tile */
 #define TILE(n) case n: dense_tile(x, K, p, bf16, r0, n, y, N, n0, nn, next, &cursor, end, stride); break;
-      TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+      TILE(1) TILE(2) TILE(3)
+#if DP_MR > 3
+      TILE(4) TILE(5) TILE(6)
+#endif
 #if DP_MR > 6
       TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12)
 #endif

@@ -210,13 +210,13 @@ INLINE void values_run(float *out, const float *p, const void *cache, int64_t at
   }
 }
 
-/* A row's H query heads, q [H, D], over keys first .. L - 1 (through the block table): out [H, D] =
-   softmax(scale q . k_j) V per head, head h reading kv head h / (H / Hkv), the scores kept in `scores`
+/* A row's H query heads, q [H, D], over keys first .. L - 1 (through the block table), one part of its
+   context (PART): out [H, D] = sum_j e^(s_j - m) v_j per head, unnormalized, s_j = scale q . k_j, head h
+   reading kv head h / (H / Hkv), and part [H, 2] each head's m (the part's largest score; -inf for no
+   keys) and sum_j e^(s_j - m), for `merge` to combine the parts; the scores kept in `scores`
    [H, L - first] between the two passes. The keys are walked a run of one block at a time (a block's
    slots are consecutive, one cache row Hkv D apart), every head meeting a run while it is in L1: one
-   contiguous read of each block's K and V. Where `part` is not NULL the keys are one part of a longer
-   context: out is left unnormalized, sum_j e^(s_j - m) v_j, and part [H, 2] gets each head's m (the
-   part's largest score; -inf for no keys) and sum_j e^(s_j - m), for `merge` to combine the parts. */
+   contiguous read of each block's K and V. */
 /* The cache rows of the block `PREFETCH_BLOCKS` after the one holding key j, the keys of it before L,
    on their way to L2: a context's blocks lie anywhere in the pool, so the hardware's prefetcher,
    which follows a run of addresses, meets each block cold. */
@@ -280,12 +280,7 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
       p[j] = exp_fast(p[j] - max);
       total += p[j];
     }
-    if (part) {
-      part[2 * h] = max, part[2 * h + 1] = total;
-      continue;
-    }
-    #pragma omp simd
-    for (int64_t j = 0; j < n; j++) p[j] /= total;
+    part[2 * h] = max, part[2 * h + 1] = total;
   }
   for (int64_t i = 0; i < H * D; i++) out[i] = 0;
   for (int64_t j = first, run, at; j < L; j += run) {
@@ -296,8 +291,11 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
   }
 }
 
-static void attend(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
-                   const int64_t *table, int64_t first, int64_t L, float *scores, float *out, float *part) {
+/* One compiled copy of each (noinline): a row's attention is the same instructions whichever loop
+   below calls it, so its bits cannot depend on the step around it. */
+__attribute__((noinline)) static void attend(const struct fused_shape *s, const float *q, const void *k_cache,
+                                             const void *v_cache, const int64_t *table, int64_t first, int64_t L,
+                                             float *scores, float *out, float *part) {
   switch (s->kv_kind) {
     case KV_BF16: attend_as(s, q, k_cache, v_cache, table, first, L, scores, out, part, KV_BF16); break;
     case KV_F16: attend_as(s, q, k_cache, v_cache, table, first, L, scores, out, part, KV_F16); break;
@@ -308,7 +306,8 @@ static void attend(const struct fused_shape *s, const float *q, const void *k_ca
 /* out [D] = softmax attention of one head over a context in S parts, from each part's unnormalized
    out (o [S] at a stride of `stride` floats) and its m and sum (part [S] at a stride of `pstride`):
    sum_s e^(m_s - m) o_s / sum_s e^(m_s - m) sum_s, m the largest m_s; a part with no keys weighs 0. */
-static void merge(float *out, const float *o, int64_t stride, const float *part, int64_t pstride, int64_t S, int64_t D) {
+__attribute__((noinline)) static void merge(float *out, const float *o, int64_t stride, const float *part,
+                                            int64_t pstride, int64_t S, int64_t D) {
   float m = -INFINITY, total = 0;
   for (int64_t t = 0; t < S; t++) m = part[t * pstride] > m ? part[t * pstride] : m;
   for (int64_t i = 0; i < D; i++) out[i] = 0;
@@ -323,22 +322,32 @@ static void merge(float *out, const float *o, int64_t stride, const float *part,
   for (int64_t i = 0; i < D; i++) out[i] /= total;
 }
 
+/* Keys a part of a context holds. Every row's visible keys (first .. L - 1) are cut into parts of PART
+   keys from `first`, each part's softmax taken alone and the parts merged in order (flash-decoding's
+   split): where the cuts fall depends on the row's own context and nothing else, so a row's result
+   is the same bits in a step of one row or of hundreds, as a decode or as a prompt's token, and
+   whichever thread runs it. (Split by the step's width, as before, a row's sums changed with the
+   rows beside it.) Parts also give one long row's attention to every thread. */
+#define PART 128
+static inline int64_t parts_of(int64_t n) { return (n + PART - 1) / PART; }
+
 /* Floats of scratch `attention` needs for T rows, the longest context max_len, on nthreads threads:
-   each thread's scores [H max_len], and the parts of a split context, [T, nthreads, H] of D + 2. */
+   each thread's scores [H PART] and one row's parts [parts, H, D + 2]; and, where the step has fewer
+   than four rows a thread, every row's parts [T, parts, H, D + 2]. */
 static int64_t attention_scratch(const struct fused_shape *s, int64_t T, int64_t max_len, int64_t nthreads) {
-  return nthreads * s->H * max_len + T * nthreads * s->H * (s->D + 2);
+  const int64_t part = s->H * (s->D + 2), parts = parts_of(max_len);
+  return nthreads * (s->H * PART + parts * part) + (T < 4 * nthreads ? T * parts * part : 0);
 }
 
-/* A decode step's attention for one layer w, inside a parallel region: each row's q, k, v
+/* A step's attention for one layer w, inside a parallel region: each row's q, k, v
    [T, (H + 2 Hkv) D] biased, its q and k heads normed and rotated in place, its new k and v written
-   to the cache at its slot (an `omp for` over rows and kv heads), then each of its query heads
-   attended over its context (the last W keys of it in a windowed layer) into att [T, H D]: an `omp
-   for` over rows, each task all of a row's heads, where that gives at least four tasks a thread;
-   else over rows and parts of their contexts (flash-decoding's split), each thread a part of every
-   row with all of its heads, then the parts merged, an `omp for` over rows and heads. (Before the
-   split, one row of SmolLM was nine tasks of one query head: five to one thread, four to the other,
-   each reading a third of every cache row.) scratch: attention_scratch's floats, max_len the step's
-   longest context. */
+   to the cache at its slot (an `omp for` over rows and kv heads; its barrier puts every key of the
+   step in the cache before any is read, so a prompt's token reads the tokens before it as a decode
+   does), then each row's query heads attended over its context (the last W keys of it in a windowed
+   layer) into att [T, H D], part by part (PART). With at least four rows a thread, an `omp for` over
+   rows, each row's parts in turn; with fewer, one over every row's parts, then one over rows and
+   heads to merge them: the same calls on the same keys either way. scratch: attention_scratch's
+   floats, max_len the step's longest context. */
 static void attention(const struct fused_shape *s, const struct fused_layer *w, float *qkv, float *att, int64_t T,
                       const int64_t *positions, const int64_t *slot_mapping, const int64_t *tables, int64_t nb,
                       const float *cos, const float *sin, float *scratch, int64_t max_len) {
@@ -363,29 +372,42 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
     store_kv(w->v_cache, at, v, D, (int)s->kv_kind);
   }
   const int64_t S = omp_get_num_threads(), thread = omp_get_thread_num();
-  float *mine = scratch + thread * H * max_len, *parts = scratch + S * H * max_len;  /* parts: [T, S, H, D + 2] */
-  if (T >= 4 * S || S == 1) {
-    #pragma omp for schedule(static)
+  const int64_t part = H * (D + 2), maxparts = parts_of(max_len);
+  float *mine = scratch + thread * (H * PART + maxparts * part), *own = mine + H * PART;
+  float *parts = scratch + S * (H * PART + maxparts * part);  /* [T, maxparts, H, D + 2] */
+#define VISIBLE(r, first, L)                                                 \
+  const int64_t L = positions[r] + 1, first = w->window && L > w->window ? L - w->window : 0
+  if (T >= 4 * S) {
+    #pragma omp for schedule(static, 1)  /* a prompt's rows grow longer down the step: dealt round */
     for (int64_t r = 0; r < T; r++) {
-      const int64_t L = positions[r] + 1, first = w->window && L > w->window ? L - w->window : 0;
-      attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, first, L, mine, att + r * H * D, NULL);
+      VISIBLE(r, first, L);
+      const int64_t n = parts_of(L - first);
+      for (int64_t t = 0; t < n; t++) {
+        const int64_t lo = first + t * PART, hi = lo + PART < L ? lo + PART : L;
+        attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, lo, hi, mine, own + t * part,
+               own + t * part + H * D);
+      }
+      for (int64_t h = 0; h < H; h++) merge(att + (r * H + h) * D, own + h * D, part, own + H * D + 2 * h, part, n, D);
     }
     return;
   }
-  #pragma omp for schedule(static, 1)  /* task r S + t to thread t: part t of every row, whatever their lengths */
-  for (int64_t task = 0; task < T * S; task++) {
-    const int64_t r = task / S, t = task % S, L = positions[r] + 1;
-    const int64_t first = w->window && L > w->window ? L - w->window : 0, n = L - first;
-    float *part = parts + task * H * (D + 2);
-    attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, first + n * t / S, first + n * (t + 1) / S,
-           mine, part, part + H * D);
+  #pragma omp for schedule(dynamic, 1)
+  for (int64_t task = 0; task < T * maxparts; task++) {
+    const int64_t r = task / maxparts, t = task % maxparts;
+    VISIBLE(r, first, L);
+    if (t >= parts_of(L - first)) continue;
+    const int64_t lo = first + t * PART, hi = lo + PART < L ? lo + PART : L;
+    float *mine_part = parts + task * part;
+    attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, lo, hi, mine, mine_part, mine_part + H * D);
   }
   #pragma omp for schedule(static)
   for (int64_t task = 0; task < T * H; task++) {
     const int64_t r = task / H, h = task % H;
-    const float *part = parts + r * S * H * (D + 2);
-    merge(att + task * D, part + h * D, H * (D + 2), part + H * D + 2 * h, H * (D + 2), S, D);
+    VISIBLE(r, first, L);
+    const float *row = parts + r * maxparts * part;
+    merge(att + task * D, row + h * D, part, row + H * D + 2 * h, part, parts_of(L - first), D);
   }
+#undef VISIBLE
 }
 
 /* the longest context of the step: its last position + 1 */

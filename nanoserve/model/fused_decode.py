@@ -85,13 +85,15 @@ class FusedDecode:
     # per layer, its MATMULS as the one call reads them (each weight's c_form); empty where there is no one call
     forms: list[list[tuple[torch.Tensor, int]]]
     copy_bytes: int = 0  # the dense panels among them copied from torch's matrices
+    prompts: bool = False  # it also runs steps with a prompt in them, each prompt's token a row (the plan's mixed driver)
     _table: ctypes.Array | None = None  # the layers' structs, for the cache they were built against
     _cache: KVCache | None = None
 
     def accepts(self, inputs: ModelInputs) -> bool:
-        """Whether a step is one it runs: every row a decoding sequence. (Windowed layers cut their
-        keys themselves from the step's full block tables, which the allocator keeps whole.)"""
-        return not inputs.attn.prefill_runs
+        """Whether a step is one it runs: every step where it takes prompts, else one whose every row
+        is a decoding sequence. (Windowed layers cut their keys themselves from the step's full
+        block tables, which the allocator keeps whole.)"""
+        return self.prompts or not inputs.attn.prefill_runs
 
     def __call__(self, h: torch.Tensor, inputs: ModelInputs, kv: KVCache) -> torch.Tensor | None:
         if not self.accepts(inputs):
@@ -100,7 +102,7 @@ class FusedDecode:
             self._table, self._cache = self._layer_table(kv), kv
             self.shape.block_size, self.shape.kv_kind = kv.block_size, KV_KINDS[kv.k.dtype]
         T = h.shape[0]  # h [T, E] float32, updated in place by the C calls
-        tables = _row_tables(inputs, T)  # [T, nb]
+        tables = _row_tables(inputs)  # [T, nb]
         positions, slots = inputs.positions.contiguous(), inputs.attn.slot_mapping.contiguous()
         _check_rows(h, self.shape.E, positions, slots, tables)
         rows = (T, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1], self.cos.data_ptr(),
@@ -175,22 +177,18 @@ def _check_rows(h: torch.Tensor, E: int, positions: torch.Tensor, slots: torch.T
                          f"{list(tables.shape)}")
 
 
-def _row_tables(inputs: ModelInputs, T: int) -> torch.Tensor:
-    """Each row's block table, [T, nb] int64, from the step's decode groups."""
-    groups = inputs.attn.decode_groups
-    if len(groups) == 1 and groups[0].rows is None:
-        return groups[0].block_table.contiguous()
-    tables = torch.zeros(T, max(g.block_table.shape[1] for g in groups), dtype=torch.int64)
-    for group in groups:
-        tables[group.rows, :group.block_table.shape[1]] = group.block_table
-    return tables
+def _row_tables(inputs: ModelInputs) -> torch.Tensor:
+    """Each row's block table, [T, nb] int64: its sequence's (a prompt's rows share one)."""
+    tables, row_seqs = inputs.attn.block_tables, inputs.attn.row_seqs
+    return tables if tables.shape[0] == row_seqs.shape[0] else tables.index_select(0, row_seqs)
 
 
-def fused_decode(model: LlamaModel, max_rows: int, int16_rows: int | None) -> FusedDecode:
+def fused_decode(model: LlamaModel, max_rows: int, int16_rows: int | None, prompts: bool = False) -> FusedDecode:
     """The fused decode of a laid-out model (the execution plan decides that it runs): decode steps of
     up to max_rows rows in one C call (0: none, every matmul's C form read from the weight itself),
     the wider ones in three C calls a layer between the weights' own linears; blockdot's panels on
-    their int16 path from int16_rows rows (None: never).
+    their int16 path from int16_rows rows (None: never); with `prompts` (max_rows then every width),
+    the steps with prompts in one call too.
 
     Raises:
         ValueError: max_rows > 0 but some matmul has no form fused_decode.c reads.
@@ -212,4 +210,4 @@ def fused_decode(model: LlamaModel, max_rows: int, int16_rows: int | None) -> Fu
     windows = [config.sliding_window if i in model.sliding_layers else 0 for i in range(config.num_layers)]
     copy_bytes = sum(form.data.nbytes for layer_forms in forms for form in layer_forms if form.copied)
     return FusedDecode(model.layers, c_shape, cos, sin, model.dtype, max_rows, blockdot.library(), switches, windows,
-                       [[(form.data, form.code) for form in layer_forms] for layer_forms in forms], copy_bytes)
+                       [[(form.data, form.code) for form in layer_forms] for layer_forms in forms], copy_bytes, prompts)

@@ -79,6 +79,11 @@ class ExecutionPlan:
         return self.decode if num_rows <= self.one_call_rows or self.decode != "c-one-call" else self.wide_decode
 
     @property
+    def is_batch_invariant(self) -> bool:
+        """Whether every choice leaves a row's result independent of the rows beside it."""
+        return all(ok for _, ok, _ in self.batch_invariant)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
@@ -110,8 +115,9 @@ class ExecutionPlan:
                 lines.append("  (the one call reads dense panels copied from the matrices torch runs)")
         else:
             lines.append(f"  decode-only: {self.decode} ({DRIVERS[self.decode]})")
-        lines.append(f"  with a prompt: {self.mixed} ({DRIVERS[self.mixed]})")
-        lines.append("batch invariance (a row's result independent of the rows beside it):")
+        lines.append(f"  with a prompt: {self.mixed} ({DRIVERS[self.mixed]}{', each token a row' if self.mixed == 'c-one-call' else ''})")
+        lines.append(f"batch invariance (a row's result independent of the rows beside it): "
+                     f"{'yes' if self.is_batch_invariant else 'no'}")
         lines += [f"  {'yes' if ok else 'no '}  {choice}: {why}" for choice, ok, why in self.batch_invariant]
         lines.append("why:")
         lines += [f"  {reason}" for reason in self.reasons]
@@ -162,15 +168,81 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
     """The plan for running `model` (as loaded, or laid out by another engine) under `config` (an
     EngineConfig) on `world_size` tensor-parallel ranks. probe: in place of precision.probe_cpu.
 
+    config.batch_invariant True or "auto" asks for the invariant plan: every step, prompts included,
+    in one C call at every width, every matmul on blockdot's panels or dense panels (see
+    _batch_invariance); "auto" takes the other plan where the config's own choices rule it out
+    (the exact path among them), True refuses them.
+
     Raises:
-        ValueError: a choice the config names that cannot run here (precision.resolve's).
+        ValueError: a choice the config names that cannot run here (precision.resolve's), or
+            batch_invariant=True with a choice no invariant plan can make, named.
     """
+    wanted = config.batch_invariant
+    blockers = [] if wanted is False else invariance_blockers(config, model, world_size)
+    if wanted is True and blockers:
+        raise ValueError(f"batch_invariant=True, but {'; '.join(blockers)}; use batch_invariant='auto' or False")
+    if wanted is not False and not blockers:
+        plan = _resolve(config, model, world_size, probe, True, ())
+        off_c = [m for m in plan.matrices if m.form.name not in ("blockdot", "dense-panels")]
+        if not off_c:
+            return plan
+        blockers = [f"{_where(off_c[0])} stored {off_c[0].stored} runs on {off_c[0].form.name}, outside C"]
+        if wanted is True:
+            raise ValueError(f"batch_invariant=True, but {blockers[0]}; use batch_invariant='auto' or False")
+    return _resolve(config, model, world_size, probe, False, tuple(blockers))
+
+
+def invariance_blockers(config: Any, model: LlamaModel, world_size: int = 1) -> list[str]:
+    """The config's choices that rule the batch-invariant plan out, each said as the reason (empty:
+    none does). The exact path is one only where batch_invariant is "auto": asked for by True, its
+    float32 runs on dense panels instead of torch's ops."""
+    device, overrides = torch.device(config.device), config.overrides
+    found = []
+    c_reason = why_not(model.config, device)
+    if c_reason is not None:
+        found.append(f"no C decode: {c_reason}")
+    if world_size > 1:
+        found.append("tensor parallelism runs torch's kernels")
+    if config.compile:
+        found.append("torch.compile runs torch's kernels")
+    if config.batch_invariant == "auto" and config.dtype == "float32" and config.quantization is None:
+        found.append("the exact path (dtype float32, quantization None) runs torch's ops, whose float32 matmul "
+                     "sums a row in another order at 1, 2-3 and 4 or more rows")
+    if config.dtype == "float16":
+        found.append("fused_decode.c computes in float32 or bfloat16, not float16")
+    if config.quantization == "int8":
+        found.append("int8 per channel runs on torch's kernels")
+    if overrides.fused_decode is False:
+        found.append("fused_decode=False keeps decoder_layer")
+    if overrides.kernels == "torch":
+        found.append("kernels='torch' runs the quantized matmuls on torch's kernels")
+    if overrides.dense_kernel == "torch":
+        found.append("dense_kernel='torch' runs the dense matmuls on torch's")
+    if isinstance(overrides.max_kernel_rows, int):
+        found.append(f"max_kernel_rows={overrides.max_kernel_rows} changes a row's matmul past that many rows")
+    if overrides.blockdot_int16_rows not in (None, 1):
+        found.append(f"blockdot_int16_rows={overrides.blockdot_int16_rows} rounds a row to int16 only in steps that wide")
+    return found
+
+
+def _where(m: MatrixPlan) -> str:
+    return "the head" if m.layer is None else f"layer {m.layer} {m.name}"
+
+
+def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invariant: bool,
+             blockers: tuple[str, ...]) -> ExecutionPlan:
+    """resolve_plan's plan, the invariant one where `invariant` (blockers: why not, where it was asked for)."""
     device = torch.device(config.device)
     parallel, compiled = world_size > 1, config.compile
-    exact = config.dtype == "float32" and config.quantization is None
+    exact = config.dtype == "float32" and config.quantization is None and not invariant
     overrides = config.overrides
     c_decode = overrides.fused_decode if overrides.fused_decode != "auto" else not exact
     reasons = []
+    if invariant:
+        reasons.append("batch invariant: every step in one C call at every width, every matmul on blockdot's or "
+                       "dense panels")
+    elif blockers:
+        reasons.append(f"not batch invariant: {'; '.join(blockers)}")
     if exact:
         reasons.append("the exact path (dtype float32, quantization None): torch's ops"
                        + (", the C decode as configured" if c_decode else " only"))
@@ -183,13 +255,19 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
         reasons.append(f"no C decode: {c_reason}")
         c_decode = False
     quantized = any(w.form.name == STORED for _, _, w in model.matrices())
-    dense_kernel = overrides.dense_kernel
+    dense_kernel, kernels = overrides.dense_kernel, overrides.kernels
+    max_kernel_rows, dense_copies = overrides.max_kernel_rows, overrides.dense_copies
     if parallel or compiled or (exact and not c_decode and dense_kernel == "auto"):
         dense_kernel = "torch"  # the exact path's matmuls are torch's, unless an override asked for the C decode
-    precision = resolve(config.dtype, config.quantization, device, quantized, probe=probe,
-                        kernels="torch" if parallel or compiled else overrides.kernels,
-                        max_kernel_rows=overrides.max_kernel_rows, dense_copies=overrides.dense_copies,
-                        dense_kernel=dense_kernel, kv_cache_dtype=config.kv_cache_dtype, fused_decode=c_decode)
+    if parallel or compiled:
+        kernels = "torch"
+    if invariant:  # every matmul in C at every width: no dense copies to switch to past a width
+        dense_kernel, max_kernel_rows, dense_copies = "blockdot", None, False
+        kernels = "blockdot" if quantized or config.quantization == "int4" else kernels
+    precision = resolve(config.dtype, config.quantization, device, quantized, probe=probe, kernels=kernels,
+                        max_kernel_rows=max_kernel_rows, dense_copies=dense_copies,
+                        dense_kernel=dense_kernel, kv_cache_dtype=config.kv_cache_dtype, fused_decode=c_decode,
+                        chosen_by="the invariant plan's" if invariant else "as configured")
     reasons += precision.reason.split("; ")
     dtype = precision.torch_dtype
     if c_decode and dtype not in C_DTYPES:
@@ -211,8 +289,8 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
         kind = None
         if precision.quantization == "keep" and form.name == STORED:
             kind = form.stored
-        elif precision.quantization == "int8" or (precision.quantization == "int4" and layer is None):
-            kind = "int8"  # int4's head in int8
+        elif precision.quantization == "int8" or (precision.quantization == "int4" and layer is None and not invariant):
+            kind = "int8"  # int4's head in int8 (dense where invariant: int8 per channel runs on torch's kernels only)
         elif precision.quantization == "int4":
             kind = "Q4_1"  # nanoserve's int4 is Q4_1's form
         if kind is None:
@@ -244,7 +322,10 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
                        f"{'them' if len(unrun) > 1 else 'it'}")
     decode = mixed = wide_decode = "torch-tensor-parallel" if parallel else "torch-compiled" if compiled else "torch"
     one_call_rows, copies = 0, False
-    if c_decode:
+    if invariant:
+        decode = wide_decode = mixed = "c-one-call"
+        one_call_rows = EVERY_WIDTH
+    elif c_decode:
         layer_forms = [m.form for m in matrices if m.layer is not None]
         on_torch = [f for f in layer_forms if f.name in ("torch", "onednn")]
         if all(f.name in ("blockdot", "dense-panels") for f in layer_forms if f not in on_torch):
@@ -259,16 +340,24 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
                          decode, one_call_rows, wide_decode, mixed, copies, pack_weights, torch.get_num_threads(),
                          decode == mixed == "torch" and all(m.form.name in ("torch", "onednn") and m.form.dtype == "float32"
                                                             for m in matrices),
-                         _batch_invariance(matrices, decode, one_call_rows, wide_decode, mixed),
+                         _batch_invariance(matrices, decode, one_call_rows, wide_decode, mixed, blockers),
                          tuple(reasons), precision.probe)
 
 
 def _batch_invariance(matrices: tuple[MatrixPlan, ...], decode: str, one_call_rows: int, wide_decode: str,
-                      mixed: str) -> tuple[tuple[str, bool, str], ...]:
-    """Which of the plan's choices leave a row's result independent of the rows beside it. Only what
-    holds by construction is a yes."""
+                      mixed: str, blockers: tuple[str, ...] = ()) -> tuple[tuple[str, bool, str], ...]:
+    """Which of the plan's choices leave a row's result independent of the rows beside it (the other
+    rows of its step, its place among them, the step's width, where its prompt was cut into chunks).
+    Only what holds by construction is a yes; tests/test_batch_invariance.py holds the plan to it."""
     forms = {m.form for m in matrices}
     entries = []
+    if decode == mixed == wide_decode == "c-one-call" and one_call_rows >= EVERY_WIDTH:
+        entries.append(("every step in one C call at every width, prompts too", True,
+                        "a prompt's token is a row like a decode's: its K/V written to the cache, then its query "
+                        "over its context read back from there, whatever the chunk or step it came in"))
+        entries.append(("attention over parts of 128 keys", True,
+                        "a row's context cut where its own length says, the parts merged in order, whatever the "
+                        "step's width or the threads"))
     for rows, wide in sorted({(f.kernel_rows, f.wide) for f in forms if f.kernel_rows is not None}):
         entries.append((f"quantized kernels up to {rows} rows, {wide} past", False,
                         f"a row's sums change when its step passes {rows} rows"))
@@ -277,15 +366,22 @@ def _batch_invariance(matrices: tuple[MatrixPlan, ...], decode: str, one_call_ro
                         "each row is rounded on its own at every width" if rows == 1
                         else f"a row is rounded only in steps of {rows} rows or more"))
     if any(f.name in ("torch", "onednn", "torch-int4", "torch-int8") for f in forms):
-        entries.append(("torch's matmuls", False, "oneDNN and MKL may block a matmul differently by its row count"))
-    if any(f.name in ("blockdot", "dense-panels") for f in forms):
-        entries.append(("blockdot's panels", False, "not yet shown by a test over batch mixes"))
+        entries.append(("torch's matmuls", False, "oneDNN and MKL block a matmul by its row count: in float32 a row "
+                        "sums in another order at 1, 2-3 and 4 or more rows"))
+    if any(f.name in ("blockdot", "dense-panels") and f.kernel_rows is None for f in forms):
+        entries.append(("blockdot's panels and dense panels", True,
+                        "a row's sums run in one order whatever tile or call it is in (tests/test_blockdot.py)"))
     if decode == "c-one-call" and one_call_rows < EVERY_WIDTH:
         entries.append((f"decode steps: {decode} up to {one_call_rows} rows, {wide_decode} past", False,
                         "the two compute the glue in a different order"))
     if decode != mixed:
         entries.append((f"decode-only steps on {decode}, steps with a prompt on {mixed}", False,
                         "a decoding row's arithmetic depends on whether a prompt shares its step"))
+    if mixed.startswith("torch"):
+        entries.append(("prompts on torch's attention", False,
+                        "a prompt's token attends the new keys as computed and the cached ones read back, so "
+                        "where its prompt was cut into chunks changes its sums"))
+    entries += [(blocker, False, "why the invariant plan was not taken") for blocker in blockers]
     return tuple(entries)
 
 
@@ -303,6 +399,9 @@ def check_laid_out(model: LlamaModel, plan: ExecutionPlan) -> list[str]:
         problems.append(f"the plan's decode driver is {plan.decode}, the model's fused decode is {fused}")
     elif fused is not None and fused.max_rows != plan.one_call_rows:
         problems.append(f"the one call takes up to {fused.max_rows} rows, the plan says {plan.one_call_rows}")
+    elif fused is not None and fused.prompts != (plan.mixed == "c-one-call"):
+        problems.append(f"the one call {'takes' if fused.prompts else 'leaves'} steps with a prompt, the plan's mixed "
+                        f"driver is {plan.mixed}")
     if (plan.mixed == "torch-compiled") != compiled:
         problems.append(f"the plan's mixed driver is {plan.mixed}, the model's layer is {model.layer_fn}")
     return problems

@@ -273,7 +273,8 @@ def _probe(kernel_dtype: str | None, rows: int, K: int, N: int) -> Probe:
 def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoint_quantized: bool,
             probe: Callable[..., Probe] | None = None, kernels: str = "auto",
             max_kernel_rows: int | str | None = "auto", dense_copies: bool | str = "auto",
-            dense_kernel: str = "auto", kv_cache_dtype: str = "auto", fused_decode: bool = True) -> Precision:
+            dense_kernel: str = "auto", kv_cache_dtype: str = "auto", fused_decode: bool = True,
+            chosen_by: str = "as configured") -> Precision:
     """Turns the config's "auto" values into a Precision.
 
     dtype "auto": bfloat16 on a CUDA device that supports it; on a CPU, bfloat16 when the probe
@@ -294,6 +295,7 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
     dense_kernel "auto": on a CPU, blockdot's dense panels where the probe times them no slower than
     torch's dense matmul at DENSE_ROWS rows in the chosen dtype, torch's otherwise; "blockdot" asks
     for them (a ValueError where the kernel cannot be built), "torch" for torch's.
+    chosen_by: what the reasons say chose a kernel or dense kernel given here ("as configured").
     kv_cache_dtype "auto": float16 where quantized weights on blockdot compute in float32 on a CPU
     whose blockdot build has vectors (fused_decode.c widens a float16 cache with F16C's instructions):
     half float32's bytes a token, llama.cpp's default, and no loss quantbench can see (perplexity
@@ -344,7 +346,7 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
         if blockdot.library() is None:
             raise ValueError(f"kernels='blockdot' but the blockdot kernel could not be built: {blockdot.failure()}")
         chosen = "blockdot"
-        reasons.append("kernels blockdot: as configured")
+        reasons.append(f"kernels blockdot: {chosen_by}")
     elif kernels == "auto" and quantization == "int8":
         reasons.append("kernels torch: blockdot does not run int8 per channel")
     elif kernels == "auto" and quantization is not None and device.type == "cpu":
@@ -409,7 +411,7 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
         if blockdot.library() is None or device.type != "cpu":
             raise ValueError(f"dense_kernel='blockdot' runs on a CPU build of the blockdot kernel; device={device.type!r}, "
                              f"build: {blockdot.failure() or 'ok'}")
-        reasons.append("dense kernel blockdot: as configured")
+        reasons.append(f"dense kernel blockdot: {chosen_by}")
     elif dense_kernel == "auto":
         dense_kernel = "torch"
         if device.type == "cpu" and DTYPES[dtype] in blockdot.DTYPES and blockdot.library() is not None:

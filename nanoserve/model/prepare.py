@@ -116,7 +116,7 @@ def prepare_model(model: LlamaModel, plan: ExecutionPlan) -> LlamaModel:
     prepared = laid_out(model, plan)
     if plan.mixed == "torch-compiled":
         return compiled(prepared)
-    fused = (fused_decode(prepared, plan.one_call_rows, plan.form_of(0, "qkv").int16_rows)
+    fused = (fused_decode(prepared, plan.one_call_rows, plan.form_of(0, "qkv").int16_rows, plan.mixed == "c-one-call")
              if plan.decode.startswith("c-") else None)
     if fused is not None or prepared.fused_layers is not None:  # a given model's own is not this engine's
         prepared = copy.copy(prepared) if prepared is model else prepared
