@@ -12,7 +12,6 @@ equal the quiet run's, on every invariant path the plan can choose.
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import CharTokenizer, config_of, make_hf_model, nanoserve_model_from_hf
 from hypothesis import given, settings
 from hypothesis import strategies as st
