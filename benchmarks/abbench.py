@@ -11,6 +11,8 @@ the change off (A) and on (B), alternating A B A B ... in one process, and repor
     python benchmarks/abbench.py --change dense      # dense matrices on blockdot's dense panels against torch's (oneDNN)
     python benchmarks/abbench.py --change kv16       # a float16 K/V cache against the model's dtype's
     python benchmarks/abbench.py --change per-layer --slots 16 32   # the per-layer C glue against decoder_layer
+    python benchmarks/abbench.py --change invariant  # the batch-invariant plan against the fastest one
+    python benchmarks/abbench.py --change invariant --phase prefill --slots 1 4 --prompt-range 512 512
 
 --phase prefill times the steps that prefill the prompts (each slot's whole prompt, several
 prompts a step) in place of the decode steps that follow.
@@ -24,7 +26,10 @@ False against True). packed and compile measure torch's dense linears (PlanOverr
 "torch" on both sides); dense puts them against blockdot's dense panels ("torch" against "blockdot").
 per-layer lays the file's blocks out on each side with max_kernel_rows 8, so that decode steps of
 more than 8 rows take the plan's c-per-layer driver (three C calls a layer between the linears) on
-B and decoder_layer on A (PlanOverrides.fused_decode True against False).
+B and decoder_layer on A (PlanOverrides.fused_decode True against False). invariant lays the file's
+blocks out on each side at the default precision, EngineConfig.batch_invariant True against False
+(every step in one C call at every width, prompts too, against prompts on torch's matmuls past 64
+rows); every other change measures its engines with batch_invariant False, the plan it was built for.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ from nanoserve import Engine, EngineConfig, PlanOverrides, SamplingParams
 from nanoserve.instruments.csv_writer import write_csv
 from nanoserve.model.weights import load_checkpoint
 
-CHANGES = ("groups", "deferred", "compile", "packed", "fused", "int16", "dequantize", "dense", "kv16", "per-layer")
+CHANGES = ("groups", "deferred", "compile", "packed", "fused", "int16", "dequantize", "dense", "kv16", "per-layer",
+           "invariant")
 
 
 def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
@@ -57,19 +63,21 @@ def make_engine(base: Engine, change: str, on: bool, slots: int) -> Engine:
                    else {"kv_cache_dtype": "float16" if on else "auto"})
         return Engine(base.model, base.tokenizer, EngineConfig(
             dtype=base.plan.dtype, quantization="auto", max_num_seqs=slots, max_model_len=2048,
-            max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, **setting))
-    if change in ("int16", "dequantize", "per-layer"):
+            max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False,
+            batch_invariant=False, **setting))
+    if change in ("int16", "dequantize", "per-layer", "invariant"):
         pinned = {"int16": {"blockdot_int16_rows": 1 if on else None}, "dequantize": {"dense_copies": not on},
-                  "per-layer": {"fused_decode": on, "max_kernel_rows": 8}}[change]
+                  "per-layer": {"fused_decode": on, "max_kernel_rows": 8}, "invariant": {}}[change]
         return Engine(base.model, base.tokenizer, EngineConfig(
             max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30,
-            enable_prefix_caching=False, overrides=PlanOverrides(**pinned)))
+            enable_prefix_caching=False, batch_invariant=on and change == "invariant",
+            overrides=PlanOverrides(**pinned)))
     packed = {"packed": on, "compile": not on}.get(change, True)
     dense_kernel = {"packed": "torch", "compile": "torch", "dense": "blockdot" if on else "torch"}.get(change, "auto")
     config = EngineConfig(dtype="float32", quantization=None, max_num_seqs=slots, max_model_len=2048, max_num_batched_tokens=8192,
                           kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False,
                           deferred_output=(change == "deferred" and on), compile=(change == "compile" and on),
-                          overrides=PlanOverrides(pack_weights=packed, dense_kernel=dense_kernel))
+                          batch_invariant=False, overrides=PlanOverrides(pack_weights=packed, dense_kernel=dense_kernel))
     if change == "groups" and not on:  # decode rows attended as one group, never split by length
         config = dataclasses.replace(config, decode_group_min_rows=None)
     return Engine(base.model, base.tokenizer, config)
@@ -111,9 +119,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.change in ("fused", "kv16"):
-        base = Engine.from_pretrained(args.model, EngineConfig(max_model_len=2048,
+        base = Engine.from_pretrained(args.model, EngineConfig(max_model_len=2048, batch_invariant=False,
                                                                overrides=PlanOverrides(fused_decode=args.change == "kv16")))
-    elif args.change in ("int16", "dequantize", "per-layer"):  # the checkpoint as loaded: each engine lays it out
+    elif args.change in ("int16", "dequantize", "per-layer", "invariant"):  # the checkpoint as loaded: each engine lays it out
         model, tokenizer = load_checkpoint(args.model, "cpu", max_positions=2048)
         base = SimpleNamespace(model=model, tokenizer=tokenizer)
     else:

@@ -5,6 +5,9 @@ Starts `nanoserve serve` on the embedded default model at its default precision 
 picking a kind of request at random from the mix:
 
 - plain: a non-streamed completion;
+- greedy: a non-streamed completion at temperature 0, whose text must equal the answer the same
+  question got from the quiet server before the load began (the engine is batch invariant: what
+  else it runs must not change an answer);
 - stream: a streamed chat completion, read to [DONE];
 - structured: a chat completion with `response_format` json_schema (nested objects, an enum, an
   array), whose content must parse as JSON and match the schema's shape;
@@ -18,8 +21,9 @@ picking a kind of request at random from the mix:
 Every request is one CSV row (kind, HTTP status, seconds, whether the answer was right). The table
 counts requests, 2xx/4xx/5xx and wrong answers per kind; then, with every client stopped and the
 server idle, the KV blocks still in use (from /metrics) and the server's resident memory, sampled
-every 5 s, in the first and the last minute. A healthy run has no 5xx, no wrong answers and no
-blocks in use.
+every 5 s, in the first and the last minute. A healthy run has no 5xx, no wrong answers, no greedy
+answer that differs from the quiet one and no blocks in use; the exit status is 1 on a 5xx or on
+any such differing answer.
 
     python benchmarks/soakbench.py                       # 32 clients, 10 minutes
     python benchmarks/soakbench.py --clients 4 --duration-s 20    # a quick look
@@ -47,8 +51,10 @@ from nanoserve.serving.server.metrics import parse_text
 
 ROOT = Path(__file__).resolve().parent.parent
 
-KINDS = ("plain", "stream", "structured", "tool", "disconnect", "malformed")
-DEFAULT_MIX = {"plain": 0.25, "stream": 0.25, "structured": 0.175, "tool": 0.175, "disconnect": 0.10, "malformed": 0.05}
+KINDS = ("plain", "greedy", "stream", "structured", "tool", "disconnect", "malformed")
+DEFAULT_MIX = {"plain": 0.10, "greedy": 0.15, "stream": 0.25, "structured": 0.175, "tool": 0.175, "disconnect": 0.10,
+               "malformed": 0.05}
+GREEDY_TOKENS = 32
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colours.", "Write a haiku about the sea.",
@@ -88,6 +94,25 @@ class Result:
     is_right: bool  # the answer has the shape its kind asks for (a 4xx for malformed)
     error: str = ""
     is_cut: bool = False  # finish_reason "length": max_tokens ended it, not a wrong answer
+    differs: bool = False  # greedy: answered, but not as the quiet server answered
+
+
+async def greedy_text(http: httpx.AsyncClient, model: str, question: str) -> tuple[int, str | None]:
+    r = await http.post("/v1/completions", json={"model": model, "prompt": question, "max_tokens": GREEDY_TOKENS,
+                                                  "temperature": 0.0})
+    return r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else None
+
+
+async def quiet_answers(base: str, model: str) -> dict[str, str]:
+    """Each question's greedy answer from the server with nothing else running."""
+    answers = {}
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(300.0)) as http:
+        for question in QUESTIONS:
+            status, text = await greedy_text(http, model, question)
+            if text is None:
+                raise RuntimeError(f"the quiet server answered {question!r} with HTTP {status}")
+            answers[question] = text
+    return answers
 
 
 def structured_ok(content: str) -> bool:
@@ -128,13 +153,18 @@ def malformed_body(rng: random.Random, model: str) -> tuple[str, bytes]:
     return "/v1/chat/completions", json.dumps(bad).encode()
 
 
-async def one_request(http: httpx.AsyncClient, kind: str, rng: random.Random, model: str) -> Result:
+async def one_request(http: httpx.AsyncClient, kind: str, rng: random.Random, model: str,
+                      quiet: dict[str, str]) -> Result:
     question = rng.choice(QUESTIONS)
     messages = [{"role": "user", "content": question}]
     start = time.perf_counter()
-    status, is_right, is_cut, error = 0, False, False, ""
+    status, is_right, is_cut, error, differs = 0, False, False, "", False
     try:
-        if kind == "plain":
+        if kind == "greedy":
+            status, text = await greedy_text(http, model, question)
+            is_right = text == quiet[question]
+            differs = text is not None and not is_right
+        elif kind == "plain":
             r = await http.post("/v1/completions", json={"model": model, "prompt": question, "max_tokens": 32})
             status = r.status_code
             is_right = status == 200 and isinstance(r.json()["choices"][0]["text"], str)
@@ -177,16 +207,16 @@ async def one_request(http: httpx.AsyncClient, kind: str, rng: random.Random, mo
             is_right = 400 <= status < 500
     except (httpx.HTTPError, KeyError, ValueError) as e:
         error = f"{type(e).__name__}: {e}"[:200]
-    return Result(kind, status, time.perf_counter() - start, is_right, error, is_cut and not is_right)
+    return Result(kind, status, time.perf_counter() - start, is_right, error, is_cut and not is_right, differs)
 
 
 async def client_loop(base: str, model: str, seed: int, deadline: float, mix: dict[str, float],
-                      results: list[Result]) -> None:
+                      results: list[Result], quiet: dict[str, str]) -> None:
     rng = random.Random(seed)
     kinds, weights = list(mix), list(mix.values())
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(300.0)) as http:
         while time.perf_counter() < deadline:
-            results.append(await one_request(http, rng.choices(kinds, weights)[0], rng, model))
+            results.append(await one_request(http, rng.choices(kinds, weights)[0], rng, model, quiet))
 
 
 async def sample_rss(pid: int | None, deadline: float, samples: list[tuple[float, float]]) -> None:
@@ -242,6 +272,7 @@ def summarize(results: list[Result]) -> list[dict]:
             "status_5xx": sum(r.status >= 500 for r in mine),
             "no_response": sum(r.status == 0 for r in mine),
             "wrong_answers": sum(not r.is_right and not r.is_cut for r in mine),
+            "differ_from_quiet": sum(r.differs for r in mine),
             "cut_by_max_tokens": sum(r.is_cut for r in mine),
             "median_s": round(sorted(r.seconds for r in mine)[len(mine) // 2], 3) if mine else None,
         })
@@ -276,9 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         rss: list[tuple[float, float]] = []
 
         async def run() -> None:
+            quiet = await quiet_answers(base, model)
             deadline = time.perf_counter() + args.duration_s
             await asyncio.gather(sample_rss(proc.pid if proc else None, deadline, rss),
-                                 *(client_loop(base, model, args.seed + i, deadline, DEFAULT_MIX, results)
+                                 *(client_loop(base, model, args.seed + i, deadline, DEFAULT_MIX, results, quiet)
                                    for i in range(args.clients)))
 
         asyncio.run(run())
@@ -293,10 +325,14 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = summarize(results)
     print(f"soakbench: {args.clients} clients for {args.duration_s:.0f} s against {base} ({model}), pid {os.getpid()}")
-    print(f"{'kind':<11}{'requests':>9}{'2xx':>7}{'4xx':>6}{'5xx':>6}{'no resp':>8}{'wrong':>7}{'cut':>5}{'median s':>10}")
+    print(f"{'kind':<11}{'requests':>9}{'2xx':>7}{'4xx':>6}{'5xx':>6}{'no resp':>8}{'wrong':>7}{'cut':>5}"
+          f"{'differ':>7}{'median s':>10}")
     for row in rows:
         print(f"{row['kind']:<11}{row['requests']:>9}{row['status_2xx']:>7}{row['status_4xx']:>6}{row['status_5xx']:>6}"
-              f"{row['no_response']:>8}{row['wrong_answers']:>7}{row['cut_by_max_tokens']:>5}{row['median_s'] or 0:>10.3f}")
+              f"{row['no_response']:>8}{row['wrong_answers']:>7}{row['cut_by_max_tokens']:>5}{row['differ_from_quiet']:>7}"
+              f"{row['median_s'] or 0:>10.3f}")
+    greedy = rows[KINDS.index("greedy")]
+    print(f"greedy answers that differ from the quiet server's: {greedy['differ_from_quiet']} of {greedy['requests']}")
     used = idle.get("nanoserve_kv_blocks_used")
     print(f"KV blocks in use after the run: {used:.0f} of {idle.get('nanoserve_kv_blocks_total', 0):.0f}"
           if used is not None else "KV blocks in use: /metrics has no nanoserve_kv_blocks_used")
@@ -307,11 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in [r for r in results if r.error][:5]:
         print(f"  e.g. {r.kind}: {r.error}")
     write_csv(args.out, [{"kind": r.kind, "status": r.status, "seconds": round(r.seconds, 6), "is_right": r.is_right,
-                          "is_cut": r.is_cut, "error": r.error} for r in results])
+                          "is_cut": r.is_cut, "differs": r.differs, "error": r.error} for r in results])
     write_csv(Path(args.out).with_suffix(".summary.csv"), rows)
     write_csv(Path(args.out).with_suffix(".rss.csv"), [{"t_s": round(t, 1), "rss_mib": round(m, 1)} for t, m in rss])
     print(f"wrote {args.out}")
-    return 1 if any(row["status_5xx"] for row in rows) else 0
+    return 1 if any(row["status_5xx"] or row["differ_from_quiet"] for row in rows) else 0
 
 
 if __name__ == "__main__":

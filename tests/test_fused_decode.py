@@ -41,7 +41,9 @@ def fused_engine(hf, dtype: str = "float32", block_size: int = 4, **overrides) -
     config = config_of(**({"dtype": dtype, "quantization": "int4", "kernels": "blockdot", "pack_weights": False,
                               "block_size": block_size, "num_kv_blocks": 256 // block_size + 8, "max_num_seqs": 4,
                               "decode_group_min_rows": 2, "blockdot_int16_rows": None, "dense_kernel": "torch",
-                              "kv_cache_dtype": dtype, "fused_decode": True} | overrides))  # the cache in the dtype unless a test asks
+                              "kv_cache_dtype": dtype, "fused_decode": True, "batch_invariant": False} | overrides))
+    # the cache in the dtype unless a test asks; the plan that runs decode steps alone in C (the
+    # batch-invariant one runs every step there: tests/test_batch_invariance.py)
     return Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), config)
 
 

@@ -180,10 +180,12 @@ def tiny_checkpoint(directory: Path, family: str = "llama", gguf_types: dict | N
 
 def tiny_config(tensor_parallel_size: int = 1, **overrides) -> EngineConfig:
     # The ranks run torch's quantized kernels, exact in float32; a one-process engine may take blockdot,
-    # whose float path is exact alike (its int16 path rounds x: not what these tests compare).
+    # whose float path is exact alike (its int16 path rounds x: not what these tests compare). Not the
+    # batch-invariant plan, which holds int4's head dense where the ranks hold it in int8.
     return engine_config(**({"dtype": "float32", "quantization": None, "block_size": 4, "num_kv_blocks": 80,
                             "max_num_seqs": 4, "tensor_parallel_size": tensor_parallel_size,
-                            "tensor_parallel_timeout_s": 20.0, "blockdot_int16_rows": None} | overrides))
+                            "tensor_parallel_timeout_s": 20.0, "blockdot_int16_rows": None,
+                            "batch_invariant": False} | overrides))
 
 
 def worker_processes() -> list[psutil.Process]:

@@ -73,6 +73,9 @@ def teacher_forced_logits(model: LlamaModel, token_ids: Sequence[int], chunk: in
                 attn = AttentionMetadata(positions, [group], [], BLOCK_SIZE)
             else:
                 attn = AttentionMetadata(positions, [], [_chunk_run(start, end, device)], BLOCK_SIZE)
+            # every row's table, as fused_decode.c reads it: the one sequence's, whose slot is its position
+            attn.block_tables = torch.arange(-(-end // BLOCK_SIZE), device=device)[None]  # [1, nb]
+            attn.row_seqs = torch.zeros(end - start, dtype=torch.int64, device=device)  # [Tq]
             every_row = torch.arange(end - start, device=device)  # [Tq]: every position is scored
             inputs = ModelInputs(ids[start:end].to(device), positions, every_row, attn)
             logits[start:end] = model(inputs, kv).cpu()  # [Tq, V]

@@ -19,8 +19,12 @@ For a step whose every row is one decoding sequence:
   (fused_add_norm), and the gate (fused_silu_mul), in the linears' dtype at their edges and float32
   inside.
 
-Either way the embedding, the final norm and the head stay in llama.py's forward, and so does
-every step with a prompt or chunk in it. It applies to the Llama family's switches that SmolLM,
+Under the batch-invariant plan (EngineConfig.batch_invariant) the one call takes every step at every
+width, prompts and chunks too: each prompt token is a row like a decode's, its K/V written to the
+cache before any row reads, then its query over its own context read back from there, so a row's
+arithmetic does not depend on the step it came in. Elsewhere every step with a prompt or chunk in it
+runs llama.py's decoder_layer. Either way the embedding, the final norm and the head stay in
+llama.py's forward. It applies to the Llama family's switches that SmolLM,
 Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 use (a qkv bias, per-head q/k norms, a sliding window on
 some or all layers, SiLU), the model computing in float32 or bfloat16 on the CPU; Gemma's (sandwich
 norms, GELU, soft-capping) and an o bias keep decoder_layer.
@@ -180,6 +184,9 @@ def _check_rows(h: torch.Tensor, E: int, positions: torch.Tensor, slots: torch.T
 def _row_tables(inputs: ModelInputs) -> torch.Tensor:
     """Each row's block table, [T, nb] int64: its sequence's (a prompt's rows share one)."""
     tables, row_seqs = inputs.attn.block_tables, inputs.attn.row_seqs
+    if tables is None or row_seqs is None:
+        raise ValueError("the fused decode reads each row's block table: AttentionMetadata.block_tables and row_seqs "
+                         "(build_inputs makes them) are None")
     return tables if tables.shape[0] == row_seqs.shape[0] else tables.index_select(0, row_seqs)
 
 
