@@ -26,7 +26,7 @@ BLOCK = 4
 SYSTEM = [5, 9, 13, 22, 7, 41, 3, 8]  # two full blocks every prompt but the last starts with: prefix-cache hits
 PROMPTS = [SYSTEM + [60, 33, 21], SYSTEM + [17, 4, 4, 90, 12, 6], SYSTEM + [30 + i % 50 for i in range(40)],
            SYSTEM + [11], SYSTEM + [70 - i for i in range(20)],
-           [20 + (7 * i) % 70 for i in range(150)]]  # past attention's 128-key parts: two of them merged
+           [20 + (7 * i) % 70 for i in range(150)]]  # many of attention's parts (PART keys) merged, and more keys than a part's scratch
 MAX_TOKENS = [10, 7, 12, 9, 8, 10]
 POOL = {"small": 48, "large": 400}  # small: the long prompt alone takes 41 blocks, so others are preempted
 

@@ -48,3 +48,11 @@ def test_the_installed_plan_command_prints_what_the_default_model_runs(tmp_path,
     for section in ("matrices:", "steps:", "batch invariance", "why:", "weights: "):
         assert section in out
     # the engine started, so the laid-out model matched this plan (Engine refuses to start otherwise)
+    # the default plan is the batch-invariant one; --batch-invariant false asks for the fastest
+    assert "batch invariance (a row's result independent of the rows beside it): yes" in out
+    assert "with a prompt: c-one-call" in out
+    proc = subprocess.run([str(script), "plan", "--batch-invariant", "false"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "batch invariance (a row's result independent of the rows beside it): no" in proc.stdout
+    assert "with a prompt: torch" in proc.stdout

@@ -216,7 +216,8 @@ INLINE void values_run(float *out, const float *p, const void *cache, int64_t at
    keys) and sum_j e^(s_j - m), for `merge` to combine the parts; the scores kept in `scores`
    [H, L - first] between the two passes. The keys are walked a run of one block at a time (a block's
    slots are consecutive, one cache row Hkv D apart), every head meeting a run while it is in L1: one
-   contiguous read of each block's K and V. */
+   contiguous read of each block's K and V; the blocks ahead are fetched up to `end`, the row's whole
+   context (a part's own end stopped it short: parts of two blocks read every block cold). */
 /* The cache rows of the block `PREFETCH_BLOCKS` after the one holding key j, the keys of it before L,
    on their way to L2: a context's blocks lie anywhere in the pool, so the hardware's prefetcher,
    which follows a run of addresses, meets each block cold. */
@@ -250,10 +251,10 @@ INLINE int64_t run_at(int64_t j, int64_t L, int64_t bs, const int kind) {
 
 /* The cache rows of the `run` keys from j, the blocks ahead of them prefetched: where the loops read
    them, from cache offset *at, or, in a float16 cache, widened into `wide` (offset 0). */
-INLINE const void *run_rows(const void *cache, const int64_t *table, int64_t j, int64_t run, int64_t L, int64_t bs,
+INLINE const void *run_rows(const void *cache, const int64_t *table, int64_t j, int64_t run, int64_t end, int64_t bs,
                             int64_t row, float *wide, int64_t *at, const int kind) {
   *at = (table[j / bs] * bs + j % bs) * row;
-  prefetch_block(cache, table, j, L, bs, row, kind);
+  prefetch_block(cache, table, j, end, bs, row, kind);
   if (kind != KV_F16) return cache;
   widen_f16((const uint16_t *)cache + *at, wide, run * row);
   *at = 0;
@@ -261,14 +262,14 @@ INLINE const void *run_rows(const void *cache, const int64_t *table, int64_t j, 
 }
 
 INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
-                      const int64_t *table, int64_t first, int64_t L, float *scores, float *out, float *part,
-                      const int kind) {
+                      const int64_t *table, int64_t first, int64_t L, int64_t end, float *scores, float *out,
+                      float *part, const int kind) {
   const int64_t D = s->D, bs = s->block_size, row = s->Hkv * D, n = L - first, H = s->H, group = H / s->Hkv;
   const int read = kind == KV_F16 ? KV_F32 : kind;  /* what the loops read: a float16 run as its float32 widening */
   float wide[kind == KV_F16 ? RUN_F16 * row : 1];
   for (int64_t j = first, run, at; j < L; j += run) {
     run = run_at(j, L, bs, kind);
-    const void *keys = run_rows(k_cache, table, j, run, L, bs, row, wide, &at, kind);
+    const void *keys = run_rows(k_cache, table, j, run, end, bs, row, wide, &at, kind);
     for (int64_t h = 0; h < H; h++)
       scores_run(q + h * D, keys, at + h / group * D, row, run, D, s->scale, scores + h * n + j - first, read);
   }
@@ -285,7 +286,7 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
   for (int64_t i = 0; i < H * D; i++) out[i] = 0;
   for (int64_t j = first, run, at; j < L; j += run) {
     run = run_at(j, L, bs, kind);
-    const void *values = run_rows(v_cache, table, j, run, L, bs, row, wide, &at, kind);
+    const void *values = run_rows(v_cache, table, j, run, end, bs, row, wide, &at, kind);
     for (int64_t h = 0; h < H; h++)
       values_run(out + h * D, scores + h * n + j - first, values, at + h / group * D, row, run, D, read);
   }
@@ -295,11 +296,11 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
    below calls it, so its bits cannot depend on the step around it. */
 __attribute__((noinline)) static void attend(const struct fused_shape *s, const float *q, const void *k_cache,
                                              const void *v_cache, const int64_t *table, int64_t first, int64_t L,
-                                             float *scores, float *out, float *part) {
+                                             int64_t end, float *scores, float *out, float *part) {
   switch (s->kv_kind) {
-    case KV_BF16: attend_as(s, q, k_cache, v_cache, table, first, L, scores, out, part, KV_BF16); break;
-    case KV_F16: attend_as(s, q, k_cache, v_cache, table, first, L, scores, out, part, KV_F16); break;
-    default: attend_as(s, q, k_cache, v_cache, table, first, L, scores, out, part, KV_F32);
+    case KV_BF16: attend_as(s, q, k_cache, v_cache, table, first, L, end, scores, out, part, KV_BF16); break;
+    case KV_F16: attend_as(s, q, k_cache, v_cache, table, first, L, end, scores, out, part, KV_F16); break;
+    default: attend_as(s, q, k_cache, v_cache, table, first, L, end, scores, out, part, KV_F32);
   }
 }
 
@@ -327,8 +328,10 @@ __attribute__((noinline)) static void merge(float *out, const float *o, int64_t 
    split): where the cuts fall depends on the row's own context and nothing else, so a row's result
    is the same bits in a step of one row or of hundreds, as a decode or as a prompt's token, and
    whichever thread runs it. (Split by the step's width, as before, a row's sums changed with the
-   rows beside it.) Parts also give one long row's attention to every thread. */
-#define PART 128
+   rows beside it.) Parts also give one row's attention to every thread: small ones, so that a
+   one-row decode's few hundred keys split evenly over two threads (with parts of 128 keys a one-row
+   step of a 32-512-token context ran 1.07x slower than the split by threads; abbench --change invariant). */
+#define PART 32
 static inline int64_t parts_of(int64_t n) { return (n + PART - 1) / PART; }
 
 /* Floats of scratch `attention` needs for T rows, the longest context max_len, on nthreads threads:
@@ -384,7 +387,7 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
       const int64_t n = parts_of(L - first);
       for (int64_t t = 0; t < n; t++) {
         const int64_t lo = first + t * PART, hi = lo + PART < L ? lo + PART : L;
-        attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, lo, hi, mine, own + t * part,
+        attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, lo, hi, L, mine, own + t * part,
                own + t * part + H * D);
       }
       for (int64_t h = 0; h < H; h++) merge(att + (r * H + h) * D, own + h * D, part, own + H * D + 2 * h, part, n, D);
@@ -398,7 +401,7 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
     if (t >= parts_of(L - first)) continue;
     const int64_t lo = first + t * PART, hi = lo + PART < L ? lo + PART : L;
     float *mine_part = parts + task * part;
-    attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, lo, hi, mine, mine_part, mine_part + H * D);
+    attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, lo, hi, L, mine, mine_part, mine_part + H * D);
   }
   #pragma omp for schedule(static)
   for (int64_t task = 0; task < T * H; task++) {

@@ -35,6 +35,7 @@ def serve_main(argv: list[str]) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="the K/V cache's dtype; auto: float16 where quantized weights on blockdot compute in "
                              "float32 on a CPU, the model's dtype elsewhere")
+    add_batch_invariant(parser)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
@@ -78,7 +79,7 @@ def serve_main(argv: list[str]) -> None:
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             dtype=args.dtype, quantization=None if args.quantization == "none" else args.quantization,
             overrides=PlanOverrides(kernels=args.kernels), kv_cache_dtype=args.kv_cache_dtype, device=args.device,
-            seed=args.seed,
+            seed=args.seed, batch_invariant=BATCH_INVARIANT[args.batch_invariant],
             tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_timeout_s=args.tensor_parallel_timeout,
             tensor_parallel_threads=args.num_threads if tensor_parallel_size > 1 else None,
@@ -96,6 +97,16 @@ def serve_main(argv: list[str]) -> None:
     serve(args.model, args.host, args.port, config, args.served_model_name, args.log_level, server_config)
 
 
+BATCH_INVARIANT = {"auto": "auto", "true": True, "false": False}
+
+
+def add_batch_invariant(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-invariant", default="auto", choices=list(BATCH_INVARIANT),
+                        help="a request's answer independent of the others running: auto takes the invariant plan "
+                             "wherever the other choices allow it, true refuses to start without it, false takes "
+                             "the fastest plan (EngineConfig.batch_invariant)")
+
+
 def plan_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="nanoserve plan", description=COMMANDS["plan"])
     parser.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: embedded SmolLM2-135M)")
@@ -103,6 +114,7 @@ def plan_main(argv: list[str]) -> None:
     parser.add_argument("--quantization", default="auto", choices=["auto", "int8", "int4", "none"])
     parser.add_argument("--kernels", default="auto", choices=["auto", "torch", "blockdot"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_batch_invariant(parser)
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
     from nanoserve.config import EngineConfig, PlanOverrides
@@ -117,7 +129,7 @@ def plan_main(argv: list[str]) -> None:
     try:
         config = EngineConfig(dtype=args.dtype, quantization=None if args.quantization == "none" else args.quantization,
                               overrides=PlanOverrides(kernels=args.kernels), kv_cache_dtype=args.kv_cache_dtype,
-                              num_kv_blocks=1)
+                              num_kv_blocks=1, batch_invariant=BATCH_INVARIANT[args.batch_invariant])
     except ValueError as e:
         parser.error(str(e))
     engine = Engine.from_pretrained(args.model, config)  # it lays the model out and holds it to the plan
