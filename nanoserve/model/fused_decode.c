@@ -210,8 +210,9 @@ INLINE void values_run(float *out, const float *p, const void *cache, int64_t at
   }
 }
 
-/* A row's H query heads, q [H, D], over keys first .. L - 1 (through the block table), one part of its
-   context (PART): out [H, D] = sum_j e^(s_j - m) v_j per head, unnormalized, s_j = scale q . k_j, head h
+/* A row's query heads h0 .. h1 - 1 of q [H, D], over keys first .. L - 1 (through the block table), one
+   part of its context (PART): out [H, D] = sum_j e^(s_j - m) v_j per head (each head's the same loops
+   whichever others are done with it), unnormalized, s_j = scale q . k_j, head h
    reading kv head h / (H / Hkv), and part [H, 2] each head's m (the part's largest score; -inf for no
    keys) and sum_j e^(s_j - m), for `merge` to combine the parts; the scores kept in `scores`
    [H, L - first] between the two passes. The keys are walked a run of one block at a time (a block's
@@ -262,18 +263,18 @@ INLINE const void *run_rows(const void *cache, const int64_t *table, int64_t j, 
 }
 
 INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
-                      const int64_t *table, int64_t first, int64_t L, int64_t end, float *scores, float *out,
-                      float *part, const int kind) {
+                      const int64_t *table, int64_t first, int64_t L, int64_t end, int64_t h0, int64_t h1,
+                      float *scores, float *out, float *part, const int kind) {
   const int64_t D = s->D, bs = s->block_size, row = s->Hkv * D, n = L - first, H = s->H, group = H / s->Hkv;
   const int read = kind == KV_F16 ? KV_F32 : kind;  /* what the loops read: a float16 run as its float32 widening */
   float wide[kind == KV_F16 ? RUN_F16 * row : 1];
   for (int64_t j = first, run, at; j < L; j += run) {
     run = run_at(j, L, bs, kind);
     const void *keys = run_rows(k_cache, table, j, run, end, bs, row, wide, &at, kind);
-    for (int64_t h = 0; h < H; h++)
+    for (int64_t h = h0; h < h1; h++)
       scores_run(q + h * D, keys, at + h / group * D, row, run, D, s->scale, scores + h * n + j - first, read);
   }
-  for (int64_t h = 0; h < H; h++) {
+  for (int64_t h = h0; h < h1; h++) {
     float *p = scores + h * n, max = -INFINITY, total = 0;
     for (int64_t j = 0; j < n; j++) max = p[j] > max ? p[j] : max;
     #pragma omp simd reduction(+ : total)
@@ -283,11 +284,11 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
     }
     part[2 * h] = max, part[2 * h + 1] = total;
   }
-  for (int64_t i = 0; i < H * D; i++) out[i] = 0;
+  for (int64_t i = h0 * D; i < h1 * D; i++) out[i] = 0;
   for (int64_t j = first, run, at; j < L; j += run) {
     run = run_at(j, L, bs, kind);
     const void *values = run_rows(v_cache, table, j, run, end, bs, row, wide, &at, kind);
-    for (int64_t h = 0; h < H; h++)
+    for (int64_t h = h0; h < h1; h++)
       values_run(out + h * D, scores + h * n + j - first, values, at + h / group * D, row, run, D, read);
   }
 }
@@ -296,11 +297,12 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
    below calls it, so its bits cannot depend on the step around it. */
 __attribute__((noinline)) static void attend(const struct fused_shape *s, const float *q, const void *k_cache,
                                              const void *v_cache, const int64_t *table, int64_t first, int64_t L,
-                                             int64_t end, float *scores, float *out, float *part) {
+                                             int64_t end, int64_t h0, int64_t h1, float *scores, float *out,
+                                             float *part) {
   switch (s->kv_kind) {
-    case KV_BF16: attend_as(s, q, k_cache, v_cache, table, first, L, end, scores, out, part, KV_BF16); break;
-    case KV_F16: attend_as(s, q, k_cache, v_cache, table, first, L, end, scores, out, part, KV_F16); break;
-    default: attend_as(s, q, k_cache, v_cache, table, first, L, end, scores, out, part, KV_F32);
+    case KV_BF16: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_BF16); break;
+    case KV_F16: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_F16); break;
+    default: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_F32);
   }
 }
 
@@ -348,7 +350,8 @@ static int64_t attention_scratch(const struct fused_shape *s, int64_t T, int64_t
    step in the cache before any is read, so a prompt's token reads the tokens before it as a decode
    does), then each row's query heads attended over its context (the last W keys of it in a windowed
    layer) into att [T, H D], part by part (PART). With at least four rows a thread, an `omp for` over
-   rows, each row's parts in turn; with fewer, one over every row's parts, then one over rows and
+   rows, each row's parts in turn; with fewer, one over every row's parts and kv heads (a one-row
+   step of 80 keys is nine such tasks for two threads, not three parts), then one over rows and
    heads to merge them: the same calls on the same keys either way. scratch: attention_scratch's
    floats, max_len the step's longest context. */
 static void attention(const struct fused_shape *s, const struct fused_layer *w, float *qkv, float *att, int64_t T,
@@ -387,21 +390,22 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
       const int64_t n = parts_of(L - first);
       for (int64_t t = 0; t < n; t++) {
         const int64_t lo = first + t * PART, hi = lo + PART < L ? lo + PART : L;
-        attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, lo, hi, L, mine, own + t * part,
+        attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, lo, hi, L, 0, H, mine, own + t * part,
                own + t * part + H * D);
       }
       for (int64_t h = 0; h < H; h++) merge(att + (r * H + h) * D, own + h * D, part, own + H * D + 2 * h, part, n, D);
     }
     return;
   }
-  #pragma omp for schedule(dynamic, 1)
-  for (int64_t task = 0; task < T * maxparts; task++) {
-    const int64_t r = task / maxparts, t = task % maxparts;
+  #pragma omp for schedule(dynamic, 1)  /* a task: one part of one row, the query heads of one kv head */
+  for (int64_t task = 0; task < T * maxparts * Hkv; task++) {
+    const int64_t r = task / (maxparts * Hkv), t = task / Hkv % maxparts, g = task % Hkv;
     VISIBLE(r, first, L);
     if (t >= parts_of(L - first)) continue;
     const int64_t lo = first + t * PART, hi = lo + PART < L ? lo + PART : L;
-    float *mine_part = parts + task * part;
-    attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, lo, hi, L, mine, mine_part, mine_part + H * D);
+    float *mine_part = parts + (r * maxparts + t) * part;
+    attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, lo, hi, L, g * group, (g + 1) * group, mine,
+           mine_part, mine_part + H * D);
   }
   #pragma omp for schedule(static)
   for (int64_t task = 0; task < T * H; task++) {
