@@ -18,18 +18,19 @@ def base():
 
 
 # (pack_weights, compile, deferred_output, decode_group_min_rows, fused_decode, blockdot_int16_rows,
-# dense_copies, dense_kernel, kv_cache_dtype) of A (off) and B (on), from abbench's usage
+# dense_copies, dense_kernel, kv_cache_dtype, batch_invariant) of A (off) and B (on), from abbench's usage
 PAIRS = {
-    "groups": ((True, False, False, None, "auto", 1, "auto", "auto", "auto"), (True, False, False, 8, "auto", 1, "auto", "auto", "auto")),
-    "deferred": ((True, False, False, 8, "auto", 1, "auto", "auto", "auto"), (True, False, True, 8, "auto", 1, "auto", "auto", "auto")),
-    "compile": ((True, False, False, 8, "auto", 1, "auto", "torch", "auto"), (False, True, False, 8, "auto", 1, "auto", "torch", "auto")),
-    "packed": ((False, False, False, 8, "auto", 1, "auto", "torch", "auto"), (True, False, False, 8, "auto", 1, "auto", "torch", "auto")),
-    "fused": ((True, False, False, 8, False, 1, "auto", "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto", "auto")),
-    "int16": ((True, False, False, 8, "auto", None, "auto", "auto", "auto"), (True, False, False, 8, "auto", 1, "auto", "auto", "auto")),
-    "dequantize": ((True, False, False, 8, "auto", 1, True, "auto", "auto"), (True, False, False, 8, "auto", 1, False, "auto", "auto")),
-    "dense": ((True, False, False, 8, "auto", 1, "auto", "torch", "auto"), (True, False, False, 8, "auto", 1, "auto", "blockdot", "auto")),
-    "kv16": ((True, False, False, 8, "auto", 1, "auto", "auto", "auto"), (True, False, False, 8, "auto", 1, "auto", "auto", "float16")),
-    "per-layer": ((True, False, False, 8, False, 1, "auto", "auto", "auto"), (True, False, False, 8, True, 1, "auto", "auto", "auto")),
+    "groups": ((True, False, False, None, "auto", 1, "auto", "auto", "auto", False), (True, False, False, 8, "auto", 1, "auto", "auto", "auto", False)),
+    "deferred": ((True, False, False, 8, "auto", 1, "auto", "auto", "auto", False), (True, False, True, 8, "auto", 1, "auto", "auto", "auto", False)),
+    "compile": ((True, False, False, 8, "auto", 1, "auto", "torch", "auto", False), (False, True, False, 8, "auto", 1, "auto", "torch", "auto", False)),
+    "packed": ((False, False, False, 8, "auto", 1, "auto", "torch", "auto", False), (True, False, False, 8, "auto", 1, "auto", "torch", "auto", False)),
+    "fused": ((True, False, False, 8, False, 1, "auto", "auto", "auto", False), (True, False, False, 8, True, 1, "auto", "auto", "auto", False)),
+    "int16": ((True, False, False, 8, "auto", None, "auto", "auto", "auto", False), (True, False, False, 8, "auto", 1, "auto", "auto", "auto", False)),
+    "dequantize": ((True, False, False, 8, "auto", 1, True, "auto", "auto", False), (True, False, False, 8, "auto", 1, False, "auto", "auto", False)),
+    "dense": ((True, False, False, 8, "auto", 1, "auto", "torch", "auto", False), (True, False, False, 8, "auto", 1, "auto", "blockdot", "auto", False)),
+    "kv16": ((True, False, False, 8, "auto", 1, "auto", "auto", "auto", False), (True, False, False, 8, "auto", 1, "auto", "auto", "float16", False)),
+    "per-layer": ((True, False, False, 8, False, 1, "auto", "auto", "auto", False), (True, False, False, 8, True, 1, "auto", "auto", "auto", False)),
+    "invariant": ((True, False, False, 8, "auto", 1, "auto", "auto", "auto", False), (True, False, False, 8, "auto", 1, "auto", "auto", "auto", True)),
 }
 
 
@@ -43,7 +44,8 @@ def test_each_side_differs_only_in_its_change(base, change):
         c = make_engine(base, change, on, slots=2).config
         o = c.overrides
         assert (o.pack_weights, c.compile, c.deferred_output, c.decode_group_min_rows, o.fused_decode,
-                o.blockdot_int16_rows, o.dense_copies, o.dense_kernel, c.kv_cache_dtype) == expected, (change, on)
+                o.blockdot_int16_rows, o.dense_copies, o.dense_kernel, c.kv_cache_dtype, c.batch_invariant) == expected, \
+            (change, on)
         assert c.max_num_seqs == 2
 
 

@@ -325,16 +325,25 @@ __attribute__((noinline)) static void merge(float *out, const float *o, int64_t 
   for (int64_t i = 0; i < D; i++) out[i] /= total;
 }
 
-/* Keys a part of a context holds. Every row's visible keys (first .. L - 1) are cut into parts of PART
-   keys from `first`, each part's softmax taken alone and the parts merged in order (flash-decoding's
-   split): where the cuts fall depends on the row's own context and nothing else, so a row's result
-   is the same bits in a step of one row or of hundreds, as a decode or as a prompt's token, and
-   whichever thread runs it. (Split by the step's width, as before, a row's sums changed with the
-   rows beside it.) Parts also give one row's attention to every thread: small ones, so that a
-   one-row decode's few hundred keys split evenly over two threads (with parts of 128 keys a one-row
-   step of a 32-512-token context ran 1.07x slower than the split by threads; abbench --change invariant). */
-#define PART 32
+/* Keys a part of a context holds, at most. Every row's n visible keys (first .. L - 1) are cut into
+   parts_of(n) parts as even as they go, part t from first + n t / S to first + n (t + 1) / S, each
+   part's softmax taken alone and the parts merged in order (flash-decoding's split): where the cuts
+   fall depends on the row's own context and nothing else, so a row's result is the same bits in a
+   step of one row or of hundreds, as a decode or as a prompt's token, and whichever thread runs it.
+   (Split by the step's width, as before, a row's sums changed with the rows beside it.) Parts also
+   give one row's attention to every thread (a one-row step's tasks are its parts times its kv
+   heads); each costs a merge, so they are not smaller than they need be. Against the split by
+   threads, on a 2-core Zen 4-class EPYC: parts of 32 keys cut from the start (a last part of a few
+   keys) cost 1-2.5% of a decode step at 16-32 rows of 64-token contexts; parts of 128 from the start
+   ran a one-row decode of a few hundred keys 1.07x slower (three parts over two threads); these,
+   64 at most and even, measured within 2% at 1, 16 and 32 rows, as did 128 even. */
+#define PART 64
 static inline int64_t parts_of(int64_t n) { return (n + PART - 1) / PART; }
+/* keys first + n t / S .. first + n (t + 1) / S of a row's n from `first`, S = parts_of(n) */
+static inline void part_bounds(int64_t first, int64_t n, int64_t t, int64_t *lo, int64_t *hi) {
+  const int64_t S = parts_of(n);
+  *lo = first + n * t / S, *hi = first + n * (t + 1) / S;
+}
 
 /* Floats of scratch `attention` needs for T rows, the longest context max_len, on nthreads threads:
    each thread's scores [H PART] and one row's parts [parts, H, D + 2]; and, where the step has fewer
@@ -389,7 +398,8 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
       VISIBLE(r, first, L);
       const int64_t n = parts_of(L - first);
       for (int64_t t = 0; t < n; t++) {
-        const int64_t lo = first + t * PART, hi = lo + PART < L ? lo + PART : L;
+        int64_t lo, hi;
+        part_bounds(first, L - first, t, &lo, &hi);
         attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, lo, hi, L, 0, H, mine, own + t * part,
                own + t * part + H * D);
       }
@@ -402,7 +412,8 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
     const int64_t r = task / (maxparts * Hkv), t = task / Hkv % maxparts, g = task % Hkv;
     VISIBLE(r, first, L);
     if (t >= parts_of(L - first)) continue;
-    const int64_t lo = first + t * PART, hi = lo + PART < L ? lo + PART : L;
+    int64_t lo, hi;
+    part_bounds(first, L - first, t, &lo, &hi);
     float *mine_part = parts + (r * maxparts + t) * part;
     attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, lo, hi, L, g * group, (g + 1) * group, mine,
            mine_part, mine_part + H * D);

@@ -355,7 +355,7 @@ def _batch_invariance(matrices: tuple[MatrixPlan, ...], decode: str, one_call_ro
         entries.append(("every step in one C call at every width, prompts too", True,
                         "a prompt's token is a row like a decode's: its K/V written to the cache, then its query "
                         "over its context read back from there, whatever the chunk or step it came in"))
-        entries.append(("attention over fixed parts of a row's context (fused_decode.c's PART keys)", True,
+        entries.append(("attention over parts of a row's context cut by its length alone", True,
                         "a row's context cut where its own length says, the parts merged in order, whatever the "
                         "step's width or the threads"))
     for rows, wide in sorted({(f.kernel_rows, f.wide) for f in forms if f.kernel_rows is not None}):
