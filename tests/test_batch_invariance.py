@@ -12,6 +12,7 @@ equal the quiet run's, on every invariant path the plan can choose.
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import CharTokenizer, config_of, make_hf_model, nanoserve_model_from_hf
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -222,3 +223,17 @@ def test_the_default_models_answers_do_not_change_with_the_load(default_model_di
         assert differing == [], (width, differing)
         if blocks is not None:
             assert sum(out.num_preemptions for out in outputs) > 0
+
+
+@needs_build
+@pytest.mark.parametrize("path_name", ["float32-dense", "bf16-int4-int16"])
+def test_k_tokens_scored_as_one_chunk_get_a_decodes_logits(path_name):
+    # What speculative decoding's verification rests on: tokens forwarded k at a time (a proposal
+    # scored as k rows over the cache) get, bit for bit, the logits each gets decoded one a step.
+    from nanoserve.instruments.accuracy import teacher_forced_logits
+
+    model = engine(tiny_model(), PATHS[path_name]).model
+    token_ids = PROMPTS[5][:90]
+    one_a_step = teacher_forced_logits(model, token_ids, chunk=1)
+    for k in (2, 5, 90):
+        assert torch.equal(teacher_forced_logits(model, token_ids, chunk=k), one_a_step), k
