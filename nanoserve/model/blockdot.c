@@ -636,8 +636,8 @@ INLINE vf dense_k(const void *p, int64_t k, const int bf16) {
 /* Rows r0 .. r0 + MR - 1 of x against panel p: y[r, n0 .. n0 + nn - 1]. Two sums a row (even and odd k,
    added at the end) at every MR: a row's sums are the same whatever tile it is in, so its output bits
    do not change with the width of the call (with one sum a row in tiles of four rows or more, they did).
-   `next` (or NULL): the panel to fetch to L2 on the way, a line every `stride` steps of k from byte *cursor up to `end` (the cursor goes on from
-   one tile of the panel to the next). */
+   `next` (or NULL): the panel to fetch to L2 on the way, a line every `stride` steps of k from byte
+   *cursor up to `end` (the cursor goes on from one tile of the panel to the next). */
 INLINE void dense_tile(const float *x, int64_t K, const void *p, const int bf16, int64_t r0, const int MR, float *y,
                        int64_t N, int64_t n0, int64_t nn, const char *next, int64_t *cursor, int64_t end, int stride) {
   enum { U = 2 };

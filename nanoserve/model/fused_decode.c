@@ -345,6 +345,11 @@ static inline void part_bounds(int64_t first, int64_t n, int64_t t, int64_t *lo,
   *lo = first + n * t / S, *hi = first + n * (t + 1) / S;
 }
 
+/* A row's first visible key in layer w, its context keys 0 .. L - 1: the last W of them in a windowed layer */
+static inline int64_t first_visible(const struct fused_layer *w, int64_t L) {
+  return w->window && L > w->window ? L - w->window : 0;
+}
+
 /* Floats of scratch `attention` needs for T rows, the longest context max_len, on nthreads threads:
    each thread's scores [H PART] and one row's parts [parts, H, D + 2]; and, where the step has fewer
    than four rows a thread, every row's parts [T, parts, H, D + 2]. */
@@ -360,7 +365,7 @@ static int64_t attention_scratch(const struct fused_shape *s, int64_t T, int64_t
    does), then each row's query heads attended over its context (the last W keys of it in a windowed
    layer) into att [T, H D], part by part (PART). With at least four rows a thread, an `omp for` over
    rows, each row's parts in turn; with fewer, one over every row's parts and kv heads (a one-row
-   step of 80 keys is nine such tasks for two threads, not three parts), then one over rows and
+   step of 80 keys is six such tasks for two threads, not two parts), then one over rows and
    heads to merge them: the same calls on the same keys either way. scratch: attention_scratch's
    floats, max_len the step's longest context. */
 static void attention(const struct fused_shape *s, const struct fused_layer *w, float *qkv, float *att, int64_t T,
@@ -390,12 +395,10 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
   const int64_t part = H * (D + 2), maxparts = parts_of(max_len);
   float *mine = scratch + thread * (H * PART + maxparts * part), *own = mine + H * PART;
   float *parts = scratch + S * (H * PART + maxparts * part);  /* [T, maxparts, H, D + 2] */
-#define VISIBLE(r, first, L)                                                 \
-  const int64_t L = positions[r] + 1, first = w->window && L > w->window ? L - w->window : 0
   if (T >= 4 * S) {
     #pragma omp for schedule(static, 1)  /* a prompt's rows grow longer down the step: dealt round */
     for (int64_t r = 0; r < T; r++) {
-      VISIBLE(r, first, L);
+      const int64_t L = positions[r] + 1, first = first_visible(w, L);
       const int64_t n = parts_of(L - first);
       for (int64_t t = 0; t < n; t++) {
         int64_t lo, hi;
@@ -410,7 +413,7 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
   #pragma omp for schedule(dynamic, 1)  /* a task: one part of one row, the query heads of one kv head */
   for (int64_t task = 0; task < T * maxparts * Hkv; task++) {
     const int64_t r = task / (maxparts * Hkv), t = task / Hkv % maxparts, g = task % Hkv;
-    VISIBLE(r, first, L);
+    const int64_t L = positions[r] + 1, first = first_visible(w, L);
     if (t >= parts_of(L - first)) continue;
     int64_t lo, hi;
     part_bounds(first, L - first, t, &lo, &hi);
@@ -421,11 +424,10 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
   #pragma omp for schedule(static)
   for (int64_t task = 0; task < T * H; task++) {
     const int64_t r = task / H, h = task % H;
-    VISIBLE(r, first, L);
+    const int64_t L = positions[r] + 1, first = first_visible(w, L);
     const float *row = parts + r * maxparts * part;
     merge(att + task * D, row + h * D, part, row + H * D + 2 * h, part, parts_of(L - first), D);
   }
-#undef VISIBLE
 }
 
 /* the longest context of the step: its last position + 1 */
