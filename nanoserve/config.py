@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.speculative import SpeculativeConfig
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _QUANTIZATIONS = ("auto", "int8", "int4", None)
 _KERNELS = ("auto", "torch", "blockdot")
@@ -120,6 +122,12 @@ class EngineConfig:
     # then runs on dense panels, not the exact path's torch ops). False: the fastest plan (prompts on
     # torch's matmuls, which are faster past 64 rows; notes/batch-invariance.md has the cost).
     batch_invariant: bool | str = "auto"
+    # Speculative decoding (nanoserve.speculative), vLLM's spelling: {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_max": M, "prompt_lookup_min": m} or a
+    # SpeculativeConfig; None: off. Greedy output stays token-identical, so it needs the batch-invariant
+    # plan (Engine refuses a config that rules that out); with deferred_output each step's tokens
+    # still come home in its own collect, since the next step's proposals are read from them.
+    speculative_config: SpeculativeConfig | dict | None = None
     # The execution plan's choices pinned for an experiment (abbench); the defaults leave each to the plan.
     overrides: PlanOverrides = PlanOverrides()
     device: str = "cpu"
@@ -152,6 +160,12 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r} is not one of {list(_QUANTIZATIONS)}")
         if not (isinstance(self.batch_invariant, bool) or self.batch_invariant == "auto"):
             raise ValueError(f"batch_invariant={self.batch_invariant!r} must be True, False or 'auto'")
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+            if self.batch_invariant is False:
+                raise ValueError("speculative_config with batch_invariant=False: verifying k drafts as k + 1 rows gives "
+                                 "greedy's tokens only where a row's logits do not depend on the step's width; use "
+                                 "batch_invariant='auto' or True")
         if not isinstance(self.overrides, PlanOverrides):
             raise ValueError(f"overrides={self.overrides!r} must be a PlanOverrides")
         try:

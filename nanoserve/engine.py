@@ -31,6 +31,7 @@ from nanoserve.recorder import NULL_RECORDER
 from nanoserve.request import FinishReason, Request, RequestOutput, check_request, prompt_token_ids
 from nanoserve.sampling import BatchedSampler, RowHistory, packed_logprobs
 from nanoserve.scheduler import Scheduler, SchedulerOutput
+from nanoserve.speculative import SpeculationRule
 from nanoserve.structured import GrammarCompiler, apply_bitmask
 
 logger = logging.getLogger("nanoserve")
@@ -75,6 +76,16 @@ class Engine:
         # How every step runs is decided once (dtype and quantization "auto" by a probe), the model
         # laid out as the plan says (a new model: the one given is left as it was) and held to it.
         self.plan = resolve_plan(config, model, world_size)
+        spec = config.speculative_config
+        if spec is not None and not self.plan.is_batch_invariant:
+            raise ValueError("speculative_config needs the batch-invariant plan (a row's logits the same at any step "
+                             f"width, so verified drafts give greedy's tokens), and this config rules it out: "
+                             f"{'; '.join(c for c, ok, _ in self.plan.batch_invariant if not ok)}"
+                             + ("; batch_invariant=True runs dtype float32 on dense panels"
+                                if config.dtype == "float32" and config.quantization is None else ""))
+        self.speculation = SpeculationRule(spec) if spec is not None else None
+        # Speculation reads each step's tokens to propose the next step's drafts: nothing is deferred.
+        self.deferred = config.deferred_output and spec is None
         logger.info("nanoserve: execution plan\n%s", self.plan.render())
         model = self.model = prepare_model(model, self.plan)
         mismatches = check_laid_out(model, self.plan)
@@ -111,7 +122,8 @@ class Engine:
         self._default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self._ids = itertools.count()
         # Deferred mode: the batch sampled last step, not yet brought home, and its rows' requests.
-        self._in_flight: tuple[TokenBatch, list[Request]] | None = None
+        self._in_flight: tuple[TokenBatch, list[Request], None] | None = None
+        self._num_rejected = 0  # drafts the last resolve rejected (the step profile's accepted count)
         self._step_requests: list[Request] | None = None  # the running step's, once scheduled: fail_step's to abort
         self.num_steps = 0
 
@@ -222,9 +234,12 @@ class Engine:
         its one token of overshoot.
         """
         rec = self.recorder
-        deferred = self.config.deferred_output
+        deferred = self.deferred
         rec.begin_step()
         self._step_requests = None
+        if self.speculation is not None:
+            with rec.phase("propose"):
+                self.speculation.assign(self.scheduler.running)
         with rec.phase("schedule"):
             sched = self.scheduler.schedule()
         homing = [r for r in self._in_flight[1] if not r.is_finished] if self._in_flight else []  # not overshoot
@@ -242,7 +257,10 @@ class Engine:
             if flush:
                 self._in_flight = None
                 sched = sched.without_finished()
-            rows = [item.request for item in sched.scheduled if item.samples]  # row order of the logits
+            # Row order of the logits: one row per sampling request, and one more per draft it verifies.
+            rows = [item.request for item in sched.scheduled if item.samples for _ in range(1 + len(item.draft_token_ids))]
+            drafts = ([d for item in sched.scheduled if item.samples for d in (*item.draft_token_ids, None)]
+                      if any(item.draft_token_ids for item in sched.scheduled) else None)  # per row: the draft it verifies
             pending = self._in_flight
         if sched.is_empty:  # every scheduled request finished in the flush
             rec.end_step(num_rows=0, num_tokens=0, num_decode_rows=0)
@@ -255,17 +273,20 @@ class Engine:
         bitmask = None
         if any(r.grammar is not None for r in rows):  # host work, after the launch: on a GPU it overlaps the forward
             with rec.phase("grammar_mask"):
-                bitmask = self.grammars.fill_bitmask([r.grammar for r in rows])  # [rows, ceil(V / 32)]
+                bitmask = self.grammars.fill_bitmask([r.grammar for r in rows], drafts)  # [rows, ceil(V / 32)]
         with rec.phase("sample"):
-            batch = self._sample(logits, rows, bitmask)
+            batch = self._sample(logits, rows, bitmask, drafts)
         with rec.phase("collect", syncs=not deferred):
-            sampled = (batch, rows)
+            sampled = (batch, rows, drafts)
             if deferred:
                 sampled, self._in_flight = pending, sampled
             outputs += self._collect(sched, sampled)
         self.num_steps += 1
+        num_drafted = sum(len(item.draft_token_ids) for item in sched.scheduled)
         rec.end_step(num_rows=len(rows), num_tokens=sched.num_batched_tokens,
-                     num_decode_rows=sum(1 for item in sched.scheduled if item.num_new_tokens == 1))
+                     num_decode_rows=sum(item.num_new_tokens for item in sched.scheduled
+                                         if item.num_new_tokens == 1 + len(item.draft_token_ids)),
+                     num_draft_tokens=num_drafted, num_accepted_tokens=num_drafted - self._num_rejected)
         return outputs
 
     def fail_step(self, error: Exception) -> list[RequestOutput]:
@@ -292,34 +313,47 @@ class Engine:
             raise RuntimeError(f"the block pool is inconsistent after a step fault ({e}): {error!r}") from error
         return outputs
 
-    def _collect(self, sched: SchedulerOutput, sampled: tuple[TokenBatch, list[Request]] | None) -> list[RequestOutput]:
+    def _collect(self, sched: SchedulerOutput,
+                 sampled: tuple[TokenBatch, list[Request], list[int | None] | None] | None) -> list[RequestOutput]:
         """Advances the counters of what this step forwarded, then brings one sampled step home:
         this step's, or in deferred mode the previous one's (None on the first step)."""
         self.scheduler.advance(sched)
         return self._resolve(*sampled) if sampled is not None else []
 
-    def _resolve(self, batch: TokenBatch, rows: list[Request]) -> list[RequestOutput]:
-        """One readback through the output stage; the requests it finished leave the engine."""
-        result = self.output.process(batch, rows)
+    def _resolve(self, batch: TokenBatch, rows: list[Request], drafts: list[int | None] | None = None) -> list[RequestOutput]:
+        """One readback through the output stage; the requests it finished leave the engine, and
+        the K/V of drafts it rejected is rolled back."""
+        result = self.output.process(batch, rows, drafts)
         for request in result.finished:
             self._retire(request)
+        self._num_rejected = 0
+        for request, num_rejected in result.rejected:
+            self.scheduler.rollback(request, num_rejected)
+            self._num_rejected += num_rejected
         return result.outputs
 
-    def _sample(self, logits: torch.Tensor, rows: list[Request], bitmask: torch.Tensor | None = None) -> TokenBatch:
+    def _sample(self, logits: torch.Tensor, rows: list[Request], bitmask: torch.Tensor | None = None,
+                drafts: list[int | None] | None = None) -> TokenBatch:
         """Samples every row's next token, within its grammar where the bitmask says; the tokens
-        stay on the device. Logprobs are the model's own, read before the mask."""
+        stay on the device. Logprobs are the model's own, read before the mask. A row verifying a
+        draft sees, as its history, the drafts before it on its request's earlier rows."""
         params = [r.params for r in rows]
         generators = [self._generators.get(r.request_id) for r in rows] if self._generators else None
         histories = None
         if any(p.needs_history for p in params):
-            histories = [
-                RowHistory(r.prompt_token_ids, r.output_token_ids, self.eos_token_ids | set(r.params.stop_token_ids))
-                if r.params.needs_history else None
-                for r in rows
-            ]
+            histories = []
+            for i, r in enumerate(rows):
+                ahead = []  # drafts of this request's earlier rows this step
+                j = i - 1
+                while drafts is not None and j >= 0 and rows[j] is r:
+                    ahead.insert(0, drafts[j])
+                    j -= 1
+                histories.append(RowHistory(r.prompt_token_ids, r.output_token_ids + ahead,
+                                            self.eos_token_ids | set(r.params.stop_token_ids))
+                                 if r.params.needs_history else None)
         masked = apply_bitmask(logits, bitmask) if bitmask is not None else logits
-        tokens = self.sampler.sample_batch_device(masked, params, generators, self._default_generator, histories)
-        if self.config.deferred_output:
+        tokens = self.sampler.sample_batch_device(masked, params, generators, self._default_generator, histories, drafts)
+        if self.deferred:
             for r in rows:
                 r.num_pending_tokens += 1  # sampled, not yet home: the scheduler may already decode it
         logprobs = packed_logprobs(logits, tokens, params)

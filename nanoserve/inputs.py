@@ -19,7 +19,8 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
     num_computed_tokens + num_new_tokens; its context for attention is everything up to there.
     A token sampled last step and not yet brought home (deferred output) is copied into
     input_ids from the pending batch's device tensor (found by request id): its value never visits
-    the host. With a sliding_window W (the model's config.sliding_window), the metadata also holds
+    the host. Speculative drafts follow their request's last token as further query rows, and every
+    one of those rows samples (logits_indices holds them all, in order). With a sliding_window W (the model's config.sliding_window), the metadata also holds
     the step as windowed layers attend it, where a query at position p sees keys p - W + 1 .. p.
     """
     input_ids: list[int] = []
@@ -34,16 +35,18 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
     for item in sched.scheduled:
         request, start = item.request, item.request.num_computed_tokens
         end = start + item.num_new_tokens
+        drafts = item.draft_token_ids
         blocks = request.block_ids
-        input_ids.extend(request.token_ids[start:end])
-        if end > len(request.token_ids):  # the last input is the pending token
+        input_ids.extend(request.token_ids[start:end - len(drafts)])
+        if end - len(drafts) > len(request.token_ids):  # the last input is the pending token
             pending_dst.append(len(input_ids))
             pending_src.append(pending.request_ids.index(request.request_id))
             input_ids.append(0)
+        input_ids.extend(drafts)
         positions.extend(range(start, end))
         slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
-        if item.samples:
-            logits_indices.append(len(input_ids) - 1)
+        if item.samples:  # the last token's row, and one row per draft: each samples
+            logits_indices.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
         query_lens.append(end - start)
         context_lens.append(end)
         block_tables.append(blocks)

@@ -12,18 +12,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanoserve.readback import Readback, TokenBatch, check_in_row_order
 from nanoserve.request import FinishReason, ListView, Request, RequestOutput
+from nanoserve.speculative import observe
 
 
 @dataclass
 class StepOutputs:
     """What one step's tokens did, in row order."""
 
-    outputs: list[RequestOutput]  # one per row whose request was still live
+    outputs: list[RequestOutput]  # one per request still live, in row order
     finished: list[Request]  # requests this step finished: the engine releases their blocks
+    # Speculative decoding: (request, drafts it forwarded that were rejected) for each live request
+    # that verified drafts; the engine rolls their K/V back (Scheduler.rollback).
+    rejected: list[tuple[Request, int]] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -46,7 +50,8 @@ class OutputProcessor:
         self.readback = readback if readback is not None else Readback()
         self.num_steps = 0  # batches processed that carried at least one row
 
-    def process(self, batch: TokenBatch, requests: Sequence[Request]) -> StepOutputs:
+    def process(self, batch: TokenBatch, requests: Sequence[Request],
+                drafts: Sequence[int | None] | None = None) -> StepOutputs:
         """Resolves ``batch`` (one transfer) and applies row i's token to ``requests[i]``.
 
         A request already finished (stopped or aborted after its token was launched, in the
@@ -55,9 +60,16 @@ class OutputProcessor:
         request with a grammar feeds it the token and stops when the grammar is complete; then
         its text grows, stop strings are searched in the new text, logprobs are attached.
 
+        Speculative decoding gives a request several consecutive rows: one per draft it verified
+        (``drafts[i]``, the draft row i verified) and a last one (``drafts[i]`` None). Its tokens
+        are applied in row order up to and including the first row whose token is not its draft
+        (a rejection: that token is the target's own), or until a stop rule ends the request; the
+        rows after that are dropped. One output per request.
+
         Args:
             batch: the step's tokens; must count on this processor's ``readback``.
             requests: the requests that own the rows, row 0 first.
+            drafts: per row, the draft it verified or None; None: no row verified one.
 
         Raises:
             ValueError: if ``batch`` counts its journey on a different :class:`Readback`, which
@@ -78,28 +90,48 @@ class OutputProcessor:
         logprobs = batch.resolve_logprobs()
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
-        for row, (request, token_id) in enumerate(zip(requests, token_ids, strict=True)):
+        rejected: list[tuple[Request, int]] = []
+        row = 0
+        while row < len(requests):
+            request, first = requests[row], row
+            while drafts is not None and drafts[row] is not None:
+                row += 1  # the request's rows run to the one that verified no draft
+            row += 1
             if request.is_finished:
                 continue
-            if request.num_pending_tokens:
-                request.num_pending_tokens -= 1
-            done = request.append_token(token_id, now)
-            if not done and request.grammar is not None and request.grammar.accept(token_id):
-                request.finish(FinishReason.STOP, now)  # the grammar is complete: nothing may follow
-                done = True
-            if request.detokenizer is not None:
-                request.detokenizer.add((token_id,))
-            if row in logprobs:
-                want = request.params.logprobs
-                entry = logprobs[row]
-                sampled = {token_id: entry[token_id]}
-                request.logprobs.append(dict(list(entry.items())[:want]) | sampled)
-            if not done and request.params.stop and request.num_output_tokens >= request.params.min_tokens:
-                done = check_stop_strings(request, now)
+            num_drafted, num_accepted = row - first - 1, 0
+            for r in range(first, row):
+                done = self._apply(request, token_ids[r], logprobs.get(r), now)
+                kept = r < row - 1 and token_ids[r] == drafts[r]
+                num_accepted += kept
+                if done or (r < row - 1 and not kept):
+                    break
+            if num_drafted:
+                observe(request, num_drafted, num_accepted)
+                if not done:
+                    rejected.append((request, num_drafted - num_accepted))
             if done:
                 finished.append(request)
             outputs.append(make_output(request))
-        return StepOutputs(outputs, finished)
+        return StepOutputs(outputs, finished, rejected)
+
+    @staticmethod
+    def _apply(request: Request, token_id: int, logprobs: dict[int, float] | None, now: float) -> bool:
+        """Appends one token to a live request with everything that follows from it; True: it finished."""
+        if request.num_pending_tokens:
+            request.num_pending_tokens -= 1
+        done = request.append_token(token_id, now)
+        if not done and request.grammar is not None and request.grammar.accept(token_id):
+            request.finish(FinishReason.STOP, now)  # the grammar is complete: nothing may follow
+            done = True
+        if request.detokenizer is not None:
+            request.detokenizer.add((token_id,))
+        if logprobs is not None:
+            sampled = {token_id: logprobs[token_id]}
+            request.logprobs.append(dict(list(logprobs.items())[:request.params.logprobs]) | sampled)
+        if not done and request.params.stop and request.num_output_tokens >= request.params.min_tokens:
+            done = check_stop_strings(request, now)
+        return done
 
     @property
     def transfers_per_step(self) -> float:
@@ -162,4 +194,7 @@ def make_output(request: Request) -> RequestOutput:
         logprobs=ListView(request.logprobs) if request.logprobs is not None else None,
         parent_id=request.parent_id,
         index=request.index,
+        num_drafts=request.num_drafts,
+        num_draft_tokens=request.num_draft_tokens,
+        num_accepted_tokens=request.num_accepted_tokens,
     )

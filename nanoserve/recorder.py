@@ -55,14 +55,18 @@ class StepSample:
     num_tokens: int  # tokens forwarded this step (prefill chunks count every token)
     num_decode_rows: int  # of num_rows, how many were decodes
     host_s: float  # wall time begin_step -> end_step, including what no phase covers
+    num_draft_tokens: int = 0  # speculative drafts verified this step (each one of num_rows)
+    num_accepted_tokens: int = 0  # of those, kept
 
     def __post_init__(self) -> None:
-        for field in ("num_rows", "num_tokens", "num_decode_rows"):
+        for field in ("num_rows", "num_tokens", "num_decode_rows", "num_draft_tokens", "num_accepted_tokens"):
             value = getattr(self, field)
             if value < 0:
                 raise ValueError(f"{field}={value} must be >= 0")
         if self.num_decode_rows > self.num_rows:
             raise ValueError(f"num_decode_rows={self.num_decode_rows} exceeds num_rows={self.num_rows}")
+        if self.num_accepted_tokens > self.num_draft_tokens:
+            raise ValueError(f"num_accepted_tokens={self.num_accepted_tokens} exceeds num_draft_tokens={self.num_draft_tokens}")
         if not self.host_s >= 0.0:
             raise ValueError(f"step host_s={self.host_s} must be >= 0")
 
@@ -114,7 +118,8 @@ class NullRecorder:
     def phase(self, name: str, *, syncs: bool = False) -> _NullPhase:
         return _NULL_PHASE
 
-    def end_step(self, *, num_rows: int, num_tokens: int, num_decode_rows: int) -> None:
+    def end_step(self, *, num_rows: int, num_tokens: int, num_decode_rows: int, num_draft_tokens: int = 0,
+                 num_accepted_tokens: int = 0) -> None:
         return None
 
     def profile(self, warmup: int = 1, decode_only: bool = False) -> Any:

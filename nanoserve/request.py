@@ -61,6 +61,14 @@ class Request:
         self.detokenizer: Any = None  # the engine's IncrementalDetokenizer: output text, O(1) per token
         self.grammar: Any = None  # structured outputs: the engine's RequestGrammar, fed each output token
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Speculative decoding (nanoserve.speculative): the drafts this step verifies, and the counts.
+        self.draft_token_ids: list[int] = []
+        self.num_drafts = 0  # steps that verified drafts of this request
+        self.num_draft_tokens = 0  # drafts verified
+        self.num_accepted_tokens = 0  # of those, kept
+        self.spec_acceptance = 1.0  # recent accepted / drafted, halved toward each new verification's
+        self.spec_skipped = 0  # steps skipped since acceptance fell under the rule's floor
+        self.spec_k: int | None = None  # drafts it may carry next (None: the config's k)
         self.parent_id: str | None = None  # n > 1: the id add_request returned for the group
         self.index = 0  # n > 1: which completion of the prompt this is
         self.status = RequestStatus.WAITING
@@ -212,6 +220,9 @@ class RequestOutput:
     logprobs: Sequence[dict[int, float]] | None = None  # per output token: sampled and top-k token -> logprob
     parent_id: str | None = None  # n > 1: the id add_request returned; request_id is f"{parent_id}.{index}"
     index: int = 0  # n > 1: which completion of the prompt
+    num_drafts: int = 0  # speculative decoding: steps that verified drafts for this request
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # drafts kept (each saved one step)
 
 
 PROMPT_TYPES = "prompt must be a str or a list of token ids (int)"

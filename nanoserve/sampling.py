@@ -32,6 +32,7 @@ class BatchedSampler:
         generators: list[torch.Generator | None] | None = None,
         default_generator: torch.Generator | None = None,
         histories: list[RowHistory | None] | None = None,
+        drafts: list[int | None] | None = None,
     ) -> torch.Tensor:
         """Samples one token per row.
 
@@ -42,6 +43,7 @@ class BatchedSampler:
             default_generator: used for the noise of unseeded sampled rows.
             histories: per row, the request's tokens when its params need them (penalties,
                 min_tokens), else None.
+            drafts: per row, the speculative draft it verifies, or None (see the module's note).
         Returns:
             [rows] int64 on logits.device; nothing is read back to the host.
         """
@@ -65,7 +67,19 @@ class BatchedSampler:
                 noise[j].exponential_(generator=g or default_generator)
         else:
             noise.exponential_(generator=default_generator)
+        verify = [j for j, i in enumerate(sampled_rows) if drafts is not None and drafts[i] is not None]
+        if verify:
+            at = torch.tensor(verify, device=sub.device)
+            draft = torch.tensor([drafts[sampled_rows[j]] for j in verify], device=sub.device)  # [D]
+            p_draft = probs[at, draft]  # [D]
+            uniform = torch.stack([torch.rand((), dtype=probs.dtype, device=probs.device,
+                                              generator=(row_gens[j] if row_gens else None) or default_generator)
+                                   for j in verify])  # [D]
+            keep = uniform < p_draft
+            probs[at, draft] = 0.0  # the race below draws a rejected row's token from p without d
         tokens = probs.div_(noise).argmax(dim=-1)  # [S]
+        if verify:
+            tokens[at] = torch.where(keep, draft, tokens[at])
         if rows is None:
             return tokens
         return greedy.index_copy(0, torch.tensor(sampled_rows, device=logits.device), tokens)
@@ -73,9 +87,10 @@ class BatchedSampler:
     def sample_batch(self, logits: torch.Tensor, params: list[SamplingParams],
                      generators: list[torch.Generator | None] | None = None,
                      default_generator: torch.Generator | None = None,
-                     histories: list[RowHistory | None] | None = None) -> list[int]:
+                     histories: list[RowHistory | None] | None = None,
+                     drafts: list[int | None] | None = None) -> list[int]:
         """sample_batch_device plus one .tolist(): the two paths cannot drift."""
-        return self.sample_batch_device(logits, params, generators, default_generator, histories).tolist()
+        return self.sample_batch_device(logits, params, generators, default_generator, histories, drafts).tolist()
 
 
 def apply_history(logits: torch.Tensor, params: list[SamplingParams], histories: list[RowHistory | None]) -> torch.Tensor:

@@ -20,6 +20,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens forwarded this step, from request.num_computed_tokens on
     samples: bool  # True when this step reaches the request's last token: a new token is sampled
+    # Speculative decoding: drafts forwarded after the last token (counted in num_new_tokens); each
+    # of their rows samples too, so the step samples 1 + len(draft_token_ids) rows for this request.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -113,6 +116,7 @@ class Scheduler:
         self.allocator.free(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         request.mark_not_running(now)
@@ -131,7 +135,10 @@ class Scheduler:
                 i += 1  # its last token is on its way home; forwarding it would only overshoot
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            need = self._blocks_needed(request, num_new)
+            drafts = request.draft_token_ids[:budget - num_new] if num_new == 1 else []
+            need = self._blocks_needed(request, num_new + len(drafts))
+            if drafts and not self.allocator.can_allocate(need):  # drafts never preempt anyone
+                drafts, need = [], self._blocks_needed(request, num_new)
             while not self.allocator.can_allocate(need):
                 victim = self.running.pop()  # most recently admitted
                 self._preempt(victim, now)
@@ -141,8 +148,9 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 break  # preempted itself: every later request has been preempted too
             request.block_ids.extend(self.allocator.allocate(need))
-            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens + num_new == request.num_tokens))
-            budget -= num_new
+            samples = request.num_computed_tokens + num_new == request.num_tokens
+            out.scheduled.append(ScheduledRequest(request, num_new + len(drafts), samples, drafts))
+            budget -= num_new + len(drafts)
             i += 1
 
         # 2. Waiting requests, first come first served, while slots, budget and blocks remain.
@@ -214,6 +222,17 @@ class Scheduler:
         if self.enable_prefix_caching:
             for item in out.scheduled:
                 self.cache_full_blocks(item.request)
+
+    def rollback(self, request: Request, num_rejected: int) -> None:
+        """After a verification: the last `num_rejected` tokens forwarded were drafts the target
+        rejected. Their K/V is garbage to be overwritten: num_computed_tokens moves back over them,
+        and the blocks past the last accepted token return to the pool (never registered in the
+        prefix cache: cache_full_blocks registers only blocks of tokens the request holds)."""
+        request.num_computed_tokens -= num_rejected
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if len(request.block_ids) > keep:
+            self.allocator.free(request.block_ids[keep:])
+            del request.block_ids[keep:]
 
     def finish(self, request: Request) -> None:
         """Releases a finished or aborted request's blocks and slot (and its held copies, which

@@ -58,6 +58,18 @@ class RequestGrammar:
         """Writes the allowed next tokens into row `row` of a host int32 bitmask [rows, W]."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def longest_allowed(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of `tokens` the grammar accepts from here, taking none of them (the
+        matcher walks them and rolls back): a speculative draft it forbids could never be kept."""
+        taken = 0
+        for token_id in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
+                break
+            taken += 1
+        if taken:
+            self.matcher.rollback(taken)
+        return tokens[:taken]
+
     def accept(self, token_id: int) -> bool:
         """Advances past one sampled token. Returns True when nothing more may follow: the
         grammar terminated, or the token broke it (which the mask prevents: SamplingParams refuses
@@ -133,12 +145,27 @@ class GrammarCompiler:
     def matcher(self, compiled: Any) -> RequestGrammar:
         return RequestGrammar(_xgrammar().GrammarMatcher(compiled))
 
-    def fill_bitmask(self, grammars: list[RequestGrammar | None]) -> torch.Tensor:
-        """The host bitmask [rows, W] for one step: row r from grammars[r], all ones where None."""
+    def fill_bitmask(self, grammars: list[RequestGrammar | None],
+                     drafts: list[int | None] | None = None) -> torch.Tensor:
+        """The host bitmask [rows, W] for one step: row r from grammars[r], all ones where None.
+
+        A request verifying speculative drafts has consecutive rows with one grammar: row j's mask
+        is what may follow its drafts 0 .. j-1, so the matcher walks them (drafts[r], the draft row
+        r verifies) and rolls back after the request's last row (drafts[r] None)."""
         bitmask = torch.full((len(grammars), self.bitmask_width), -1, dtype=torch.int32)  # [rows, W]
+        walked = 0  # drafts the current request's matcher has taken
         for row, grammar in enumerate(grammars):
-            if grammar is not None:
-                grammar.fill(bitmask, row)
+            if grammar is None:
+                continue
+            grammar.fill(bitmask, row)
+            draft = drafts[row] if drafts is not None else None
+            if draft is not None:
+                if not grammar.matcher.accept_token(draft):  # never: longest_allowed trimmed the drafts
+                    raise RuntimeError(f"speculative draft {draft} is not allowed by its request's grammar")
+                walked += 1
+            elif walked:
+                grammar.matcher.rollback(walked)
+                walked = 0
         return bitmask
 
 

@@ -139,7 +139,8 @@ class StepRecorder:
             raise RuntimeError(f"phase({name!r}) outside a step: call begin_step() first")
         return _PhaseTimer(self, name, syncs)
 
-    def end_step(self, *, num_rows: int, num_tokens: int, num_decode_rows: int) -> None:
+    def end_step(self, *, num_rows: int, num_tokens: int, num_decode_rows: int, num_draft_tokens: int = 0,
+                 num_accepted_tokens: int = 0) -> None:
         """Closes the step and appends its StepSample (device times are resolved here).
 
         Raises:
@@ -156,7 +157,8 @@ class StepRecorder:
         )
         host_s = t_end - self._t_begin
         self._t_begin, self._open = None, []
-        self.samples.append(StepSample(phases, num_rows, num_tokens, num_decode_rows, host_s))
+        self.samples.append(StepSample(phases, num_rows, num_tokens, num_decode_rows, host_s, num_draft_tokens,
+                                       num_accepted_tokens))
 
     def profile(self, warmup: int = 1, decode_only: bool = False) -> StepProfile:
         """StepProfile.from_samples over everything recorded so far."""

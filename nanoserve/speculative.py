@@ -1,0 +1,185 @@
+"""Speculative decoding: proposals for a request's next tokens, scored by the target in one step.
+
+A request whose last token is home may carry up to k draft tokens into the next step. The
+scheduler forwards its last token and the drafts as 1 + k query rows over its paged K/V, beside
+every other request's rows, and every one of those rows samples: row j's token is what the target
+says follows the last token and drafts 0 .. j-1. A draft is kept while it equals what its row
+sampled (greedy) or passes the rejection test (sampling: see BatchedSampler), and the first row
+that disagrees gives the step's last token, so a step yields 1 .. k + 1 tokens. The rows past the
+first rejected draft were computed in vain: Scheduler.rollback moves num_computed_tokens back over
+them and returns the blocks that held nothing else.
+
+Exact under greedy only where a row's logits do not depend on how many rows the step had: the
+engine asks for the batch-invariant plan (nanoserve.model.plan) and refuses speculation where it
+cannot have it.
+
+The proposers here are plain Python over the request's own tokens (`NgramProposer`, vLLM's
+"ngram": prompt lookup). `SpeculationRule` decides, each step, which requests may speculate at
+all, so speculation does not cost where its proposals seldom hit.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """EngineConfig.speculative_config, with vLLM's names. Build it from a dict with `parse`.
+
+    method: "ngram" (proposals from the request's own prompt and output) or "draft_model" (not
+    built: refused by name). num_speculative_tokens: k, the drafts a request may carry into a step.
+    prompt_lookup_max / prompt_lookup_min: the longest and shortest suffix of the request's tokens
+    that ngram looks up earlier in them (either alone sets both; neither: 5 and 5, vLLM's default).
+    min_acceptance: a request stops proposing once fewer than this share of its recent drafts were
+    accepted (it probes again every `probe_every` steps); 0 never stops it.
+    max_step_rows: drafts are handed out, oldest request first, only while the step's sampled rows
+    stay within this many; None: no limit. See SpeculationRule for why these two exist.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    min_acceptance: float = 0.25
+    probe_every: int = 16
+    max_step_rows: int | None = 16
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method={self.method!r} is not one of {list(METHODS)}")
+        if self.method == "draft_model":
+            raise ValueError("speculative_config method='draft_model' is not built in nanoserve yet; "
+                             "use method='ngram'")
+        if self.model is not None:
+            raise ValueError(f"speculative_config model={self.model!r}: only method='draft_model' takes a model")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config num_speculative_tokens={k!r} must be an integer >= 1")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config {name}={value!r} must be an integer >= 1")
+        if lo > hi:
+            raise ValueError(f"speculative_config prompt_lookup_min={lo} exceeds prompt_lookup_max={hi}")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        if not isinstance(self.min_acceptance, int | float) or not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"speculative_config min_acceptance={self.min_acceptance!r} must be in [0, 1]")
+        if not isinstance(self.probe_every, int) or self.probe_every < 1:
+            raise ValueError(f"speculative_config probe_every={self.probe_every!r} must be an integer >= 1")
+        if self.max_step_rows is not None and (not isinstance(self.max_step_rows, int) or self.max_step_rows < 2):
+            raise ValueError(f"speculative_config max_step_rows={self.max_step_rows!r} must be None or an integer >= 2")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping[str, Any]) -> SpeculativeConfig:
+        """A SpeculativeConfig from itself or from vLLM's dict spelling.
+
+        Raises:
+            ValueError: not a mapping, a key this config does not know (named), or a bad value.
+        """
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the request's last n
+    tokens, for n from prompt_lookup_max down to prompt_lookup_min (the longest match wins).
+
+    The search runs over the token ids as bytes (`bytes.rfind`, four bytes a token), so a step costs
+    a C-speed scan of each proposing request's tokens.
+    """
+
+    def __init__(self, lookup_min: int, lookup_max: int) -> None:
+        self.lookup_min, self.lookup_max = lookup_min, lookup_max
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens to follow `token_ids`; [] when no suffix of lookup_min .. lookup_max
+        tokens occurs earlier in them."""
+        n_tokens = len(token_ids)
+        if k < 1 or n_tokens < self.lookup_min + 1:
+            return []
+        data = array("i", token_ids).tobytes()
+        for n in range(min(self.lookup_max, n_tokens - 1), self.lookup_min - 1, -1):
+            suffix = data[4 * (n_tokens - n):]
+            end = 4 * (n_tokens - 1)  # an occurrence must end before the last token: not the suffix itself
+            while True:
+                at = data.rfind(suffix, 0, end)
+                if at < 0:
+                    break
+                if at % 4 == 0:  # aligned: a match of whole tokens
+                    start = at // 4 + n
+                    return list(token_ids[start:start + k])
+                end = at + 4 * n - 1  # a match across token boundaries: look further left
+        return []
+
+
+class SpeculationRule:
+    """Which requests propose this step, and how many drafts each may carry.
+
+    Two measured costs (notes/specbench.md): a draft row costs real compute, little at one request
+    (the step reads every weight once however few rows it has) and close to a decode row's once
+    the step is wide; and a request whose drafts are seldom accepted pays for rows it throws away.
+    So drafts go to running requests, oldest first, while the step's sampled rows stay within
+    max_step_rows; a request drafts at most its own length, two more than last time after a
+    verification that kept every draft and one fewer after one that did not (transformers' schedule
+    for assisted generation), up to num_speculative_tokens; and a request whose recent acceptance (accepted / drafted over its last drafts,
+    decayed by half each verification) falls below min_acceptance stops proposing, trying again
+    every probe_every steps.
+    """
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def assign(self, requests: Sequence[Any]) -> None:
+        """Sets each request's draft_token_ids for the next schedule: [] for those that do not
+        speculate. `requests`: the running requests, admission order (the scheduler's)."""
+        cfg = self.config
+        rows = len(requests)
+        for request in requests:
+            request.draft_token_ids = []
+        for request in requests:
+            if request.num_tokens - request.num_computed_tokens != 1 or request.num_pending_tokens:
+                continue  # a prompt still prefilling, or a token still on its way home
+            k = min(request.spec_k or cfg.num_speculative_tokens, cfg.num_speculative_tokens,
+                    request.params.max_tokens - request.num_output_tokens - 1)
+            if cfg.max_step_rows is not None:
+                k = min(k, cfg.max_step_rows - rows)
+            if k < 1:
+                continue
+            if request.spec_acceptance < cfg.min_acceptance:
+                request.spec_skipped += 1
+                if request.spec_skipped < cfg.probe_every:
+                    continue
+                request.spec_skipped = 0
+            drafts = self.proposer.propose(request.token_ids, k)
+            if drafts and request.grammar is not None:
+                drafts = request.grammar.longest_allowed(drafts)
+            request.draft_token_ids = drafts
+            rows += len(drafts)
+
+
+def observe(request: Any, num_drafted: int, num_accepted: int) -> None:
+    """Counts one verification of `num_drafted` drafts of which `num_accepted` were kept."""
+    request.num_drafts += 1
+    request.num_draft_tokens += num_drafted
+    request.num_accepted_tokens += num_accepted
+    request.spec_acceptance = 0.5 * request.spec_acceptance + 0.5 * (num_accepted / num_drafted)
+    # transformers' schedule for its assistant's draft length: two more after a step that kept every
+    # draft, one fewer after one that did not (SpeculationRule caps it at num_speculative_tokens).
+    request.spec_k = num_drafted + 2 if num_accepted == num_drafted else max(1, num_drafted - 1)
