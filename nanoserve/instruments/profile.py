@@ -157,6 +157,29 @@ class StepProfile:
         return sum(s.num_rows for s in self.samples) / self.num_steps
 
     @property
+    def num_draft_tokens(self) -> int:
+        """Speculative drafts verified over the profile's steps (each one of their sampled rows)."""
+        return sum(s.num_draft_tokens for s in self.samples)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Of those drafts, how many were kept."""
+        return sum(s.num_accepted_tokens for s in self.samples)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted; None when no step verified a draft."""
+        drafted = self.num_draft_tokens
+        return self.num_accepted_tokens / drafted if drafted else None
+
+    @property
+    def mean_tokens(self) -> float:
+        """Mean tokens produced per step: rows sampled less the rejected drafts' rows (a stop
+        inside a request's drafts leaves a few more rows unused, which this does not see)."""
+        rejected = self.num_draft_tokens - self.num_accepted_tokens
+        return (sum(s.num_rows for s in self.samples) - rejected) / self.num_steps
+
+    @property
     def idle_fraction(self) -> float:
         """Share of the phases' host time with the device idle: overhead / host (f in Amdahl)."""
         host = self.accounted_s

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -36,6 +37,9 @@ def serve_main(argv: list[str]) -> None:
                         help="the K/V cache's dtype; auto: float16 where quantized weights on blockdot compute in "
                              "float32 on a CPU, the model's dtype elsewhere")
     add_batch_invariant(parser)
+    parser.add_argument("--speculative-config", default=None, type=speculative_config, metavar="JSON",
+                        help='speculative decoding, vLLM\'s spelling: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\' (default: off)')
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
@@ -80,7 +84,7 @@ def serve_main(argv: list[str]) -> None:
             dtype=args.dtype, quantization=None if args.quantization == "none" else args.quantization,
             overrides=PlanOverrides(kernels=args.kernels), kv_cache_dtype=args.kv_cache_dtype, device=args.device,
             seed=args.seed, batch_invariant=BATCH_INVARIANT[args.batch_invariant],
-            tensor_parallel_size=tensor_parallel_size,
+            speculative_config=args.speculative_config, tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_timeout_s=args.tensor_parallel_timeout,
             tensor_parallel_threads=args.num_threads if tensor_parallel_size > 1 else None,
         )
@@ -98,6 +102,17 @@ def serve_main(argv: list[str]) -> None:
 
 
 BATCH_INVARIANT = {"auto": "auto", "true": True, "false": False}
+
+
+def speculative_config(text: str) -> dict:
+    """--speculative-config's JSON object (checked by EngineConfig)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
 
 
 def add_batch_invariant(parser: argparse.ArgumentParser) -> None:

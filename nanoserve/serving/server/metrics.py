@@ -85,6 +85,11 @@ class ServerMetrics:
         self.finished = dict.fromkeys(FINISH_REASONS, 0)  # requests by finish reason
         self.num_prompt_tokens = 0  # over finished requests, aborted included (their prefill ran)
         self.num_generation_tokens = 0  # likewise
+        # Speculative decoding, vLLM's counters (over finished requests): verification steps that
+        # carried drafts, the drafts verified, and those kept.
+        self.num_spec_drafts = 0
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
         self.num_rejected = 0  # requests answered with a 4xx before reaching the engine
         self.refused = dict.fromkeys(REFUSAL_REASONS, 0)  # valid requests answered 503, by reason
         self.num_step_faults = 0  # engine steps that raised (their requests failed, the server went on)
@@ -100,6 +105,9 @@ class ServerMetrics:
         self.finished[reason] = self.finished.get(reason, 0) + 1
         self.num_prompt_tokens += len(output.prompt_token_ids)
         self.num_generation_tokens += len(output.token_ids)
+        self.num_spec_drafts += output.num_drafts
+        self.num_spec_draft_tokens += output.num_draft_tokens
+        self.num_spec_accepted_tokens += output.num_accepted_tokens
         m = request_metrics(output)
         if m.ttft_s is not None:
             self.ttft.observe(m.ttft_s)
@@ -132,6 +140,12 @@ class ServerMetrics:
                      self.num_step_faults),
             _counter(f"{p}_prompt_tokens", "Prompt tokens of finished requests.", self.num_prompt_tokens),
             _counter(f"{p}_generation_tokens", "Output tokens of finished requests.", self.num_generation_tokens),
+            _counter(f"{p}_spec_decode_num_drafts", "Speculative verifications (a request's drafts in one step), "
+                     "over finished requests.", self.num_spec_drafts),
+            _counter(f"{p}_spec_decode_num_draft_tokens", "Speculative draft tokens verified, over finished requests.",
+                     self.num_spec_draft_tokens),
+            _counter(f"{p}_spec_decode_num_accepted_tokens", "Speculative draft tokens accepted, over finished "
+                     "requests.", self.num_spec_accepted_tokens),
             _gauge(f"{p}_num_requests_running", "Requests holding a running slot.", stats.num_running),
             _gauge(f"{p}_num_requests_waiting", "Requests queued for a slot.", stats.num_waiting),
             _gauge(f"{p}_kv_blocks_used", "KV cache blocks not free.", stats.num_total_blocks - stats.num_free_blocks),
