@@ -13,8 +13,9 @@ tokens over the wall time, prefill included), their ratio (median of the rounds,
 smallest and largest), and speculation's drafted and accepted tokens and mean accepted length per
 verification. With --hf, transformers' `generate` is run with and without
 `prompt_lookup_num_tokens` on the same prompts (1 at a time, its own ratio); with --llamacpp,
-llama.cpp's `llama-lookup` and its plain decode on the shipped GGUF file, where
-`python -m benchmarks.peerbench --setup-llamacpp` and `--llamacpp-targets` built them.
+llama.cpp's `llama-lookup` drafting k and drafting nothing, on the shipped GGUF file, where
+`python -m benchmarks.peerbench --setup-llamacpp` built llama.cpp and
+`cmake --build .peers/llama.cpp-build --target llama-lookup` built the tool.
 
     python benchmarks/specbench.py                          # 3 rounds, k = 4, 128 tokens
     python benchmarks/specbench.py --rounds 5 --hf --llamacpp
@@ -232,32 +233,30 @@ def bench_hf(args: argparse.Namespace) -> list[dict]:
 
 
 def bench_llamacpp(args: argparse.Namespace) -> list[dict]:
-    """llama.cpp's llama-lookup (prompt lookup) against llama-simple's plain decode, 1 request at a time,
-    on the shipped Q4_1 file: the decode rate each reports."""
+    """llama.cpp's llama-lookup (prompt lookup, --spec-draft-n-max k) against the same binary drafting
+    nothing (--spec-draft-n-max 0: its plain decode), 1 request at a time, 2 threads, greedy, on the
+    shipped Q4_1 file: the decode rate each reports ("decoded N tokens in S seconds")."""
     from nanoserve.model.default import gguf_path
 
-    lookup, simple = LLAMA_BIN / "llama-lookup", LLAMA_BIN / "llama-simple"
-    if not lookup.is_file() or not simple.is_file():
-        print(f"llama.cpp: {lookup} or {simple} not built (python -m benchmarks.peerbench --setup-llamacpp, then "
-              f"cmake --build {LLAMA_BIN.parent} --target llama-lookup llama-simple)")
+    lookup = LLAMA_BIN / "llama-lookup"
+    if not lookup.is_file():
+        print(f"llama.cpp: {lookup} not built (python -m benchmarks.peerbench --setup-llamacpp, then "
+              f"cmake --build {LLAMA_BIN.parent} --target llama-lookup)")
         return []
     gguf = str(gguf_path())
-    engine_tokenizer = Engine.from_pretrained(None, EngineConfig(num_kv_blocks=1)).tokenizer
+    tokenizer = Engine.from_pretrained(None, EngineConfig(num_kv_blocks=1)).tokenizer
     k = json.loads(args.speculative_config).get("num_speculative_tokens", 4)
     rows = []
     for workload in args.workloads:
-        texts = [render_chat(engine_tokenizer, [{"role": "user", "content": t}]) for t in WORKLOADS[workload]]
+        texts = [render_chat(tokenizer, [{"role": "user", "content": t}]) for t in WORKLOADS[workload]]
         ratio, accepted, drafted = [], 0, 0
         for _ in range(args.rounds):
             rate = {}
-            for name in ("plain", "lookup"):
+            for name, n_max in (("plain", 0), ("lookup", k)):
                 tokens, seconds = 0, 0.0
                 for text in texts:
-                    if name == "lookup":
-                        cmd = [str(lookup), "-m", gguf, "-p", text, "-n", str(args.max_tokens), "--draft", str(k),
-                               "-t", "2", "--temp", "0", "-c", "2048", "--no-warmup"]
-                    else:
-                        cmd = [str(simple), "-m", gguf, "-n", str(args.max_tokens), text]
+                    cmd = [str(lookup), "-m", gguf, "-p", text, "-n", str(args.max_tokens), "--spec-draft-n-max",
+                           str(n_max), "-t", "2", "--temp", "0", "-c", "2048"]
                     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
                     log = done.stdout + done.stderr
                     found = re.search(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s*s", log)
@@ -271,10 +270,10 @@ def bench_llamacpp(args: argparse.Namespace) -> list[dict]:
                         accepted += int(m.group(1)) if (m := re.search(r"n_accept\s*=\s*(\d+)", log)) else 0
                 rate[name] = tokens / seconds
             ratio.append(rate["lookup"] / rate["plain"])
-        print(f"llama.cpp {workload:<9} x1  llama-lookup / llama-simple decode rate: {spread(ratio)}; "
+        print(f"llama.cpp {workload:<9} x1  llama-lookup k={k} over k=0, decode rate: {spread(ratio)}; "
               f"accepted {accepted} of {drafted} drafted")
         rows.append({"system": "llama.cpp", "workload": workload, "concurrency": 1, "rounds": args.rounds, "k": k,
-                     "config": f"llama-lookup --draft {k}", "decode_ratio": round(statistics.median(ratio), 3),
+                     "config": f"llama-lookup --spec-draft-n-max {k}", "decode_ratio": round(statistics.median(ratio), 3),
                      "decode_ratio_min": round(min(ratio), 3), "decode_ratio_max": round(max(ratio), 3),
                      "drafted": drafted, "accepted": accepted,
                      "acceptance": round(accepted / drafted, 3) if drafted else None})

@@ -29,7 +29,7 @@ from nanoserve.params import SamplingParams
 from nanoserve.readback import TokenBatch
 from nanoserve.recorder import NULL_RECORDER
 from nanoserve.request import FinishReason, Request, RequestOutput, check_request, prompt_token_ids
-from nanoserve.sampling import BatchedSampler, RowHistory, packed_logprobs
+from nanoserve.sampling import BatchedSampler, RowHistory, packed_logprobs, skip_noise
 from nanoserve.scheduler import Scheduler, SchedulerOutput
 from nanoserve.speculative import SpeculationRule
 from nanoserve.structured import GrammarCompiler, apply_bitmask
@@ -123,7 +123,11 @@ class Engine:
         self._ids = itertools.count()
         # Deferred mode: the batch sampled last step, not yet brought home, and its rows' requests.
         self._in_flight: tuple[TokenBatch, list[Request], None] | None = None
-        self._num_rejected = 0  # drafts the last resolve rejected (the step profile's accepted count)
+        self._num_accepted = 0  # drafts the last resolve kept (the step profile's count)
+        # Speculation: seeded requests verifying drafts this step -> their generator's state before
+        # its draws, and the noise rows' (V, dtype); _resolve rewinds past the rows it discards.
+        self._seeded_states: dict[str, torch.Tensor] = {}
+        self._noise_row: tuple[int, torch.dtype] = (0, torch.float32)
         self._step_requests: list[Request] | None = None  # the running step's, once scheduled: fail_step's to abort
         self.num_steps = 0
 
@@ -286,7 +290,7 @@ class Engine:
         rec.end_step(num_rows=len(rows), num_tokens=sched.num_batched_tokens,
                      num_decode_rows=sum(item.num_new_tokens for item in sched.scheduled
                                          if item.num_new_tokens == 1 + len(item.draft_token_ids)),
-                     num_draft_tokens=num_drafted, num_accepted_tokens=num_drafted - self._num_rejected)
+                     num_draft_tokens=num_drafted, num_accepted_tokens=self._num_accepted)
         return outputs
 
     def fail_step(self, error: Exception) -> list[RequestOutput]:
@@ -326,10 +330,17 @@ class Engine:
         result = self.output.process(batch, rows, drafts)
         for request in result.finished:
             self._retire(request)
-        self._num_rejected = 0
+        self._num_accepted = result.num_accepted
         for request, num_rejected in result.rejected:
             self.scheduler.rollback(request, num_rejected)
-            self._num_rejected += num_rejected
+            state = self._seeded_states.get(request.request_id)
+            if state is not None and num_rejected:
+                # Its rows past the first rejection drew noise for nothing. Drawn again, only the kept
+                # rows', its next token gets the noise it gets without speculation: a seeded request's
+                # tokens never depend on how many drafts the batch left it (max_step_rows, the budget).
+                generator = self._generators[request.request_id]
+                generator.set_state(state)
+                skip_noise(generator, sum(r is request for r in rows) - num_rejected, *self._noise_row)
         return result.outputs
 
     def _sample(self, logits: torch.Tensor, rows: list[Request], bitmask: torch.Tensor | None = None,
@@ -352,7 +363,11 @@ class Engine:
                                             self.eos_token_ids | set(r.params.stop_token_ids))
                                  if r.params.needs_history else None)
         masked = apply_bitmask(logits, bitmask) if bitmask is not None else logits
-        tokens = self.sampler.sample_batch_device(masked, params, generators, self._default_generator, histories, drafts)
+        self._seeded_states = {r.request_id: g.get_state() for r, g, d in zip(rows, generators, drafts, strict=True)
+                               if g is not None and d is not None and r.params.temperature > 0.0
+                               } if drafts is not None and generators is not None else {}
+        self._noise_row = (masked.shape[-1], masked.dtype)
+        tokens = self.sampler.sample_batch_device(masked, params, generators, self._default_generator, histories)
         if self.deferred:
             for r in rows:
                 r.num_pending_tokens += 1  # sampled, not yet home: the scheduler may already decode it

@@ -28,6 +28,7 @@ class StepOutputs:
     # Speculative decoding: (request, drafts it forwarded that were rejected) for each live request
     # that verified drafts; the engine rolls their K/V back (Scheduler.rollback).
     rejected: list[tuple[Request, int]] = field(default_factory=list)
+    num_accepted: int = 0  # drafts kept this step, all requests together (the step profile's count)
 
 
 class OutputProcessor:
@@ -91,6 +92,7 @@ class OutputProcessor:
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
         rejected: list[tuple[Request, int]] = []
+        total_accepted = 0
         row = 0
         while row < len(requests):
             request, first = requests[row], row
@@ -108,12 +110,13 @@ class OutputProcessor:
                     break
             if num_drafted:
                 observe(request, num_drafted, num_accepted)
+                total_accepted += num_accepted
                 if not done:
                     rejected.append((request, num_drafted - num_accepted))
             if done:
                 finished.append(request)
             outputs.append(make_output(request))
-        return StepOutputs(outputs, finished, rejected)
+        return StepOutputs(outputs, finished, rejected, total_accepted)
 
     @staticmethod
     def _apply(request: Request, token_id: int, logprobs: dict[int, float] | None, now: float) -> bool:

@@ -4,6 +4,13 @@ Greedy rows are an argmax. Sampled rows are temperature, then top-k / top-p / mi
 one sort of the batch, then an exponential race (argmax of p / E with E ~ Exp(1)), which draws
 from p exactly and lets a seeded row take its noise from its own generator, so its tokens do
 not depend on what else is in the batch.
+
+A row verifying a speculative draft d samples as any other row does, and the output stage keeps d
+when the row's token equals it. That is rejection sampling for a proposal that puts all its mass
+on d: d is kept with probability p(d), and otherwise the token is a draw from p without d,
+renormalised, so each kept token is a draw from the target's p. The token does not depend on
+whether its row verified a draft, so a seeded request's tokens are those it samples without
+speculation, once the engine takes back the noise of the rows it discarded (`skip_noise`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,6 @@ class BatchedSampler:
         generators: list[torch.Generator | None] | None = None,
         default_generator: torch.Generator | None = None,
         histories: list[RowHistory | None] | None = None,
-        drafts: list[int | None] | None = None,
     ) -> torch.Tensor:
         """Samples one token per row.
 
@@ -43,7 +49,6 @@ class BatchedSampler:
             default_generator: used for the noise of unseeded sampled rows.
             histories: per row, the request's tokens when its params need them (penalties,
                 min_tokens), else None.
-            drafts: per row, the speculative draft it verifies, or None (see the module's note).
         Returns:
             [rows] int64 on logits.device; nothing is read back to the host.
         """
@@ -67,19 +72,7 @@ class BatchedSampler:
                 noise[j].exponential_(generator=g or default_generator)
         else:
             noise.exponential_(generator=default_generator)
-        verify = [j for j, i in enumerate(sampled_rows) if drafts is not None and drafts[i] is not None]
-        if verify:
-            at = torch.tensor(verify, device=sub.device)
-            draft = torch.tensor([drafts[sampled_rows[j]] for j in verify], device=sub.device)  # [D]
-            p_draft = probs[at, draft]  # [D]
-            uniform = torch.stack([torch.rand((), dtype=probs.dtype, device=probs.device,
-                                              generator=(row_gens[j] if row_gens else None) or default_generator)
-                                   for j in verify])  # [D]
-            keep = uniform < p_draft
-            probs[at, draft] = 0.0  # the race below draws a rejected row's token from p without d
         tokens = probs.div_(noise).argmax(dim=-1)  # [S]
-        if verify:
-            tokens[at] = torch.where(keep, draft, tokens[at])
         if rows is None:
             return tokens
         return greedy.index_copy(0, torch.tensor(sampled_rows, device=logits.device), tokens)
@@ -87,10 +80,17 @@ class BatchedSampler:
     def sample_batch(self, logits: torch.Tensor, params: list[SamplingParams],
                      generators: list[torch.Generator | None] | None = None,
                      default_generator: torch.Generator | None = None,
-                     histories: list[RowHistory | None] | None = None,
-                     drafts: list[int | None] | None = None) -> list[int]:
+                     histories: list[RowHistory | None] | None = None) -> list[int]:
         """sample_batch_device plus one .tolist(): the two paths cannot drift."""
-        return self.sample_batch_device(logits, params, generators, default_generator, histories, drafts).tolist()
+        return self.sample_batch_device(logits, params, generators, default_generator, histories).tolist()
+
+
+def skip_noise(generator: torch.Generator, num_rows: int, vocab_size: int, dtype: torch.dtype) -> None:
+    """Advances a seeded request's generator past the noise of `num_rows` of its rows, drawn as
+    sample_batch_device draws a seeded row's (one Exp(1) row of vocab_size values in `dtype`)."""
+    row = torch.empty(vocab_size, dtype=dtype, device=generator.device)  # [V]
+    for _ in range(num_rows):
+        row.exponential_(generator=generator)
 
 
 def apply_history(logits: torch.Tensor, params: list[SamplingParams], histories: list[RowHistory | None]) -> torch.Tensor:

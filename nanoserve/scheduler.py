@@ -135,7 +135,9 @@ class Scheduler:
                 i += 1  # its last token is on its way home; forwarding it would only overshoot
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            drafts = request.draft_token_ids[:budget - num_new] if num_new == 1 else []
+            # Drafts take what budget the running requests after this one do not need for a token each.
+            spare = budget - num_new - (len(self.running) - i - 1)
+            drafts = request.draft_token_ids[:max(0, spare)] if num_new == 1 else []
             need = self._blocks_needed(request, num_new + len(drafts))
             if drafts and not self.allocator.can_allocate(need):  # drafts never preempt anyone
                 drafts, need = [], self._blocks_needed(request, num_new)

@@ -4,7 +4,7 @@ A request whose last token is home may carry up to k draft tokens into the next 
 scheduler forwards its last token and the drafts as 1 + k query rows over its paged K/V, beside
 every other request's rows, and every one of those rows samples: row j's token is what the target
 says follows the last token and drafts 0 .. j-1. A draft is kept while it equals what its row
-sampled (greedy) or passes the rejection test (sampling: see BatchedSampler), and the first row
+sampled (for a sampled row that is the rejection test: see nanoserve.sampling), and the first row
 that disagrees gives the step's last token, so a step yields 1 .. k + 1 tokens. The rows past the
 first rejected draft were computed in vain: Scheduler.rollback moves num_computed_tokens back over
 them and returns the blocks that held nothing else.
@@ -122,8 +122,12 @@ class NgramProposer:
                 if at < 0:
                     break
                 if at % 4 == 0:  # aligned: a match of whole tokens
-                    start = at // 4 + n
-                    return list(token_ids[start:start + k])
+                    # What followed it, continued past the last token by what it proposes: a pattern
+                    # of period p (the latest occurrence is p back) gives k drafts, not p.
+                    start, drafts = at // 4 + n, []
+                    for i in range(start, start + k):
+                        drafts.append(token_ids[i] if i < n_tokens else drafts[i - n_tokens])
+                    return drafts
                 end = at + 4 * n - 1  # a match across token boundaries: look further left
         return []
 

@@ -482,6 +482,16 @@ static void task(const struct xin *in, int64_t M, int64_t K, int64_t N, const ui
     if (NP == 4 && left >= 2) { MR = 2; tile_out(in, K, N, w, planes, p0, r0, 4, 2, y, y_bf16); }
     else if (NP == 4) tile_out(in, K, N, w, planes, p0, r0, 4, 1, y, y_bf16);
     else if (NP == 2 && left >= 4) { MR = 4; tile_out(in, K, N, w, planes, p0, r0, 2, 4, y, y_bf16); }
+#if SIMD == 512
+    /* Three to seven rows in one tile, not two: each tile unpacks the panels' codes once, and a
+       verification step of a few speculative rows (or a step of a few decodes) would pay twice. A
+       row's sums run in the same order in any tile. */
+    else if (NP == 2 && left == 3) { MR = 3; tile_out(in, K, N, w, planes, p0, r0, 2, 3, y, y_bf16); }
+    else if (NP == 1 && left == 7) { MR = 7; tile_out(in, K, N, w, planes, p0, r0, 1, 7, y, y_bf16); }
+    else if (NP == 1 && left == 6) { MR = 6; tile_out(in, K, N, w, planes, p0, r0, 1, 6, y, y_bf16); }
+    else if (NP == 1 && left == 5) { MR = 5; tile_out(in, K, N, w, planes, p0, r0, 1, 5, y, y_bf16); }
+    else if (NP == 1 && left == 3) { MR = 3; tile_out(in, K, N, w, planes, p0, r0, 1, 3, y, y_bf16); }
+#endif
     else if (NP == 2 && left >= 2) { MR = 2; tile_out(in, K, N, w, planes, p0, r0, 2, 2, y, y_bf16); }
     else if (NP == 2) tile_out(in, K, N, w, planes, p0, r0, 2, 1, y, y_bf16);
     else if (left >= 8) { MR = 8; tile_out(in, K, N, w, planes, p0, r0, 1, 8, y, y_bf16); }
