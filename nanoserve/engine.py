@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,8 +31,8 @@ from nanoserve.readback import TokenBatch
 from nanoserve.recorder import NULL_RECORDER
 from nanoserve.request import FinishReason, Request, RequestOutput, check_request, prompt_token_ids
 from nanoserve.sampling import BatchedSampler, RowHistory, packed_logprobs, skip_noise
-from nanoserve.scheduler import Scheduler, SchedulerOutput
-from nanoserve.speculative import SpeculationRule
+from nanoserve.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from nanoserve.speculative import SpeculationRule, overhead_rows
 from nanoserve.structured import GrammarCompiler, apply_bitmask
 
 logger = logging.getLogger("nanoserve")
@@ -83,7 +84,6 @@ class Engine:
                              f"{'; '.join(c for c, ok, _ in self.plan.batch_invariant if not ok)}"
                              + ("; batch_invariant=True runs dtype float32 on dense panels"
                                 if config.dtype == "float32" and config.quantization is None else ""))
-        self.speculation = SpeculationRule(spec) if spec is not None else None
         # Speculation reads each step's tokens to propose the next step's drafts: nothing is deferred.
         self.deferred = config.deferred_output and spec is None
         logger.info("nanoserve: execution plan\n%s", self.plan.render())
@@ -130,6 +130,13 @@ class Engine:
         self._noise_row: tuple[int, torch.dtype] = (0, torch.float32)
         self._step_requests: list[Request] | None = None  # the running step's, once scheduled: fail_step's to abort
         self.num_steps = 0
+        self.speculation = SpeculationRule(spec) if spec is not None else None
+        if self.speculation is not None and self.speculation.needs_calibration:
+            wide = max(2, min(16, 1 + 2 * spec.num_speculative_tokens))
+            one, many = self.speculation_cost(1), self.speculation_cost(wide)
+            self.speculation.overhead_rows = overhead_rows(one, many, wide)
+            logger.info("nanoserve: speculation: a step of 1 row %.2f ms, of %d rows %.2f ms: overhead %.1f rows",
+                        1e3 * one, wide, 1e3 * many, self.speculation.overhead_rows)
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, config: EngineConfig | None = None) -> Engine:
@@ -292,6 +299,31 @@ class Engine:
                                          if item.num_new_tokens == 1 + len(item.draft_token_ids)),
                      num_draft_tokens=num_drafted, num_accepted_tokens=self._num_accepted)
         return outputs
+
+    def speculation_cost(self, num_rows: int, context: int = 128, repeats: int = 5) -> float:
+        """Seconds of one forward of a lone sequence scoring `num_rows` tokens after `context` cached
+        ones (median of `repeats`, after one warm-up): the start-up timing SpeculationRule's cost
+        model is fitted to. Writes garbage K/V into free blocks, which it returns to the pool."""
+        bs = self.config.block_size
+        context = max(0, min(context, self.allocator.num_free * bs - num_rows))
+        request = Request("speculation-cost", [0] * (context + num_rows), SamplingParams(), frozenset())
+        request.block_ids = self.allocator.allocate(-(-(context + num_rows) // bs))
+        request.num_computed_tokens = context
+        try:
+            sched = SchedulerOutput([ScheduledRequest(request, num_rows, True)], [], num_rows)
+            inputs = build_inputs(sched, bs, self.device, None, self.config.decode_group_min_rows,
+                                  self.model.config.sliding_window)
+            times = []
+            with torch.inference_mode():
+                for _ in range(repeats + 1):
+                    start = time.perf_counter()
+                    self.model.forward(inputs, self.kv)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    times.append(time.perf_counter() - start)
+        finally:
+            self.allocator.free(request.block_ids)
+        return statistics.median(times[1:])
 
     def fail_step(self, error: Exception) -> list[RequestOutput]:
         """After step() raised `error`: aborts the step's requests (those it scheduled and those whose

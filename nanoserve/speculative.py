@@ -36,10 +36,14 @@ class SpeculativeConfig:
     built: refused by name). num_speculative_tokens: k, the drafts a request may carry into a step.
     prompt_lookup_max / prompt_lookup_min: the longest and shortest suffix of the request's tokens
     that ngram looks up earlier in them (either alone sets both; neither: 5 and 5, vLLM's default).
-    min_acceptance: a request stops proposing once fewer than this share of its recent drafts were
-    accepted (it probes again every `probe_every` steps); 0 never stops it.
+    overhead_rows: what a step costs before its rows, in rows (a / b for a step of R rows costing
+    a + b R), or "auto": timed at start-up (Engine.speculation_cost). A request proposes while its
+    recent acceptance (accepted / drafted, halved toward each new verification's) is at least
+    R / (R + overhead_rows), R the step's rows so far; below that its drafts would cost more than the
+    tokens they save (SpeculationRule). It probes again every `probe_every` steps.
+    min_acceptance: a fixed floor in place of that rule (0: a request always proposes); None: the rule.
     max_step_rows: drafts are handed out, oldest request first, only while the step's sampled rows
-    stay within this many; None: no limit. See SpeculationRule for why these two exist.
+    stay within this many; None: no limit but the rule's.
     """
 
     method: str = "ngram"
@@ -47,9 +51,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     model: str | None = None
-    min_acceptance: float = 0.25
+    overhead_rows: float | str = "auto"
+    min_acceptance: float | None = None
     probe_every: int = 16
-    max_step_rows: int | None = 16
+    max_step_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -71,8 +76,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config prompt_lookup_min={lo} exceeds prompt_lookup_max={hi}")
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
-        if not isinstance(self.min_acceptance, int | float) or not 0.0 <= self.min_acceptance <= 1.0:
-            raise ValueError(f"speculative_config min_acceptance={self.min_acceptance!r} must be in [0, 1]")
+        if self.min_acceptance is not None and (not isinstance(self.min_acceptance, int | float)
+                                                or not 0.0 <= self.min_acceptance <= 1.0):
+            raise ValueError(f"speculative_config min_acceptance={self.min_acceptance!r} must be None or in [0, 1]")
+        if self.overhead_rows != "auto" and (isinstance(self.overhead_rows, bool)
+                                             or not isinstance(self.overhead_rows, int | float)
+                                             or not self.overhead_rows >= 0.0):
+            raise ValueError(f"speculative_config overhead_rows={self.overhead_rows!r} must be 'auto' or a number >= 0")
         if not isinstance(self.probe_every, int) or self.probe_every < 1:
             raise ValueError(f"speculative_config probe_every={self.probe_every!r} must be an integer >= 1")
         if self.max_step_rows is not None and (not isinstance(self.max_step_rows, int) or self.max_step_rows < 2):
@@ -135,20 +145,36 @@ class NgramProposer:
 class SpeculationRule:
     """Which requests propose this step, and how many drafts each may carry.
 
-    Two measured costs (notes/specbench.md): a draft row costs real compute, little at one request
-    (the step reads every weight once however few rows it has) and close to a decode row's once
-    the step is wide; and a request whose drafts are seldom accepted pays for rows it throws away.
-    So drafts go to running requests, oldest first, while the step's sampled rows stay within
-    max_step_rows; a request drafts at most its own length, two more than last time after a
-    verification that kept every draft and one fewer after one that did not (transformers' schedule
-    for assisted generation), up to num_speculative_tokens; and a request whose recent acceptance (accepted / drafted over its last drafts,
-    decayed by half each verification) falls below min_acceptance stops proposing, trying again
-    every probe_every steps.
+    A draft row costs real compute: a step of R rows costs about a + b R (a: what it costs before
+    its rows, reading the weights once, the per-step work; b: a row), and a request that drafts
+    gains only the drafts kept. Adding one request's k drafts, kept at a rate alpha, to a step of R
+    rows raises the step's tokens per second iff (R + alpha k) / (a + b (R + k)) > R / (a + b R), that
+    is iff alpha > R / (R + a / b), whatever k. So each running request, oldest first, proposes while
+    its recent acceptance is at least R / (R + overhead_rows), R counting the step's rows so far
+    (one a running request, and the drafts handed out): at one request on the default model
+    (a / b about 3) a request whose drafts are kept a quarter of the time gains; at 16 it needs 84%.
+    A request under its threshold rests, and proposes again every probe_every steps (its acceptance
+    may have changed with its text). Its draft length follows transformers' schedule for assisted
+    generation: two more after a verification that kept every draft, one fewer after one that did
+    not, up to num_speculative_tokens.
     """
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, overhead_rows: float | None = None) -> None:
         self.config = config
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.overhead_rows = overhead_rows if config.overhead_rows == "auto" else config.overhead_rows
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether the rule needs overhead_rows timed (config "auto", and no fixed min_acceptance)."""
+        return self.overhead_rows is None and self.config.min_acceptance is None
+
+    def threshold(self, rows: int) -> float:
+        """The least recent acceptance that lets a request draft in a step of `rows` rows so far."""
+        if self.config.min_acceptance is not None:
+            return self.config.min_acceptance
+        overhead = 0.0 if self.overhead_rows is None else self.overhead_rows
+        return rows / (rows + overhead) if rows + overhead > 0 else 0.0
 
     def assign(self, requests: Sequence[Any]) -> None:
         """Sets each request's draft_token_ids for the next schedule: [] for those that do not
@@ -166,7 +192,7 @@ class SpeculationRule:
                 k = min(k, cfg.max_step_rows - rows)
             if k < 1:
                 continue
-            if request.spec_acceptance < cfg.min_acceptance:
+            if request.spec_acceptance < self.threshold(rows):
                 request.spec_skipped += 1
                 if request.spec_skipped < cfg.probe_every:
                     continue
@@ -176,6 +202,13 @@ class SpeculationRule:
                 drafts = request.grammar.longest_allowed(drafts)
             request.draft_token_ids = drafts
             rows += len(drafts)
+
+
+def overhead_rows(seconds_one: float, seconds_wide: float, wide: int) -> float:
+    """a / b of a step costing a + b R, from its times at 1 row and at `wide` rows (at least 0: a step
+    can cost no less than its rows)."""
+    per_row = max((seconds_wide - seconds_one) / (wide - 1), 1e-9)
+    return max(0.0, (seconds_one - per_row) / per_row)
 
 
 def observe(request: Any, num_drafted: int, num_accepted: int) -> None:

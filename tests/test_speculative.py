@@ -31,7 +31,7 @@ from nanoserve.params import StructuredOutputs
 from nanoserve.readback import TokenBatch
 from nanoserve.request import Request
 from nanoserve.scheduler import Scheduler
-from nanoserve.speculative import NgramProposer, SpeculationRule, SpeculativeConfig, observe
+from nanoserve.speculative import NgramProposer, SpeculationRule, SpeculativeConfig, observe, overhead_rows
 
 needs_build = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
 
@@ -318,6 +318,42 @@ def test_rule_rests_a_request_whose_drafts_miss_and_probes_it_again():
     assert (request.spec_acceptance, request.spec_k, request.num_accepted_tokens) == (0.5625, 3, 1)
     rule.assign([request])
     assert request.draft_token_ids == [5, 6, 7]
+
+
+def test_overhead_rows_is_a_over_b_of_a_step_costing_a_plus_b_rows():
+    # a step of R rows costs 3 + R: 4 at one row, 12 at nine, so a / b = 3 / 1
+    assert overhead_rows(4.0, 12.0, 9) == pytest.approx(3.0)
+    assert overhead_rows(2.0, 2.0, 5) > 1e6  # free rows: any acceptance pays
+    assert overhead_rows(1.0, 9.0, 5) == 0.0  # rows dearer than the step they are in: clamped at 0
+
+
+def test_rule_threshold_rises_with_the_steps_rows_as_the_cost_model_says():
+    rule = SpeculationRule(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, overhead_rows=3.0))
+    assert rule.threshold(1) == pytest.approx(1 / 4)
+    assert rule.threshold(16) == pytest.approx(16 / 19)
+    # By hand: a step of R rows costing 3 + R. At R = 1, four drafts kept at rate 0.5 give (1 + 2) / (3 + 5)
+    # tokens a unit of time against 1 / 4 without: worth it; at R = 16, (16 + 2) / (3 + 20) < 16 / 19.
+    assert (1 + 2) / (3 + 5) > 1 / 4 and (16 + 2) / (3 + 20) < 16 / 19
+    alone = decoding_request("alone", LOOP)
+    alone.spec_acceptance = 0.5
+    rule.assign([alone])
+    assert alone.draft_token_ids == [5, 6, 7, 8]
+    crowd = [decoding_request(f"r{i}", LOOP) for i in range(16)]
+    for request in crowd:
+        request.spec_acceptance = 0.5
+    rule.assign(crowd)
+    assert all(r.draft_token_ids == [] for r in crowd)
+    assert rule.needs_calibration is False
+    assert SpeculationRule(SpeculativeConfig()).needs_calibration is True
+    assert SpeculationRule(SpeculativeConfig(min_acceptance=0.0)).needs_calibration is False
+
+
+def test_the_engine_times_its_steps_for_the_rule_and_returns_the_blocks():
+    built = engine(tiny_model(), {"method": "ngram", "num_speculative_tokens": 4})
+    assert built.speculation.needs_calibration is False  # calibrated: overhead_rows is a number now
+    assert built.speculation.overhead_rows >= 0.0
+    check_pool(built)
+    assert built.allocator.num_free == built.allocator.num_blocks
 
 
 # ---- Scheduler: drafts and rollback ------------------------------------------------------------------
