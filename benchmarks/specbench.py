@@ -291,11 +291,12 @@ def main() -> None:
     parser.add_argument("--hf", action="store_true", help="also transformers' prompt_lookup_num_tokens (loads for ~35 s)")
     parser.add_argument("--hf-rounds", type=int, default=3)
     parser.add_argument("--llamacpp", action="store_true", help="also llama.cpp's llama-lookup, where it is built")
+    parser.add_argument("--no-nanoserve", action="store_true", help="only the peers asked for (--hf, --llamacpp)")
     parser.add_argument("--out", default="runs/specbench.csv")
     args = parser.parse_args()
     print(f"specbench: {args.rounds} interleaved rounds, {args.max_tokens} tokens, greedy, "
           f"speculative_config {args.speculative_config}")
-    rows, differ = bench_nanoserve(args)
+    rows, differ = bench_nanoserve(args) if not args.no_nanoserve else ([], 0)
     if args.hf:
         rows += bench_hf(args)
     if args.llamacpp:

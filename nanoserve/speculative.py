@@ -153,8 +153,8 @@ class SpeculationRule:
     its recent acceptance is at least R / (R + overhead_rows), R counting the step's rows so far
     (one a running request, and the drafts handed out): at one request on the default model
     (a / b about 3) a request whose drafts are kept a quarter of the time gains; at 16 it needs 84%.
-    A request under its threshold rests, and proposes again every probe_every steps (its acceptance
-    may have changed with its text). Its draft length follows transformers' schedule for assisted
+    A request under its threshold rests, and every probe_every steps proposes one draft (its
+    acceptance may have changed with its text; one row is the cheapest way to find out). Its draft length follows transformers' schedule for assisted
     generation: two more after a verification that kept every draft, one fewer after one that did
     not, up to num_speculative_tokens.
     """
@@ -196,7 +196,7 @@ class SpeculationRule:
                 request.spec_skipped += 1
                 if request.spec_skipped < cfg.probe_every:
                     continue
-                request.spec_skipped = 0
+                request.spec_skipped, k = 0, 1  # a probe: the cheapest bet that can show a change
             drafts = self.proposer.propose(request.token_ids, k)
             if drafts and request.grammar is not None:
                 drafts = request.grammar.longest_allowed(drafts)
