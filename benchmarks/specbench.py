@@ -201,8 +201,9 @@ def bench_hf(args: argparse.Namespace) -> list[dict]:
     k = json.loads(args.speculative_config).get("num_speculative_tokens", 4)
     rows = []
     for workload in args.workloads:
-        ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                             return_tensors="pt") for t in WORKLOADS[workload]]
+        ids = [torch.tensor([tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}],
+                                                                             add_generation_prompt=True, tokenize=False),
+                                              add_special_tokens=False)]) for t in WORKLOADS[workload]]
         rates: dict[str, list[float]] = {"plain": [], "lookup": []}
         differ = 0
         for _ in range(args.hf_rounds):
