@@ -296,6 +296,21 @@ def test_serving_metrics_arithmetic():
     assert m.queue.count == 0
 
 
+def test_metrics_count_speculative_drafts_over_finished_requests():
+    from nanoserve.engine import EngineStats
+    from nanoserve.request import RequestOutput
+    from nanoserve.serving.server.metrics import ServerMetrics
+
+    sm = ServerMetrics()
+    for drafts, drafted, accepted in ((3, 10, 7), (1, 4, 0)):
+        sm.observe_finished(RequestOutput("r", [1], [5, 6], "", True, "length", 1.0, 1.0, 1.1, 1.2, [1.1, 1.2], 0.2,
+                                          num_drafts=drafts, num_draft_tokens=drafted, num_accepted_tokens=accepted))
+    lines = sm.render(EngineStats(0, 0, 8, 8, 0)).splitlines()
+    assert "nanoserve_spec_decode_num_drafts_total 4.0" in lines
+    assert "nanoserve_spec_decode_num_draft_tokens_total 14.0" in lines
+    assert "nanoserve_spec_decode_num_accepted_tokens_total 7.0" in lines
+
+
 def test_metrics_text_format():
     from nanoserve.engine import EngineStats
     from nanoserve.request import RequestOutput

@@ -1059,3 +1059,15 @@ def test_the_default_model_answers_the_same_with_speculation(default_model_dir):
     same_answers(answers[True], answers[False])
     assert sum(o.num_accepted_tokens for o in answers[True]) > 0.3 * sum(len(o.token_ids) for o in answers[True])
     assert_speculated(answers[True])
+
+
+def test_serve_takes_the_speculative_config_as_a_json_object():
+    import argparse
+
+    from nanoserve.serving.cli import speculative_config
+
+    assert speculative_config('{"method": "ngram", "num_speculative_tokens": 3}') == {
+        "method": "ngram", "num_speculative_tokens": 3}
+    for bad in ('{"method": ngram}', '[1, 2]'):
+        with pytest.raises(argparse.ArgumentTypeError):
+            speculative_config(bad)
