@@ -1,4 +1,4 @@
-"""specbench: speculative decoding (n-gram lookup) against plain decoding, on the default model.
+"""specbench: speculative decoding against plain decoding, on the default model.
 
 Two kinds of work, as chat prompts: input-grounded (edit this code, repeat or correct this text,
 answer from this passage: the answer repeats spans of the prompt) and open-ended (a story, an
@@ -11,15 +11,26 @@ Per workload and concurrency the table gives each system's decode rate (output t
 first over the seconds from first token to finish, summed over requests) and output rate (output
 tokens over the wall time, prefill included), their ratio (median of the rounds, with the
 smallest and largest), and speculation's drafted and accepted tokens and mean accepted length per
-verification. With --hf, transformers' `generate` is run with and without
+verification.
+
+--method ngram (the default) serves the shipped Q4_1 file with prompt lookup. --method draft_model
+serves the same model's dense checkpoint (the GGUF de-quantized, in --target-dtype) with the shipped
+Q4_1 file as its draft: a quantized copy of the target, the one draft with SmolLM2's vocabulary
+here (a truncated copy, the first layers alone, keeps under a tenth of its drafts: notes/specbench.md).
+
+With --hf (ngram), transformers' `generate` is run with and without
 `prompt_lookup_num_tokens` on the same prompts (1 at a time, its own ratio); with --llamacpp,
 llama.cpp's `llama-lookup` drafting k and drafting nothing, on the shipped GGUF file, where
 `python -m benchmarks.peerbench --setup-llamacpp` built llama.cpp and
-`cmake --build .peers/llama.cpp-build --target llama-lookup` built the tool.
+`cmake --build .peers/llama.cpp-build --target llama-lookup` built the tool; with --method
+draft_model, llama.cpp's `llama-speculative` with the same pair (its float32 GGUF of the dense
+checkpoint as target, the Q4_1 file as draft) over `llama-lookup` drafting nothing on the target
+(`--target llama-speculative` builds it).
 
     python benchmarks/specbench.py                          # 3 rounds, k = 4, 128 tokens
     python benchmarks/specbench.py --rounds 5 --hf --llamacpp
     python benchmarks/specbench.py --speculative-config '{"method": "ngram", "num_speculative_tokens": 8}'
+    python benchmarks/specbench.py --method draft_model --target-dtype bfloat16 --llamacpp
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from pathlib import Path
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.chat import encode_chat, render_chat
 from nanoserve.instruments.csv_writer import write_csv
+from nanoserve.model.default import default_model_dir, gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_BIN = ROOT / ".peers" / "llama.cpp-build" / "bin"
@@ -141,10 +153,29 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def speculative_config(args: argparse.Namespace) -> dict:
+    """--speculative-config, or the method's: k = 4, and for draft_model the shipped Q4_1 file."""
+    if args.speculative_config is not None:
+        return json.loads(args.speculative_config)
+    if args.method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 4}
+    return {"method": "draft_model", "model": str(gguf_path()), "num_speculative_tokens": 4}
+
+
+def target_of(args: argparse.Namespace) -> tuple[Path | None, dict]:
+    """What both engines serve, and their EngineConfig fields: the shipped GGUF as the plan likes it,
+    or (draft_model) its dense checkpoint in --target-dtype on the batch-invariant plan."""
+    if speculative_config(args)["method"] == "ngram":
+        return None, {"max_num_seqs": 16}
+    return default_model_dir(), {"max_num_seqs": 16, "dtype": args.target_dtype, "quantization": None,
+                                 "batch_invariant": True}
+
+
 def bench_nanoserve(args: argparse.Namespace) -> tuple[list[dict], int]:
-    spec = json.loads(args.speculative_config)
-    engines = {"plain": Engine.from_pretrained(None, EngineConfig(max_num_seqs=16)),
-               "ngram": Engine.from_pretrained(None, EngineConfig(max_num_seqs=16, speculative_config=spec))}
+    spec = speculative_config(args)
+    target, fields = target_of(args)
+    engines = {"plain": Engine.from_pretrained(target, EngineConfig(**fields)),
+               "spec": Engine.from_pretrained(target, EngineConfig(**fields, speculative_config=spec))}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     for engine in engines.values():
         engine.warmup()
@@ -158,32 +189,33 @@ def bench_nanoserve(args: argparse.Namespace) -> tuple[list[dict], int]:
             for name, engine in engines.items():
                 got[name] = run_once(engine, prompts, concurrency, params)
                 runs.setdefault((workload, concurrency, name), []).append(got[name])
-            bad = sum(a != b for a, b in zip(got["plain"]["tokens"], got["ngram"]["tokens"], strict=True))
+            bad = sum(a != b for a, b in zip(got["plain"]["tokens"], got["spec"]["tokens"], strict=True))
             differ += bad
             print(f"  round {r + 1} {workload:<9} x{concurrency:<3} plain {got['plain']['decode_tok_s']:7.1f} "
-                  f"ngram {got['ngram']['decode_tok_s']:7.1f} decode tok/s; {bad} outputs differ", flush=True)
+                  f"spec {got['spec']['decode_tok_s']:7.1f} decode tok/s; {bad} outputs differ", flush=True)
     rows = []
-    print(f"\n{'workload':<10}{'conc':>5}{'plain tok/s':>13}{'ngram tok/s':>13}{'decode ratio':>20}{'output ratio':>20}"
+    print(f"\n{'workload':<10}{'conc':>5}{'plain tok/s':>13}{'spec tok/s':>13}{'decode ratio':>20}{'output ratio':>20}"
           f"{'accept':>8}{'per verify':>11}")
     for workload, concurrency in cases:
-        plain, ngram = runs[(workload, concurrency, "plain")], runs[(workload, concurrency, "ngram")]
-        decode = [n["decode_tok_s"] / p["decode_tok_s"] for p, n in zip(plain, ngram, strict=True)]
-        output = [n["tok_s"] / p["tok_s"] for p, n in zip(plain, ngram, strict=True)]
-        drafted, accepted, drafts = ngram[-1]["drafted"], ngram[-1]["accepted"], ngram[-1]["drafts"]
+        plain, spec_runs = runs[(workload, concurrency, "plain")], runs[(workload, concurrency, "spec")]
+        decode = [n["decode_tok_s"] / p["decode_tok_s"] for p, n in zip(plain, spec_runs, strict=True)]
+        output = [n["tok_s"] / p["tok_s"] for p, n in zip(plain, spec_runs, strict=True)]
+        drafted, accepted, drafts = spec_runs[-1]["drafted"], spec_runs[-1]["accepted"], spec_runs[-1]["drafts"]
         rate = accepted / drafted if drafted else 0.0
         per_verify = accepted / drafts if drafts else 0.0
         print(f"{workload:<10}{concurrency:>5}{statistics.median(p['decode_tok_s'] for p in plain):>13.1f}"
-              f"{statistics.median(n['decode_tok_s'] for n in ngram):>13.1f}{spread(decode):>20}{spread(output):>20}"
+              f"{statistics.median(n['decode_tok_s'] for n in spec_runs):>13.1f}{spread(decode):>20}{spread(output):>20}"
               f"{rate:>8.2f}{per_verify:>11.2f}")
-        rows.append({"system": "nanoserve", "workload": workload, "concurrency": concurrency, "rounds": args.rounds,
+        rows.append({"system": "nanoserve", "method": spec["method"], "target": fields.get("dtype", "q4_1"),
+                     "workload": workload, "concurrency": concurrency, "rounds": args.rounds,
                      "k": spec.get("num_speculative_tokens"), "config": json.dumps(spec),
                      "plain_decode_tok_s": round(statistics.median(p["decode_tok_s"] for p in plain), 2),
-                     "spec_decode_tok_s": round(statistics.median(n["decode_tok_s"] for n in ngram), 2),
+                     "spec_decode_tok_s": round(statistics.median(n["decode_tok_s"] for n in spec_runs), 2),
                      "decode_ratio": round(statistics.median(decode), 3), "decode_ratio_min": round(min(decode), 3),
                      "decode_ratio_max": round(max(decode), 3), "output_ratio": round(statistics.median(output), 3),
                      "output_ratio_min": round(min(output), 3), "output_ratio_max": round(max(output), 3),
                      "drafted": drafted, "accepted": accepted, "acceptance": round(rate, 3),
-                     "accepted_per_verify": round(per_verify, 3), "output_tokens": ngram[-1]["output_tokens"],
+                     "accepted_per_verify": round(per_verify, 3), "output_tokens": spec_runs[-1]["output_tokens"],
                      "differing_outputs": differ})
     return rows, differ
 
@@ -193,12 +225,10 @@ def bench_hf(args: argparse.Namespace) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nanoserve.model.default import default_model_dir
-
     directory = default_model_dir()  # the shipped GGUF de-quantized to float32 safetensors, once
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    k = json.loads(args.speculative_config).get("num_speculative_tokens", 4)
+    k = speculative_config(args).get("num_speculative_tokens", 4)
     rows = []
     for workload in args.workloads:
         ids = [torch.tensor([tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}],
@@ -234,30 +264,38 @@ def bench_hf(args: argparse.Namespace) -> list[dict]:
 
 
 def bench_llamacpp(args: argparse.Namespace) -> list[dict]:
-    """llama.cpp's llama-lookup (prompt lookup, --spec-draft-n-max k) against the same binary drafting
-    nothing (--spec-draft-n-max 0: its plain decode), 1 request at a time, 2 threads, greedy, on the
-    shipped Q4_1 file: the decode rate each reports ("decoded N tokens in S seconds")."""
-    from nanoserve.model.default import gguf_path
-
-    lookup = LLAMA_BIN / "llama-lookup"
-    if not lookup.is_file():
-        print(f"llama.cpp: {lookup} not built (python -m benchmarks.peerbench --setup-llamacpp, then "
-              f"cmake --build {LLAMA_BIN.parent} --target llama-lookup)")
+    """llama.cpp, 1 request at a time, 2 threads, greedy: the decode rate each run reports ("decoded N
+    tokens in S seconds"). ngram: llama-lookup (prompt lookup, --spec-draft-n-max k) against the same
+    binary drafting nothing (--spec-draft-n-max 0: its plain decode) on the shipped Q4_1 file.
+    draft_model: llama-speculative, the float32 GGUF of the dense checkpoint (peerbench's) as target
+    and the Q4_1 file as draft, against llama-lookup drafting nothing on the target."""
+    spec = speculative_config(args)
+    k = spec.get("num_speculative_tokens", 4)
+    lookup, speculative = LLAMA_BIN / "llama-lookup", LLAMA_BIN / "llama-speculative"
+    target = ROOT / ".peers" / "smollm2-135m-f32.gguf"
+    drafting = spec["method"] == "draft_model"
+    for tool in (lookup, speculative) if drafting else (lookup,):
+        if not tool.is_file():
+            print(f"llama.cpp: {tool} not built (python -m benchmarks.peerbench --setup-llamacpp, then "
+                  f"cmake --build {LLAMA_BIN.parent} --target {tool.name})")
+            return []
+    if drafting and not target.is_file():
+        print(f"llama.cpp: {target} missing (python -m benchmarks.peerbench --setup-llamacpp converts it)")
         return []
-    gguf = str(gguf_path())
+    plain_cmd = [str(lookup), "-m", str(target) if drafting else str(gguf_path()), "--spec-draft-n-max", "0"]
+    spec_cmd = ([str(speculative), "-m", str(target), "-md", spec["model"]] if drafting
+                else [str(lookup), "-m", str(gguf_path())]) + ["--spec-draft-n-max", str(k)]
     tokenizer = Engine.from_pretrained(None, EngineConfig(num_kv_blocks=1)).tokenizer
-    k = json.loads(args.speculative_config).get("num_speculative_tokens", 4)
     rows = []
     for workload in args.workloads:
         texts = [render_chat(tokenizer, [{"role": "user", "content": t}]) for t in WORKLOADS[workload]]
         ratio, accepted, drafted = [], 0, 0
         for _ in range(args.rounds):
             rate = {}
-            for name, n_max in (("plain", 0), ("lookup", k)):
+            for name, tool_cmd in (("plain", plain_cmd), ("spec", spec_cmd)):
                 tokens, seconds = 0, 0.0
                 for text in texts:
-                    cmd = [str(lookup), "-m", gguf, "-p", text, "-n", str(args.max_tokens), "--spec-draft-n-max",
-                           str(n_max), "-t", "2", "--temp", "0", "-c", "2048"]
+                    cmd = tool_cmd + ["-p", text, "-n", str(args.max_tokens), "-t", "2", "--temp", "0", "-c", "2048"]
                     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
                     log = done.stdout + done.stderr
                     found = re.search(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s*s", log)
@@ -266,15 +304,16 @@ def bench_llamacpp(args: argparse.Namespace) -> list[dict]:
                         return rows
                     tokens += int(found.group(1))
                     seconds += float(found.group(2))
-                    if name == "lookup":
+                    if name == "spec":
                         drafted += int(m.group(1)) if (m := re.search(r"n_drafted\s*=\s*(\d+)", log)) else 0
                         accepted += int(m.group(1)) if (m := re.search(r"n_accept\s*=\s*(\d+)", log)) else 0
                 rate[name] = tokens / seconds
-            ratio.append(rate["lookup"] / rate["plain"])
-        print(f"llama.cpp {workload:<9} x1  llama-lookup k={k} over k=0, decode rate: {spread(ratio)}; "
+            ratio.append(rate["spec"] / rate["plain"])
+        print(f"llama.cpp {workload:<9} x1  {Path(spec_cmd[0]).name} k={k} over k=0, decode rate: {spread(ratio)}; "
               f"accepted {accepted} of {drafted} drafted")
-        rows.append({"system": "llama.cpp", "workload": workload, "concurrency": 1, "rounds": args.rounds, "k": k,
-                     "config": f"llama-lookup --spec-draft-n-max {k}", "decode_ratio": round(statistics.median(ratio), 3),
+        rows.append({"system": "llama.cpp", "method": spec["method"], "target": "f32" if drafting else "q4_1",
+                     "workload": workload, "concurrency": 1, "rounds": args.rounds, "k": k,
+                     "config": " ".join(Path(c).name for c in spec_cmd), "decode_ratio": round(statistics.median(ratio), 3),
                      "decode_ratio_min": round(min(ratio), 3), "decode_ratio_max": round(max(ratio), 3),
                      "drafted": drafted, "accepted": accepted,
                      "acceptance": round(accepted / drafted, 3) if drafted else None})
@@ -287,8 +326,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
-                        help="the speculative engine's EngineConfig.speculative_config, as JSON")
+    parser.add_argument("--method", choices=["ngram", "draft_model"], default="ngram",
+                        help="ngram on the shipped file, or draft_model: its dense checkpoint with the file as draft")
+    parser.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="draft_model: the dense target's dtype")
+    parser.add_argument("--speculative-config", default=None,
+                        help="the speculative engine's EngineConfig.speculative_config, as JSON (default: the method's, k = 4)")
     parser.add_argument("--hf", action="store_true", help="also transformers' prompt_lookup_num_tokens (loads for ~35 s)")
     parser.add_argument("--hf-rounds", type=int, default=3)
     parser.add_argument("--llamacpp", action="store_true", help="also llama.cpp's llama-lookup, where it is built")
@@ -296,9 +339,11 @@ def main() -> None:
     parser.add_argument("--out", default="runs/specbench.csv")
     args = parser.parse_args()
     print(f"specbench: {args.rounds} interleaved rounds, {args.max_tokens} tokens, greedy, "
-          f"speculative_config {args.speculative_config}")
+          f"speculative_config {json.dumps(speculative_config(args))}")
     rows, differ = bench_nanoserve(args) if not args.no_nanoserve else ([], 0)
-    if args.hf:
+    if args.hf and speculative_config(args)["method"] != "ngram":
+        print("transformers: not run for draft_model (it de-quantizes the GGUF draft: it would be the target itself)")
+    elif args.hf:
         rows += bench_hf(args)
     if args.llamacpp:
         rows += bench_llamacpp(args)

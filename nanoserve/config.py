@@ -123,8 +123,8 @@ class EngineConfig:
     # torch's matmuls, which are faster past 64 rows; notes/batch-invariance.md has the cost).
     batch_invariant: bool | str = "auto"
     # Speculative decoding (nanoserve.speculative), vLLM's spelling: {"method": "ngram",
-    # "num_speculative_tokens": k, "prompt_lookup_max": M, "prompt_lookup_min": m} or a
-    # SpeculativeConfig; None: off. Greedy output stays token-identical, so it needs the batch-invariant
+    # "num_speculative_tokens": k, "prompt_lookup_max": M, "prompt_lookup_min": m}, {"method":
+    # "draft_model", "model": PATH, "num_speculative_tokens": k} or a SpeculativeConfig; None: off. Greedy output stays token-identical, so it needs the batch-invariant
     # plan (Engine refuses a config that rules that out); with deferred_output each step's tokens
     # still come home in its own collect, since the next step's proposals are read from them.
     speculative_config: SpeculativeConfig | dict | None = None
@@ -162,6 +162,9 @@ class EngineConfig:
             raise ValueError(f"batch_invariant={self.batch_invariant!r} must be True, False or 'auto'")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+            if self.speculative_config.quantization not in _QUANTIZATIONS:
+                raise ValueError(f"speculative_config quantization={self.speculative_config.quantization!r} is not "
+                                 f"one of {list(_QUANTIZATIONS)}")
             if self.batch_invariant is False:
                 raise ValueError("speculative_config with batch_invariant=False: verifying k drafts as k + 1 rows gives "
                                  "greedy's tokens only where a row's logits do not depend on the step's width; use "

@@ -18,6 +18,7 @@ from nanoserve.blocks import BlockAllocator
 from nanoserve.chat import as_conversations, encode_chat, render_chat
 from nanoserve.config import EngineConfig
 from nanoserve.detokenize import IncrementalDetokenizer
+from nanoserve.draft import load_draft
 from nanoserve.inputs import build_inputs
 from nanoserve.model.kv_cache import KVCache, bytes_per_block
 from nanoserve.model.llama import LlamaModel
@@ -32,7 +33,7 @@ from nanoserve.recorder import NULL_RECORDER
 from nanoserve.request import FinishReason, Request, RequestOutput, check_request, prompt_token_ids
 from nanoserve.sampling import BatchedSampler, RowHistory, packed_logprobs, skip_noise
 from nanoserve.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from nanoserve.speculative import SpeculationRule, overhead_rows
+from nanoserve.speculative import PLACEHOLDER, SpeculationRule, overhead_rows
 from nanoserve.structured import GrammarCompiler, apply_bitmask
 
 logger = logging.getLogger("nanoserve")
@@ -131,12 +132,21 @@ class Engine:
         self._step_requests: list[Request] | None = None  # the running step's, once scheduled: fail_step's to abort
         self.num_steps = 0
         self.speculation = SpeculationRule(spec) if spec is not None else None
+        # method "draft_model": the draft, its K/V pool indexed by the target's block ids.
+        self.draft = (load_draft(spec.model, config, model, tokenizer, self.max_model_len, num_blocks)
+                      if spec is not None and spec.method == "draft_model" else None)
         if self.speculation is not None and self.speculation.needs_calibration:
             wide = max(2, min(16, 1 + 2 * spec.num_speculative_tokens))
             one, many = self.speculation_cost(1), self.speculation_cost(wide)
             self.speculation.overhead_rows = overhead_rows(one, many, wide)
             logger.info("nanoserve: speculation: a step of 1 row %.2f ms, of %d rows %.2f ms: overhead %.1f rows",
                         1e3 * one, wide, 1e3 * many, self.speculation.overhead_rows)
+            if self.draft is not None:
+                per_row = max((many - one) / (wide - 1), 1e-9)
+                drafting = self.speculation_cost(1, draft=True)
+                self.speculation.draft_rows = drafting / per_row
+                logger.info("nanoserve: speculation: a draft token %.2f ms: %.1f rows", 1e3 * drafting,
+                            self.speculation.draft_rows)
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, config: EngineConfig | None = None) -> Engine:
@@ -253,6 +263,9 @@ class Engine:
                 self.speculation.assign(self.scheduler.running)
         with rec.phase("schedule"):
             sched = self.scheduler.schedule()
+        if self.draft is not None and any(item.draft_token_ids for item in sched.scheduled):
+            with rec.phase("draft", syncs=True):
+                self._draft(sched)
         homing = [r for r in self._in_flight[1] if not r.is_finished] if self._in_flight else []  # not overshoot
         self._step_requests = [item.request for item in sched.scheduled] + homing
         if sched.is_empty:  # idle: what is left in flight comes home after the step, ending the loop
@@ -300,10 +313,20 @@ class Engine:
                      num_draft_tokens=num_drafted, num_accepted_tokens=self._num_accepted)
         return outputs
 
-    def speculation_cost(self, num_rows: int, context: int = 128, repeats: int = 5) -> float:
+    def _draft(self, sched: SchedulerOutput) -> None:
+        """The draft model's proposals over the placeholders the schedule budgeted; what a stop token
+        left unproposed the scheduler takes back."""
+        self.draft.propose(sched.scheduled, self.model.config.vocab_size, self.grammars)
+        for item in sched.scheduled:
+            if PLACEHOLDER in item.draft_token_ids:
+                self.scheduler.drop_drafts(sched, item, item.draft_token_ids.index(PLACEHOLDER))
+
+    def speculation_cost(self, num_rows: int, context: int = 128, repeats: int = 5, draft: bool = False) -> float:
         """Seconds of one forward of a lone sequence scoring `num_rows` tokens after `context` cached
-        ones (median of `repeats`, after one warm-up): the start-up timing SpeculationRule's cost
-        model is fitted to. Writes garbage K/V into free blocks, which it returns to the pool."""
+        ones (median of `repeats`, after one warm-up), by the target or (draft=True) the draft model:
+        the start-up timing SpeculationRule's cost model is fitted to. Writes garbage K/V into free
+        blocks, which it returns to the pool."""
+        model, kv = (self.draft.model, self.draft.kv) if draft else (self.model, self.kv)
         bs = self.config.block_size
         context = max(0, min(context, self.allocator.num_free * bs - num_rows))
         request = Request("speculation-cost", [0] * (context + num_rows), SamplingParams(), frozenset())
@@ -317,7 +340,7 @@ class Engine:
             with torch.inference_mode():
                 for _ in range(repeats + 1):
                     start = time.perf_counter()
-                    self.model.forward(inputs, self.kv)
+                    model.forward(inputs, kv)
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     times.append(time.perf_counter() - start)
@@ -446,7 +469,11 @@ class Engine:
 
     def memory(self) -> dict[str, int]:
         """Bytes held by the weights, by form (see prepare.weight_bytes), and by the KV pool."""
-        return weight_bytes(self.model) | {"kv_cache": self.kv.nbytes}
+        held = weight_bytes(self.model) | {"kv_cache": self.kv.nbytes}
+        if self.draft is not None:
+            held |= {f"draft_{form}": n for form, n in weight_bytes(self.draft.model).items()}
+            held["draft_kv_cache"] = self.draft.kv.nbytes
+        return held
 
     def check_invariants(self) -> None:
         """Every KV block is free xor owned by exactly the requests that list it."""

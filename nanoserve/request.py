@@ -69,6 +69,7 @@ class Request:
         self.spec_acceptance = 1.0  # recent accepted / drafted, halved toward each new verification's
         self.spec_skipped = 0  # steps skipped since acceptance fell under the rule's floor
         self.spec_k: int | None = None  # drafts it may carry next (None: the config's k)
+        self.num_draft_computed = 0  # method "draft_model": leading tokens whose K/V the draft's pool holds
         self.parent_id: str | None = None  # n > 1: the id add_request returned for the group
         self.index = 0  # n > 1: which completion of the prompt this is
         self.status = RequestStatus.WAITING

@@ -117,6 +117,7 @@ class Scheduler:
         request.block_ids = []
         request.num_computed_tokens = 0
         request.draft_token_ids = []
+        request.num_draft_computed = 0  # its blocks, and the draft model's K/V in them, are gone
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         request.mark_not_running(now)
@@ -232,6 +233,21 @@ class Scheduler:
         prefix cache: cache_full_blocks registers only blocks of tokens the request holds)."""
         request.num_computed_tokens -= num_rejected
         keep = cdiv(request.num_computed_tokens, self.block_size)
+        if len(request.block_ids) > keep:
+            self.allocator.free(request.block_ids[keep:])
+            del request.block_ids[keep:]
+
+    def drop_drafts(self, out: SchedulerOutput, item: ScheduledRequest, num_kept: int) -> None:
+        """Before the forward: `item` forwards only its first `num_kept` drafts (a draft model stopped
+        proposing at a stop token), and the blocks that only the dropped ones needed go back."""
+        num_dropped = len(item.draft_token_ids) - num_kept
+        if num_dropped <= 0:
+            return
+        del item.draft_token_ids[num_kept:]
+        item.num_new_tokens -= num_dropped
+        out.num_batched_tokens -= num_dropped
+        request = item.request
+        keep = cdiv(request.num_computed_tokens + item.num_new_tokens, self.block_size)
         if len(request.block_ids) > keep:
             self.allocator.free(request.block_ids[keep:])
             del request.block_ids[keep:]

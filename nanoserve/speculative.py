@@ -13,8 +13,9 @@ Exact under greedy only where a row's logits do not depend on how many rows the 
 engine asks for the batch-invariant plan (nanoserve.model.plan) and refuses speculation where it
 cannot have it.
 
-The proposers here are plain Python over the request's own tokens (`NgramProposer`, vLLM's
-"ngram": prompt lookup). `SpeculationRule` decides, each step, which requests may speculate at
+The proposer here is plain Python over the request's own tokens (`NgramProposer`, vLLM's
+"ngram": prompt lookup); a draft model's (nanoserve.draft) runs after schedule, over placeholder
+drafts the rule hands out. `SpeculationRule` decides, each step, which requests may speculate at
 all, so speculation does not cost where its proposals seldom hit.
 """
 
@@ -23,17 +24,22 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from os import PathLike, fspath
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
+PLACEHOLDER = -1  # a draft the scheduler budgets before the draft model has made it
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """EngineConfig.speculative_config, with vLLM's names. Build it from a dict with `parse`.
 
-    method: "ngram" (proposals from the request's own prompt and output) or "draft_model" (not
-    built: refused by name). num_speculative_tokens: k, the drafts a request may carry into a step.
+    method: "ngram" (proposals from the request's own prompt and output) or "draft_model" (a smaller
+    model with the target's vocabulary, at `model`: a checkpoint directory or a .gguf file, laid out
+    as the engine's config says but for its own `quantization`, EngineConfig's choices, "auto" by
+    default: a GGUF draft kept as stored beside a dense target; nanoserve.draft).
+    num_speculative_tokens: k, the drafts a request may carry into a step.
     prompt_lookup_max / prompt_lookup_min: the longest and shortest suffix of the request's tokens
     that ngram looks up earlier in them (either alone sets both; neither: 5 and 5, vLLM's default).
     overhead_rows: what a step costs before its rows, in rows (a / b for a step of R rows costing
@@ -51,6 +57,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     model: str | None = None
+    quantization: str | None = "auto"
     overhead_rows: float | str = "auto"
     min_acceptance: float | None = None
     probe_every: int = 16
@@ -59,14 +66,21 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method={self.method!r} is not one of {list(METHODS)}")
-        if self.method == "draft_model":
-            raise ValueError("speculative_config method='draft_model' is not built in nanoserve yet; "
-                             "use method='ngram'")
-        if self.model is not None:
+        if self.method == "draft_model" and not isinstance(self.model, str | PathLike):
+            raise ValueError(f"speculative_config method='draft_model' needs model=PATH (a checkpoint directory "
+                             f"or a .gguf file), got model={self.model!r}")
+        if self.method != "draft_model" and self.model is not None:
             raise ValueError(f"speculative_config model={self.model!r}: only method='draft_model' takes a model")
+        if self.method != "draft_model" and self.quantization != "auto":
+            raise ValueError(f"speculative_config quantization={self.quantization!r}: only method='draft_model' "
+                             "has a model to quantize")
+        if self.method != "ngram" and (self.prompt_lookup_min is not None or self.prompt_lookup_max is not None):
+            raise ValueError("speculative_config prompt_lookup_min / prompt_lookup_max belong to method='ngram'")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config num_speculative_tokens={k!r} must be an integer >= 1")
+        if self.model is not None:
+            object.__setattr__(self, "model", fspath(self.model))
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
         for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
@@ -149,20 +163,26 @@ class SpeculationRule:
     its rows, reading the weights once, the per-step work; b: a row), and a request that drafts
     gains only the drafts kept. Adding one request's k drafts, kept at a rate alpha, to a step of R
     rows raises the step's tokens per second iff (R + alpha k) / (a + b (R + k)) > R / (a + b R), that
-    is iff alpha > R / (R + a / b), whatever k. So each running request, oldest first, proposes while
+    is iff alpha > R / (R + a / b), whatever k; a draft model that spends d on each draft token moves
+    this to alpha > R (1 + d / b) / (R + a / b) (`draft_rows` is d / b). So each running request, oldest first, proposes while
     its recent acceptance is at least R / (R + overhead_rows), R counting the step's rows so far
     (one a running request, and the drafts handed out): at one request on the default model
     (a / b about 3) a request whose drafts are kept a quarter of the time gains; at 16 it needs 84%.
     A request under its threshold rests, and every probe_every steps proposes one draft (its
-    acceptance may have changed with its text; one row is the cheapest way to find out). Its draft length follows transformers' schedule for assisted
+    acceptance may have changed with its text; one row is the cheapest way to find out), unless the
+    threshold is over 1: then no acceptance could pay, and a draft model's probe would cost it a
+    forward (and the catch-up on every token since its last). Its draft length follows transformers' schedule for assisted
     generation: two more after a verification that kept every draft, one fewer after one that did
     not, up to num_speculative_tokens.
     """
 
-    def __init__(self, config: SpeculativeConfig, overhead_rows: float | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, overhead_rows: float | None = None, draft_rows: float = 0.0) -> None:
         self.config = config
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # ngram proposes here, before schedule; a draft model proposes after it, over placeholders.
+        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                         if config.method == "ngram" else None)
         self.overhead_rows = overhead_rows if config.overhead_rows == "auto" else config.overhead_rows
+        self.draft_rows = draft_rows  # what proposing one draft costs, in rows (a draft model's forward)
 
     @property
     def needs_calibration(self) -> bool:
@@ -174,7 +194,7 @@ class SpeculationRule:
         if self.config.min_acceptance is not None:
             return self.config.min_acceptance
         overhead = 0.0 if self.overhead_rows is None else self.overhead_rows
-        return rows / (rows + overhead) if rows + overhead > 0 else 0.0
+        return rows * (1.0 + self.draft_rows) / (rows + overhead) if rows + overhead > 0 else 0.0
 
     def assign(self, requests: Sequence[Any]) -> None:
         """Sets each request's draft_token_ids for the next schedule: [] for those that do not
@@ -192,11 +212,18 @@ class SpeculationRule:
                 k = min(k, cfg.max_step_rows - rows)
             if k < 1:
                 continue
-            if request.spec_acceptance < self.threshold(rows):
+            threshold = self.threshold(rows)
+            if threshold > 1.0:
+                continue  # not even drafts that are always kept would pay: no probe either
+            if request.spec_acceptance < threshold:
                 request.spec_skipped += 1
                 if request.spec_skipped < cfg.probe_every:
                     continue
                 request.spec_skipped, k = 0, 1  # a probe: the cheapest bet that can show a change
+            if self.proposer is None:
+                request.draft_token_ids = [PLACEHOLDER] * k  # the draft model's, after schedule
+                rows += k
+                continue
             drafts = self.proposer.propose(request.token_ids, k)
             if drafts and request.grammar is not None:
                 drafts = request.grammar.longest_allowed(drafts)

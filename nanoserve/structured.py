@@ -157,7 +157,8 @@ class GrammarCompiler:
         for row, grammar in enumerate(grammars):
             if grammar is None:
                 continue
-            grammar.fill(bitmask, row)
+            if not grammar.matcher.is_terminated():  # a row after a draft that ended the grammar: never kept
+                grammar.fill(bitmask, row)
             draft = drafts[row] if drafts is not None else None
             if draft is not None:
                 if not grammar.matcher.accept_token(draft):  # never: longest_allowed trimmed the drafts

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+import tempfile
 from collections import Counter
 
 import pytest
@@ -31,7 +32,14 @@ from nanoserve.params import StructuredOutputs
 from nanoserve.readback import TokenBatch
 from nanoserve.request import Request
 from nanoserve.scheduler import Scheduler
-from nanoserve.speculative import NgramProposer, SpeculationRule, SpeculativeConfig, observe, overhead_rows
+from nanoserve.speculative import (
+    PLACEHOLDER,
+    NgramProposer,
+    SpeculationRule,
+    SpeculativeConfig,
+    observe,
+    overhead_rows,
+)
 
 needs_build = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
 
@@ -137,6 +145,30 @@ def compare(hf, prompts, params, path: str = "float32-dense", spec: dict = SPEC,
     return spec_outputs, steps
 
 
+_DRAFTS: dict[int, tempfile.TemporaryDirectory] = {}
+
+
+def draft_spec(hf, k: int = 4) -> dict:
+    """method "draft_model" whose draft is hf's first layer (with its embedding, final norm and head),
+    saved as a checkpoint directory: a smaller model with the target's vocabulary, whose greedy
+    proposals the target keeps often but not always."""
+    if id(hf) not in _DRAFTS:
+        fields = {key: value for key, value in hf.config.to_dict().items() if key != "layer_types"}
+        small = type(hf)(type(hf.config)(**(fields | {"num_hidden_layers": 1}))).eval()
+        small.load_state_dict({name: t for name, t in hf.state_dict().items() if ".layers.1." not in name})
+        _DRAFTS[id(hf)] = tempfile.TemporaryDirectory()
+        small.save_pretrained(_DRAFTS[id(hf)].name)
+    return {"method": "draft_model", "model": _DRAFTS[id(hf)].name, "num_speculative_tokens": k, "min_acceptance": 0.0}
+
+
+def spec_for(method: str, hf) -> dict:
+    """The speculative_config of a test run by either method."""
+    return SPEC if method == "ngram" else draft_spec(hf)
+
+
+METHODS = ["ngram", "draft"]
+
+
 # ---- SpeculativeConfig -------------------------------------------------------------------------------
 
 
@@ -167,7 +199,10 @@ def test_config_lookup_defaults():
     ({"method": "ngram", "num_speculative_tokens": True}, r"num_speculative_tokens=True"),
     ({"method": "ngram", "num_lookahead_slots": 3}, r"unknown keys \['num_lookahead_slots'\]"),
     ({"method": "eagle"}, r"method='eagle' is not one of \['ngram', 'draft_model'\]"),
-    ({"method": "draft_model", "model": "tiny-draft"}, r"method='draft_model' is not built"),
+    ({"method": "draft_model"}, r"method='draft_model' needs model=PATH .*model=None"),
+    ({"method": "draft_model", "model": 3}, r"model=3"),
+    ({"method": "draft_model", "model": "tiny-draft", "prompt_lookup_max": 3}, r"belong to method='ngram'"),
+    ({"method": "ngram", "quantization": "int4"}, r"quantization='int4': only method='draft_model'"),
     ({"method": "ngram", "model": "tiny-draft"}, r"model='tiny-draft'"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, r"prompt_lookup_min=4 exceeds prompt_lookup_max=2"),
     ({"method": "ngram", "prompt_lookup_min": 0}, r"prompt_lookup_min=0 must be an integer >= 1"),
@@ -178,6 +213,11 @@ def test_config_refusals_name_the_value(spec, match):
         SpeculativeConfig.parse(spec)
     with pytest.raises(ValueError, match=match):  # and through EngineConfig, where users meet it
         EngineConfig(speculative_config=spec)
+
+
+def test_a_draft_quantization_is_one_the_engine_knows():
+    with pytest.raises(ValueError, match=r"speculative_config quantization='int3' is not one of"):
+        EngineConfig(speculative_config={"method": "draft_model", "model": "d", "quantization": "int3"})
 
 
 def test_speculation_refuses_a_plan_that_is_not_batch_invariant():
@@ -354,6 +394,39 @@ def test_the_engine_times_its_steps_for_the_rule_and_returns_the_blocks():
     assert built.speculation.overhead_rows >= 0.0
     check_pool(built)
     assert built.allocator.num_free == built.allocator.num_blocks
+    assert built.speculation.draft_rows == 0.0  # ngram's proposals cost no forward
+    hf = tiny_model()
+    drafting = engine(hf, draft_spec(hf) | {"min_acceptance": None})
+    assert drafting.speculation.draft_rows > 0.0  # a draft token costs a forward of the draft
+    assert drafting.allocator.num_free == drafting.allocator.num_blocks
+
+
+def test_the_rule_charges_a_draft_models_forward_to_the_threshold():
+    # alpha > R (1 + d / b) / (R + a / b): with a / b = 3 and a draft token at d / b = 1, a lone
+    # request needs 2 / 4; at 5 rows 10 / 8, more than every draft kept: never.
+    rule = SpeculationRule(SpeculativeConfig(method="draft_model", model="d", overhead_rows=3.0), draft_rows=1.0)
+    assert rule.threshold(1) == pytest.approx(0.5) and rule.threshold(5) == pytest.approx(1.25)
+    requests = [decoding_request("a", [5, 6, 7]), decoding_request("b", [5, 6, 7])]
+    # Two running requests: a's threshold is 2 * 2 / (2 + 3) = 0.8; after its 4 drafts, b's is 6 * 2 / 9 > 1.
+    requests[0].spec_acceptance, requests[1].spec_acceptance = 0.85, 1.0
+    rule.assign(requests)
+    assert requests[0].draft_token_ids == [PLACEHOLDER] * 4  # placeholders: the draft model fills them
+    assert requests[1].draft_token_ids == []
+    requests[0].spec_acceptance = 0.75
+    rule.assign(requests)
+    assert requests[0].draft_token_ids == [] and requests[1].draft_token_ids == [PLACEHOLDER] * 4
+    # Under 0.8 a request rests and probes every probe_every (16) steps; b, facing a threshold over
+    # 1 once a drafts again, never probes: no acceptance could pay for the draft's forward.
+    requests[0].spec_acceptance, requests[1].spec_acceptance = 0.85, 0.1
+    probes = 0
+    for _ in range(40):
+        rule.assign(requests)
+        assert requests[1].draft_token_ids == []
+    requests[0].spec_acceptance = 0.5
+    for _ in range(40):
+        rule.assign(requests)
+        probes += requests[0].draft_token_ids == [PLACEHOLDER]
+    assert probes == 40 // 16
 
 
 # ---- Scheduler: drafts and rollback ------------------------------------------------------------------
@@ -473,16 +546,78 @@ def test_drafts_fit_the_token_budget_and_never_preempt():
     assert out.preempted == [] and scheduler.allocator.num_free == 0
 
 
+# ---- the draft model's own checks --------------------------------------------------------------------
+
+
+_SAVED: list[tempfile.TemporaryDirectory] = []  # kept alive with the module
+
+
+def saved(hf_model) -> str:
+    """A checkpoint directory holding hf_model."""
+    directory = tempfile.TemporaryDirectory()
+    _SAVED.append(directory)
+    hf_model.save_pretrained(directory.name)
+    return directory.name
+
+
+def test_a_draft_with_another_vocabulary_or_too_few_positions_is_refused():
+    hf = tiny_model()
+    other_vocab = saved(make_hf_model("llama", 5, vocab_size=101))
+    with pytest.raises(ValueError, match=r"draft model has vocab_size=101, the target 97"):
+        engine(hf, {"method": "draft_model", "model": other_vocab, "min_acceptance": 0.0})
+    short = saved(make_hf_model("llama", 5, max_position_embeddings=64))
+    with pytest.raises(ValueError, match=r"draft model positions 64 tokens, under the engine's max_model_len=256"):
+        engine(hf, {"method": "draft_model", "model": short, "min_acceptance": 0.0})
+    engine(hf, {"method": "draft_model", "model": short, "min_acceptance": 0.0}, max_model_len=64)  # within reach
+
+
+def test_a_draft_whose_tokenizer_maps_tokens_elsewhere_is_refused():
+    from nanoserve.draft import check_vocabulary
+
+    class Vocab:
+        def __init__(self, vocab: dict[str, int]) -> None:
+            self.vocab = vocab
+
+        def get_vocab(self) -> dict[str, int]:
+            return self.vocab
+
+    model = nanoserve_model_from_hf(tiny_model())
+    target = Vocab({"a": 0, "b": 1, "c": 2})
+    check_vocabulary(model, Vocab({"a": 0, "b": 1, "c": 2}), model, target)
+    check_vocabulary(model, None, model, target)  # no tokenizer to compare: the sizes alone
+    with pytest.raises(ValueError, match=r"tokenizer \(3 tokens\) is not the target's \(3 tokens\).*'b'"):
+        check_vocabulary(model, Vocab({"a": 0, "b": 2, "c": 1}), model, target)
+
+
+@needs_build
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_the_target_as_its_own_draft_keeps_every_draft(path):
+    # On the batch-invariant plan the draft's logits are the target's bits, so its greedy drafts are
+    # the target's greedy tokens: every one is kept (a verifier that rejected any would show here).
+    hf = tiny_model()
+    spec = {"method": "draft_model", "model": saved(hf), "num_speculative_tokens": 3, "min_acceptance": 0.0,
+            "quantization": PATHS[path]["quantization"]}  # the draft laid out as the target is
+    outputs, steps = drive(engine(hf, spec, path), PROMPTS, [greedy(40)] * len(PROMPTS))
+    plain, _ = drive(engine(hf, None, path), PROMPTS, [greedy(40)] * len(PROMPTS))
+    same_answers(outputs, plain)
+    # The prompt's step gives token 1; then 9 steps of 3 kept drafts and the row after them give 36,
+    # and max_tokens leaves the last step 2 drafts (and its third token): 29 drafts, every one kept.
+    for out in outputs:
+        assert out.num_accepted_tokens == out.num_draft_tokens == 29, out.request_id
+    assert max(n for step in steps for n in step.values()) == 4  # 3 drafts and the row after them
+
+
 # ---- greedy: the same tokens with and without speculation ---------------------------------------------
 
 
 @needs_build
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_greedy_tokens_are_the_same_with_and_without_speculation(name, path):
+def test_greedy_tokens_are_the_same_with_and_without_speculation(name, path, method):
     family, overrides = FAMILIES[name]
     hf = tiny_model(family, 43, **overrides)
-    outputs, steps = compare(hf, PROMPTS, [greedy(40)] * len(PROMPTS), path)
+    outputs, steps = compare(hf, PROMPTS, [greedy(40)] * len(PROMPTS), path, spec_for(method, hf))
     assert max(n for step in steps for n in step.values()) > 1  # steps that gave a request several tokens
     if "window" in name:  # every draft sits past the window: the prompts that repeat are longer than it
         assert min(len(p) for p in PROMPTS[:3]) > hf.config.sliding_window
@@ -555,10 +690,12 @@ def spec_loads(draw):
     return {
         "requests": draw(st.lists(st.tuples(st.integers(0, len(PROMPTS)), st.booleans(), st.integers(0, 6)),
                                   min_size=1, max_size=7)),
-        "spec": {"method": "ngram", "num_speculative_tokens": draw(st.integers(1, 6)),
-                 "prompt_lookup_min": lookup_min, "prompt_lookup_max": lookup_min + draw(st.integers(0, 2)),
+        "spec": {"num_speculative_tokens": draw(st.integers(1, 6)),
                  "min_acceptance": draw(st.sampled_from([0.0, 0.25])),
-                 "max_step_rows": draw(st.sampled_from([None, 4, 16]))},
+                 "max_step_rows": draw(st.sampled_from([None, 4, 16]))}
+        | draw(st.sampled_from([{"method": "ngram", "prompt_lookup_min": lookup_min,
+                                 "prompt_lookup_max": lookup_min + draw(st.integers(0, 2))},
+                                {"method": "draft_model"}])),
         "max_num_seqs": draw(st.integers(1, 8)),
         "max_num_batched_tokens": draw(st.sampled_from([3, 5, 8, 13, 512])),
         "enable_prefix_caching": draw(st.booleans()),
@@ -570,15 +707,20 @@ def spec_loads(draw):
 @settings(max_examples=100, deadline=None, database=None)
 @given(load=spec_loads())
 def test_a_requests_answer_is_its_quiet_one_under_any_load_with_speculation(load):
-    run_load(tiny_model(lm_head_scale=LOAD_SCALE), load.pop("requests"), load.pop("spec"), **load)
+    hf = tiny_model(lm_head_scale=LOAD_SCALE)
+    spec = load.pop("spec")
+    if spec["method"] == "draft_model":
+        spec["model"] = draft_spec(hf)["model"]
+    run_load(hf, load.pop("requests"), spec, **load)
 
 
 @needs_build
-def test_one_load_meets_chunks_prefix_hits_preemption_and_drafts_both_ways():
+@pytest.mark.parametrize("method", METHODS)
+def test_one_load_meets_chunks_prefix_hits_preemption_and_drafts_both_ways(method):
     requests = [(4, False, 0), (5, True, 0), (0, False, 1), (5, False, 1), (2, True, 2), (1, True, 2), (0, True, 3),
                 (3, False, 4), (5, True, 5)]
-    outputs = run_load(tiny_model(lm_head_scale=LOAD_SCALE), requests, SPEC, max_num_seqs=6, max_num_batched_tokens=8,
-                       num_kv_blocks=32)
+    hf = tiny_model(lm_head_scale=LOAD_SCALE)
+    outputs = run_load(hf, requests, spec_for(method, hf), max_num_seqs=6, max_num_batched_tokens=8, num_kv_blocks=32)
     assert sum(o.num_preemptions for o in outputs) > 0
     assert sum(o.num_cached_tokens for o in outputs) > 0
     assert_speculated([o for o, (_, sampled, _) in zip(outputs, requests, strict=True) if sampled])
@@ -615,17 +757,20 @@ def copying_prompt(hf) -> list[int]:
 
 
 @needs_build
-def test_stop_token_inside_accepted_drafts_ends_the_request_there():
+@pytest.mark.parametrize("method", METHODS)
+def test_stop_token_inside_accepted_drafts_ends_the_request_there(method):
     hf = tiny_model()
+    spec = spec_for(method, hf)
     prompt = copying_prompt(hf)
-    (free,), steps = drive(engine(hf), [prompt], [greedy(40)])
+    (free,), steps = drive(engine(hf, spec), [prompt], [greedy(40)])
     ends = last_of_a_step(steps, free.request_id)
     tokens = list(free.token_ids)
     # A token first seen at index i, where the step that gave it also gave tokens after it.
     inside = [i for i, t in enumerate(tokens) if t not in tokens[:i] and i not in ends]
     assert inside, (tokens, sorted(ends))
     stop_at = inside[0]
-    outputs, _ = compare(hf, [prompt, PROMPTS[1]], [greedy(40, stop_token_ids=[tokens[stop_at]]), greedy(40)])
+    outputs, _ = compare(hf, [prompt, PROMPTS[1]], [greedy(40, stop_token_ids=[tokens[stop_at]]), greedy(40)],
+                         spec=spec)
     assert list(outputs[0].token_ids) == tokens[:stop_at + 1]
     assert outputs[0].finish_reason == "stop" and outputs[0].stop_reason == tokens[stop_at]
 
@@ -670,10 +815,11 @@ def test_the_step_profile_counts_the_drafts_the_requests_kept():
 
 
 @needs_build
-def test_max_tokens_is_never_exceeded():
+@pytest.mark.parametrize("method", METHODS)
+def test_max_tokens_is_never_exceeded(method):
     hf = tiny_model()
-    (free,), _ = drive(engine(hf), [PROMPTS[0]], [greedy(16)])
-    outputs, _ = compare(hf, [PROMPTS[0]] * 16, [greedy(m) for m in range(1, 17)])
+    (free,), _ = drive(engine(hf, None), [PROMPTS[0]], [greedy(16)])
+    outputs, _ = compare(hf, [PROMPTS[0]] * 16, [greedy(m) for m in range(1, 17)], spec=spec_for(method, hf))
     for m, out in enumerate(outputs, start=1):
         assert list(out.token_ids) == list(free.token_ids)[:m] and out.finish_reason == "length"
 
@@ -746,13 +892,21 @@ STRUCTURED = [("abcdabcdabcd", "(ab|ba)+c"), ("abcdabcdabcd", "[a-d]{12}"), ("ab
 
 
 @needs_build
-def test_structured_outputs_with_drafts():
+@pytest.mark.parametrize("method", METHODS)
+def test_structured_outputs_with_drafts(method, monkeypatch):
     pytest.importorskip("xgrammar")
     hf = tiny_model()
+    # A draft model drafts within the grammar and stops at its end (the stop token the mask leaves):
+    # the placeholders past it are dropped before the forward.
+    dropped = []
+    drop_drafts = Scheduler.drop_drafts
+    monkeypatch.setattr(Scheduler, "drop_drafts", lambda self, out, item, num_kept: (
+        dropped.append(len(item.draft_token_ids) - num_kept), drop_drafts(self, out, item, num_kept))[1])
     prompts = [ids_of(text) for text, _ in STRUCTURED] + [ids_of("abababababab")]
     params = [greedy(40, structured_outputs=StructuredOutputs(regex=regex)) for _, regex in STRUCTURED]
     params.append(greedy(40, structured_outputs=StructuredOutputs(choice=["abababab", "ababxyz"])))
-    outputs, _ = compare(hf, prompts, params)
+    outputs, _ = compare(hf, prompts, params, spec=spec_for(method, hf))
+    assert (max(dropped) > 0) if method == "draft" else not dropped
     for (_, regex), out in zip(STRUCTURED, outputs, strict=False):
         assert re.fullmatch(regex, out.text) and out.finish_reason == "stop", (regex, out.text)
     # The choice ends inside what the prompt would propose: drafts past its end were trimmed.
@@ -781,10 +935,11 @@ def test_longest_allowed_trims_drafts_and_leaves_the_matcher_where_it_was():
 
 
 @needs_build
-def test_n_completions_with_drafts():
+@pytest.mark.parametrize("method", METHODS)
+def test_n_completions_with_drafts(method):
     hf = tiny_model(lm_head_scale=10.0)
     params = [greedy(30, n=3), SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True, n=3, seed=5)]
-    spec_engine = engine(hf)
+    spec_engine = engine(hf, spec_for(method, hf))
     grouped = spec_engine.generate([PROMPTS[0], PROMPTS[1]], params)
     check_pool(spec_engine)
     assert spec_engine.allocator.num_free == spec_engine.allocator.num_blocks
@@ -798,11 +953,12 @@ def test_n_completions_with_drafts():
 
 
 @needs_build
-def test_preemption_with_drafts():
+@pytest.mark.parametrize("method", METHODS)
+def test_preemption_with_drafts(method):
     hf = tiny_model()
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0][:10]]
     params = [greedy(36)] * 4
-    spec_outputs, _ = drive(engine(hf, num_kv_blocks=30), prompts, params)
+    spec_outputs, _ = drive(engine(hf, spec_for(method, hf), num_kv_blocks=30), prompts, params)
     plain_outputs, _ = drive(engine(hf, None), prompts, params)  # a pool that never preempts
     same_answers(spec_outputs, plain_outputs)
     assert sum(o.num_preemptions for o in spec_outputs) > 0
@@ -810,17 +966,21 @@ def test_preemption_with_drafts():
 
 
 @needs_build
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("budget", [2, 5, 7])
-def test_chunked_prefill_and_small_budgets(budget):
-    compare(tiny_model(), PROMPTS, [greedy(30)] * len(PROMPTS), max_num_batched_tokens=budget)
+def test_chunked_prefill_and_small_budgets(budget, method):
+    hf = tiny_model()
+    compare(hf, PROMPTS, [greedy(30)] * len(PROMPTS), spec=spec_for(method, hf), max_num_batched_tokens=budget)
 
 
 @needs_build
-def test_prefix_cache_hits_blocks_computed_as_drafts():
+@pytest.mark.parametrize("method", METHODS)
+def test_prefix_cache_hits_blocks_computed_as_drafts(method):
     # The second prompt is the first one's prompt and answer and more: its hits reach into blocks
-    # whose K/V were written by draft rows (and by rows after rejected drafts).
+    # whose K/V were written by draft rows (and by rows after rejected drafts). A draft model
+    # catches up on the hit blocks itself: its K/V there was written for the first request.
     hf = tiny_model()
-    spec_engine = engine(hf, enable_prefix_caching=True)
+    spec_engine = engine(hf, spec_for(method, hf), enable_prefix_caching=True)
     (first,), _ = drive(spec_engine, [PROMPTS[0]], [greedy(40)])
     assert_speculated([first])
     follow = PROMPTS[0] + list(first.token_ids) + [30, 31, 32]
@@ -839,9 +999,10 @@ def test_deferred_output_is_not_deferred_with_speculation():
 
 
 @needs_build
-def test_abort_mid_run_gives_the_blocks_back():
+@pytest.mark.parametrize("method", METHODS)
+def test_abort_mid_run_gives_the_blocks_back(method):
     hf = tiny_model()
-    spec_engine = engine(hf)
+    spec_engine = engine(hf, spec_for(method, hf))
     ids = [spec_engine.add_request(p, greedy(40)) for p in PROMPTS[:3]]
     while spec_engine.requests[ids[1]].num_accepted_tokens == 0:
         spec_engine.step()

@@ -1,0 +1,171 @@
+"""The draft model of speculative decoding (method "draft_model"): a smaller model with the target's
+vocabulary proposes each drafting request's next k tokens, greedily, and the target verifies them
+in its normal step (nanoserve.speculative has the verification).
+
+The draft keeps its own paged K/V: a pool with as many blocks as the target's, indexed by the same
+block ids. The scheduler's decisions (which blocks a request owns, what a rollback, a preemption
+or a finish gives back) then hold for both models, and the draft needs no allocator of its own.
+Drafts are made after schedule, when the blocks for their positions are the request's: the
+scheduler budgets k placeholder rows, and `DraftModel.propose` writes the tokens into them.
+
+A request's draft K/V covers its first `num_draft_computed` tokens. A verification that rejected
+drafts leaves the draft's K/V of them behind, and a preemption frees the blocks, so each proposal
+first cuts that count to the target's num_computed_tokens (preemption sets it to 0). The first of
+the k forwards then catches the draft up on what the target computed since (the prompt, the tokens
+of steps it did not draft, the tokens a verification kept) together with the last token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from nanoserve.inputs import build_inputs
+from nanoserve.model.kv_cache import KVCache
+from nanoserve.model.llama import LlamaModel
+from nanoserve.scheduler import ScheduledRequest, SchedulerOutput
+from nanoserve.structured import apply_bitmask
+
+
+@dataclass
+class _DraftView:
+    """A request as the draft model's forward sees it (what build_inputs reads of a Request): its
+    tokens and the drafts made so far, and how many of them the draft's K/V holds."""
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    num_drafts: int  # drafts it may get: fewer when one is a stop token
+    stops: frozenset[int]  # tokens that would end the request: no draft follows one
+    grammar: Any  # the request's RequestGrammar, or None
+    drafts: list[int] = field(default_factory=list)
+
+    @property
+    def is_done(self) -> bool:
+        return len(self.drafts) == self.num_drafts or (bool(self.drafts) and self.drafts[-1] in self.stops)
+
+
+def check_vocabulary(draft: LlamaModel, draft_tokenizer: Any, target: LlamaModel, target_tokenizer: Any) -> None:
+    """Refuses a draft whose token ids do not mean the target's.
+
+    Raises:
+        ValueError: the vocabulary sizes differ, or both tokenizers are known and map some token
+            to different ids.
+    """
+    size, target_size = draft.config.vocab_size, target.config.vocab_size
+    if draft_tokenizer is not None and target_tokenizer is not None and hasattr(draft_tokenizer, "get_vocab") \
+            and hasattr(target_tokenizer, "get_vocab"):
+        vocab, target_vocab = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
+        if vocab != target_vocab:
+            differ = sorted(set(vocab.items()) ^ set(target_vocab.items()), key=str)[:3]
+            raise ValueError(f"speculative_config draft model's tokenizer ({len(vocab)} tokens) is not the target's "
+                             f"({len(target_vocab)} tokens); they differ at {differ}")
+    if size != target_size:
+        raise ValueError(f"speculative_config draft model has vocab_size={size}, the target {target_size}: "
+                         "a draft must share the target's vocabulary")
+
+
+class DraftModel:
+    """A draft model laid out for the engine's device, with its K/V pool beside the target's.
+
+    Args:
+        model: the draft, laid out (prepare_model) as its own execution plan says.
+        num_blocks, block_size: the target pool's: the draft's pool has the same block ids.
+        kv_dtype, device: the draft pool's element type and device.
+        decode_group_min_rows: build_inputs' split of decode rows (the engine's config).
+    """
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 device: torch.device, decode_group_min_rows: int | None) -> None:
+        self.model = model
+        self.block_size, self.device = block_size, device
+        self.decode_group_min_rows = decode_group_min_rows
+        self.kv = KVCache(model.config, num_blocks, block_size, kv_dtype, device)
+
+    def propose(self, items: Sequence[ScheduledRequest], vocab_size: int, grammars: Any) -> None:
+        """Writes each item's drafts over its placeholders: the draft's greedy continuation of the
+        request's tokens, one forward per draft (every drafting request in each), within the
+        request's grammar (`grammars`, the engine's GrammarCompiler, walks its matcher through the
+        drafts). A request's drafts end at a stop token: fewer drafts than placeholders are left
+        then, for the caller to drop. Token ids at or past the target's `vocab_size` (a draft's
+        padded embedding) are never proposed."""
+        views = []
+        for item in items:
+            if not item.draft_token_ids:
+                continue
+            request, params = item.request, item.request.params
+            request.num_draft_computed = min(request.num_draft_computed, request.num_computed_tokens)
+            # A grammar ends at an end-of-sequence token whatever ignore_eos says (GrammarCompiler's stops).
+            ends = not params.ignore_eos or request.grammar is not None
+            stops = frozenset(params.stop_token_ids) | (request.eos_token_ids if ends else frozenset())
+            views.append(_DraftView(request.request_id, list(request.token_ids), request.num_draft_computed,
+                                    request.block_ids, len(item.draft_token_ids), stops, request.grammar))
+        active = views
+        while active:
+            rows = [ScheduledRequest(v, len(v.token_ids) - v.num_computed_tokens, True) for v in active]
+            sched = SchedulerOutput(rows, [], sum(r.num_new_tokens for r in rows))
+            inputs = build_inputs(sched, self.block_size, self.device, None, self.decode_group_min_rows,
+                                  self.model.config.sliding_window)
+            logits = self.model.forward(inputs, self.kv)[:, :vocab_size]  # [len(active), V]
+            if any(v.grammar is not None for v in active):
+                logits = apply_bitmask(logits, self._bitmask(active, grammars))
+            for view, token in zip(active, logits.argmax(-1).tolist(), strict=True):
+                view.num_computed_tokens = len(view.token_ids)
+                view.token_ids.append(token)
+                view.drafts.append(token)
+            active = [v for v in active if not v.is_done]
+        proposed = {v.request_id: v for v in views}
+        for item in items:
+            view = proposed.get(item.request.request_id)
+            if view is not None:
+                item.draft_token_ids[:len(view.drafts)] = view.drafts
+                item.request.num_draft_computed = view.num_computed_tokens
+
+    @staticmethod
+    def _bitmask(views: list[_DraftView], grammars: Any) -> torch.Tensor:
+        """[rows, W]: what each view's grammar allows after its drafts so far (all ones: no grammar)."""
+        rows = []
+        for view in views:
+            walked = [view.grammar] * (len(view.drafts) + 1) if view.grammar is not None else [None]
+            rows.append(grammars.fill_bitmask(walked, [*view.drafts, None])[-1:])
+        return torch.cat(rows)
+
+
+def load_draft(path: str, config: Any, target: LlamaModel, target_tokenizer: Any, max_model_len: int,
+               num_blocks: int) -> DraftModel:
+    """The draft model at `path` (a checkpoint directory or a .gguf file), checked against the target
+    and laid out by its own execution plan, resolved from the engine's config as the target's is but
+    for the speculative config's quantization.
+
+    Raises:
+        ValueError: a draft whose vocabulary is not the target's (check_vocabulary), that cannot
+            position max_model_len tokens, or a quantization that cannot run here.
+    """
+    from nanoserve.model.gguf import load_gguf
+    from nanoserve.model.plan import resolve_plan
+    from nanoserve.model.precision import DTYPES
+    from nanoserve.model.prepare import prepare_model
+    from nanoserve.model.weights import checkpoint_source, load_model, load_tokenizer
+
+    device = torch.device(config.device)
+    source, is_gguf = checkpoint_source(path)
+    if is_gguf:
+        draft_config, tensors = load_gguf(source)
+        model = LlamaModel.from_state_dict(draft_config, tensors, torch.float32, device, max_model_len)
+        del tensors
+    else:
+        model = load_model(source, torch.float32, device, max_model_len)
+    has_tokenizer = is_gguf or any((source / name).exists()
+                                   for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    check_vocabulary(model, load_tokenizer(source, is_gguf) if has_tokenizer else None, target, target_tokenizer)
+    if model.cos.shape[0] < max_model_len:
+        raise ValueError(f"speculative_config draft model positions {model.cos.shape[0]} tokens, "
+                         f"under the engine's max_model_len={max_model_len}")
+    plan = resolve_plan(replace(config, quantization=config.speculative_config.quantization,
+                                speculative_config=None), model, 1)
+    return DraftModel(prepare_model(model, plan), num_blocks, config.block_size, DTYPES[plan.kv_cache_dtype],
+                      device, config.decode_group_min_rows)
