@@ -17,6 +17,7 @@ of steps it did not draft, the tokens a verification kept) together with the las
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -85,14 +86,19 @@ class DraftModel:
         self.block_size, self.device = block_size, device
         self.decode_group_min_rows = decode_group_min_rows
         self.kv = KVCache(model.config, num_blocks, block_size, kv_dtype, device)
+        self.token_seconds: float | None = None  # running mean of a forward that drafts a token a request
 
-    def propose(self, items: Sequence[ScheduledRequest], vocab_size: int, grammars: Any) -> None:
+    def propose(self, items: Sequence[ScheduledRequest], vocab_size: int, grammars: Any) -> float:
         """Writes each item's drafts over its placeholders: the draft's greedy continuation of the
         request's tokens, one forward per draft (every drafting request in each), within the
         request's grammar (`grammars`, the engine's GrammarCompiler, walks its matcher through the
         drafts). A request's drafts end at a stop token: fewer drafts than placeholders are left
         then, for the caller to drop. Token ids at or past the target's `vocab_size` (a draft's
-        padded embedding) are never proposed."""
+        padded embedding) are never proposed.
+
+        Returns the seconds the first forward spent catching up beyond what drafting one token a
+        request costs (SpeculationRule measures steady drafting: a request that rested catches up
+        on every token since, once)."""
         views = []
         for item in items:
             if not item.draft_token_ids:
@@ -104,8 +110,9 @@ class DraftModel:
             stops = frozenset(params.stop_token_ids) | (request.eos_token_ids if ends else frozenset())
             views.append(_DraftView(request.request_id, list(request.token_ids), request.num_draft_computed,
                                     request.block_ids, len(item.draft_token_ids), stops, request.grammar))
-        active = views
+        active, catch_up_s = views, 0.0
         while active:
+            started = time.perf_counter()
             rows = [ScheduledRequest(v, len(v.token_ids) - v.num_computed_tokens, True) for v in active]
             sched = SchedulerOutput(rows, [], sum(r.num_new_tokens for r in rows))
             inputs = build_inputs(sched, self.block_size, self.device, None, self.decode_group_min_rows,
@@ -113,7 +120,14 @@ class DraftModel:
             logits = self.model.forward(inputs, self.kv)[:, :vocab_size]  # [len(active), V]
             if any(v.grammar is not None for v in active):
                 logits = apply_bitmask(logits, self._bitmask(active, grammars))
-            for view, token in zip(active, logits.argmax(-1).tolist(), strict=True):
+            tokens = logits.argmax(-1).tolist()  # the host waits for the forward here
+            seconds = time.perf_counter() - started
+            if sched.num_batched_tokens == len(rows):  # a token a request: the steady cost
+                before = self.token_seconds
+                self.token_seconds = seconds if before is None else before + 0.25 * (seconds - before)
+            elif self.token_seconds is not None and max(r.num_new_tokens for r in rows) > 2:
+                catch_up_s = max(0.0, seconds - self.token_seconds)
+            for view, token in zip(active, tokens, strict=True):
                 view.num_computed_tokens = len(view.token_ids)
                 view.token_ids.append(token)
                 view.drafts.append(token)
@@ -124,6 +138,7 @@ class DraftModel:
             if view is not None:
                 item.draft_token_ids[:len(view.drafts)] = view.drafts
                 item.request.num_draft_computed = view.num_computed_tokens
+        return catch_up_s
 
     @staticmethod
     def _bitmask(views: list[_DraftView], grammars: Any) -> torch.Tensor:

@@ -125,6 +125,7 @@ class Engine:
         # Deferred mode: the batch sampled last step, not yet brought home, and its rows' requests.
         self._in_flight: tuple[TokenBatch, list[Request], None] | None = None
         self._num_accepted = 0  # drafts the last resolve kept (the step profile's count)
+        self._catch_up_s = 0.0
         # Speculation: seeded requests verifying drafts this step -> their generator's state before
         # its draws, and the noise rows' (V, dtype); _resolve rewinds past the rows it discards.
         self._seeded_states: dict[str, torch.Tensor] = {}
@@ -256,6 +257,8 @@ class Engine:
         """
         rec = self.recorder
         deferred = self.deferred
+        started = time.perf_counter()
+        self._catch_up_s = 0.0  # a draft model's catch-up this step, past steady drafting (_draft)
         rec.begin_step()
         self._step_requests = None
         if self.speculation is not None:
@@ -307,16 +310,19 @@ class Engine:
             outputs += self._collect(sched, sampled)
         self.num_steps += 1
         num_drafted = sum(len(item.draft_token_ids) for item in sched.scheduled)
-        rec.end_step(num_rows=len(rows), num_tokens=sched.num_batched_tokens,
-                     num_decode_rows=sum(item.num_new_tokens for item in sched.scheduled
-                                         if item.num_new_tokens == 1 + len(item.draft_token_ids)),
+        num_decode_rows = sum(item.num_new_tokens for item in sched.scheduled
+                              if item.num_new_tokens == 1 + len(item.draft_token_ids))
+        if self.speculation is not None and num_decode_rows == sched.num_batched_tokens:  # no prompt in it
+            self.speculation.observe_step(num_drafted > 0, len(sched.scheduled) + self._num_accepted,
+                                          time.perf_counter() - started - self._catch_up_s)
+        rec.end_step(num_rows=len(rows), num_tokens=sched.num_batched_tokens, num_decode_rows=num_decode_rows,
                      num_draft_tokens=num_drafted, num_accepted_tokens=self._num_accepted)
         return outputs
 
     def _draft(self, sched: SchedulerOutput) -> None:
         """The draft model's proposals over the placeholders the schedule budgeted; what a stop token
         left unproposed the scheduler takes back."""
-        self.draft.propose(sched.scheduled, self.model.config.vocab_size, self.grammars)
+        self._catch_up_s = self.draft.propose(sched.scheduled, self.model.config.vocab_size, self.grammars)
         for item in sched.scheduled:
             if PLACEHOLDER in item.draft_token_ids:
                 self.scheduler.drop_drafts(sched, item, item.draft_token_ids.index(PLACEHOLDER))

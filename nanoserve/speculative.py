@@ -29,6 +29,7 @@ from typing import Any
 
 METHODS = ("ngram", "draft_model")
 PLACEHOLDER = -1  # a draft the scheduler budgets before the draft model has made it
+MEASURE_WEIGHT = 0.25  # SpeculationRule's running means of step time: the weight of each new step
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,16 @@ class SpeculationRule:
     A request under its threshold rests, and every probe_every steps proposes one draft (its
     acceptance may have changed with its text; one row is the cheapest way to find out), unless the
     threshold is over 1: then no acceptance could pay, and a draft model's probe would cost it a
-    forward (and the catch-up on every token since its last). Its draft length follows transformers' schedule for assisted
+    forward (and the catch-up on every token since its last).
+
+    The cost model leaves out what start-up timing cannot see (the host's work per verified row, the
+    machine's drift), so the rule also measures: the engine reports every decode step's wall time per
+    token it gave (observe_step; less a draft model's catch-up past steady drafting, paid once by a
+    request that rested, or a rested draft would look dearer than drafting is), into one running
+    mean for steps that verified drafts and one for steps that did not. While drafting steps cost
+    more per token, no request drafts but on every probe_every-th step; while they cost less, every
+    probe_every-th step drafts nothing, so both means stay current. A fixed min_acceptance turns
+    both the cost model and this off. Its draft length follows transformers' schedule for assisted
     generation: two more after a verification that kept every draft, one fewer after one that did
     not, up to num_speculative_tokens.
     """
@@ -183,6 +193,9 @@ class SpeculationRule:
                          if config.method == "ngram" else None)
         self.overhead_rows = overhead_rows if config.overhead_rows == "auto" else config.overhead_rows
         self.draft_rows = draft_rows  # what proposing one draft costs, in rows (a draft model's forward)
+        # Measured: seconds per token of decode steps that verified drafts (True) and that did not.
+        self.seconds_per_token: dict[bool, float | None] = {True: None, False: None}
+        self.num_steps = 0
 
     @property
     def needs_calibration(self) -> bool:
@@ -196,6 +209,27 @@ class SpeculationRule:
         overhead = 0.0 if self.overhead_rows is None else self.overhead_rows
         return rows * (1.0 + self.draft_rows) / (rows + overhead) if rows + overhead > 0 else 0.0
 
+    def observe_step(self, drafted: bool, num_tokens: int, seconds: float) -> None:
+        """Counts one decode step's wall time per token it gave, into the measured arm: steps that
+        verified drafts, or steps that did not."""
+        if num_tokens < 1:
+            return
+        per_token = seconds / num_tokens
+        before = self.seconds_per_token[drafted]
+        self.seconds_per_token[drafted] = per_token if before is None else before + MEASURE_WEIGHT * (per_token - before)
+
+    def speculating(self) -> bool:
+        """Whether this step may draft at all, by the step times measured (see the class): each
+        probe_every-th step goes to the arm that looks slower, every other step to the faster."""
+        self.num_steps += 1
+        if self.config.min_acceptance is not None:
+            return True  # a fixed floor: the caller chose
+        spec, plain = self.seconds_per_token[True], self.seconds_per_token[False]
+        refresh = self.num_steps % self.config.probe_every == 0
+        if spec is None or plain is None:
+            return not (refresh and spec is not None)  # until plain steps are measured too
+        return (spec <= plain) != refresh
+
     def assign(self, requests: Sequence[Any]) -> None:
         """Sets each request's draft_token_ids for the next schedule: [] for those that do not
         speculate. `requests`: the running requests, admission order (the scheduler's)."""
@@ -203,6 +237,8 @@ class SpeculationRule:
         rows = len(requests)
         for request in requests:
             request.draft_token_ids = []
+        if not self.speculating():
+            return
         for request in requests:
             if request.num_tokens - request.num_computed_tokens != 1 or request.num_pending_tokens:
                 continue  # a prompt still prefilling, or a token still on its way home

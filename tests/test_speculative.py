@@ -360,6 +360,34 @@ def test_rule_rests_a_request_whose_drafts_miss_and_probes_it_again():
     assert request.draft_token_ids == [5, 6, 7]
 
 
+def test_measured_step_times_rest_speculation_that_costs_more_per_token():
+    rule = SpeculationRule(SpeculativeConfig(overhead_rows=3.0, probe_every=4))
+    requests = [decoding_request("a", [5, 6, 7] * 3)]  # its drafts: the lookup finds [5, 6, 7, 5]
+
+    def drafting_steps(n: int) -> list[int]:
+        steps = []
+        for _ in range(n):
+            rule.assign(requests)
+            steps.append(rule.num_steps) if requests[0].draft_token_ids else None
+        return steps
+
+    assert drafting_steps(4) == [1, 2, 3, 4]  # nothing measured: the cost model alone
+    rule.observe_step(True, 5, 0.05)  # 10 ms a token with drafts
+    assert drafting_steps(4) == [5, 6, 7]  # step 8 refreshes the plain arm, unmeasured yet
+    rule.observe_step(False, 1, 0.005)  # 5 ms a token without
+    assert drafting_steps(8) == [12, 16]  # drafting costs more: only every 4th step drafts
+    for _ in range(4):  # 2 ms a token: the mean goes 10, 8, 6.5, 5.375, 4.53 ms (weight 0.25)
+        rule.observe_step(True, 5, 0.01)
+    assert rule.seconds_per_token[True] == pytest.approx(0.00453125)
+    assert drafting_steps(8) == [17, 18, 19, 21, 22, 23]  # it pays now: every 4th step does not draft
+    rule.observe_step(False, 0, 1.0)  # a step that gave nothing counts nowhere
+    assert rule.seconds_per_token[False] == 0.005
+    fixed = SpeculationRule(SpeculativeConfig(min_acceptance=0.0))
+    fixed.observe_step(True, 1, 1.0)
+    fixed.observe_step(False, 1, 0.001)
+    assert all(fixed.speculating() for _ in range(40))  # a fixed floor: the caller chose
+
+
 def test_overhead_rows_is_a_over_b_of_a_step_costing_a_plus_b_rows():
     # a step of R rows costs 3 + R: 4 at one row, 12 at nine, so a / b = 3 / 1
     assert overhead_rows(4.0, 12.0, 9) == pytest.approx(3.0)
@@ -1220,6 +1248,27 @@ def test_the_default_model_answers_the_same_with_speculation(default_model_dir):
     same_answers(answers[True], answers[False])
     assert sum(o.num_accepted_tokens for o in answers[True]) > 0.3 * sum(len(o.token_ids) for o in answers[True])
     assert_speculated(answers[True])
+
+
+@pytest.mark.slow
+@pytest.mark.weights
+@needs_build
+def test_the_dense_default_model_answers_the_same_with_its_gguf_as_draft(default_model_dir):
+    # The target: the shipped file de-quantized (a dense checkpoint) in bf16; the draft: the file itself.
+    from nanoserve.model.default import gguf_path
+
+    fields = {"dtype": "bfloat16", "quantization": None, "batch_invariant": True}
+    spec = {"method": "draft_model", "model": str(gguf_path()), "num_speculative_tokens": 4, "min_acceptance": 0.0}
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    answers = {}
+    for speculative in (None, spec):
+        served = Engine.from_pretrained(default_model_dir, EngineConfig(**fields, speculative_config=speculative))
+        answers[speculative is not None] = served.chat(CHATS, params)
+        assert served.allocator.num_free == served.allocator.num_blocks
+        del served
+    same_answers(answers[True], answers[False])
+    # A quantized copy of the target drafts well: most of the output came as kept drafts.
+    assert sum(o.num_accepted_tokens for o in answers[True]) > 0.5 * sum(len(o.token_ids) for o in answers[True])
 
 
 def test_serve_takes_the_speculative_config_as_a_json_object():
