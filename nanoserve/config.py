@@ -124,9 +124,10 @@ class EngineConfig:
     batch_invariant: bool | str = "auto"
     # Speculative decoding (nanoserve.speculative), vLLM's spelling: {"method": "ngram",
     # "num_speculative_tokens": k, "prompt_lookup_max": M, "prompt_lookup_min": m}, {"method":
-    # "draft_model", "model": PATH, "num_speculative_tokens": k} or a SpeculativeConfig; None: off. Greedy output stays token-identical, so it needs the batch-invariant
-    # plan (Engine refuses a config that rules that out); with deferred_output each step's tokens
-    # still come home in its own collect, since the next step's proposals are read from them.
+    # "draft_model", "model": PATH, "num_speculative_tokens": k} or a SpeculativeConfig; None: off.
+    # Greedy output stays token-identical, so it needs the batch-invariant plan (Engine refuses a
+    # config that rules that out); with deferred_output each step's tokens still come home in its own
+    # collect, since the next step's proposals are read from them.
     speculative_config: SpeculativeConfig | dict | None = None
     # The execution plan's choices pinned for an experiment (abbench); the defaults leave each to the plan.
     overrides: PlanOverrides = PlanOverrides()

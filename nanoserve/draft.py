@@ -28,6 +28,7 @@ from nanoserve.inputs import build_inputs
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.llama import LlamaModel
 from nanoserve.scheduler import ScheduledRequest, SchedulerOutput
+from nanoserve.speculative import running_mean
 from nanoserve.structured import apply_bitmask
 
 
@@ -123,8 +124,7 @@ class DraftModel:
             tokens = logits.argmax(-1).tolist()  # the host waits for the forward here
             seconds = time.perf_counter() - started
             if sched.num_batched_tokens == len(rows):  # a token a request: the steady cost
-                before = self.token_seconds
-                self.token_seconds = seconds if before is None else before + 0.25 * (seconds - before)
+                self.token_seconds = running_mean(self.token_seconds, seconds)
             elif self.token_seconds is not None and max(r.num_new_tokens for r in rows) > 2:
                 catch_up_s = max(0.0, seconds - self.token_seconds)
             for view, token in zip(active, tokens, strict=True):
@@ -160,20 +160,14 @@ def load_draft(path: str, config: Any, target: LlamaModel, target_tokenizer: Any
         ValueError: a draft whose vocabulary is not the target's (check_vocabulary), that cannot
             position max_model_len tokens, or a quantization that cannot run here.
     """
-    from nanoserve.model.gguf import load_gguf
     from nanoserve.model.plan import resolve_plan
     from nanoserve.model.precision import DTYPES
     from nanoserve.model.prepare import prepare_model
-    from nanoserve.model.weights import checkpoint_source, load_model, load_tokenizer
+    from nanoserve.model.weights import checkpoint_source, load_stored, load_tokenizer
 
     device = torch.device(config.device)
     source, is_gguf = checkpoint_source(path)
-    if is_gguf:
-        draft_config, tensors = load_gguf(source)
-        model = LlamaModel.from_state_dict(draft_config, tensors, torch.float32, device, max_model_len)
-        del tensors
-    else:
-        model = load_model(source, torch.float32, device, max_model_len)
+    model = load_stored(source, is_gguf, device, max_model_len)
     has_tokenizer = is_gguf or any((source / name).exists()
                                    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     check_vocabulary(model, load_tokenizer(source, is_gguf) if has_tokenizer else None, target, target_tokenizer)

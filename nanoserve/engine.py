@@ -33,7 +33,7 @@ from nanoserve.recorder import NULL_RECORDER
 from nanoserve.request import FinishReason, Request, RequestOutput, check_request, prompt_token_ids
 from nanoserve.sampling import BatchedSampler, RowHistory, packed_logprobs, skip_noise
 from nanoserve.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from nanoserve.speculative import PLACEHOLDER, SpeculationRule, overhead_rows
+from nanoserve.speculative import PLACEHOLDER, SpeculationRule, overhead_rows, row_seconds
 from nanoserve.structured import GrammarCompiler, apply_bitmask
 
 logger = logging.getLogger("nanoserve")
@@ -143,9 +143,8 @@ class Engine:
             logger.info("nanoserve: speculation: a step of 1 row %.2f ms, of %d rows %.2f ms: overhead %.1f rows",
                         1e3 * one, wide, 1e3 * many, self.speculation.overhead_rows)
             if self.draft is not None:
-                per_row = max((many - one) / (wide - 1), 1e-9)
                 drafting = self.speculation_cost(1, draft=True)
-                self.speculation.draft_rows = drafting / per_row
+                self.speculation.draft_rows = drafting / row_seconds(one, many, wide)
                 logger.info("nanoserve: speculation: a draft token %.2f ms: %.1f rows", 1e3 * drafting,
                             self.speculation.draft_rows)
 

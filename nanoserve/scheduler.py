@@ -232,10 +232,7 @@ class Scheduler:
         and the blocks past the last accepted token return to the pool (never registered in the
         prefix cache: cache_full_blocks registers only blocks of tokens the request holds)."""
         request.num_computed_tokens -= num_rejected
-        keep = cdiv(request.num_computed_tokens, self.block_size)
-        if len(request.block_ids) > keep:
-            self.allocator.free(request.block_ids[keep:])
-            del request.block_ids[keep:]
+        self._free_past(request, request.num_computed_tokens)
 
     def drop_drafts(self, out: SchedulerOutput, item: ScheduledRequest, num_kept: int) -> None:
         """Before the forward: `item` forwards only its first `num_kept` drafts (a draft model stopped
@@ -246,8 +243,11 @@ class Scheduler:
         del item.draft_token_ids[num_kept:]
         item.num_new_tokens -= num_dropped
         out.num_batched_tokens -= num_dropped
-        request = item.request
-        keep = cdiv(request.num_computed_tokens + item.num_new_tokens, self.block_size)
+        self._free_past(item.request, item.request.num_computed_tokens + item.num_new_tokens)
+
+    def _free_past(self, request: Request, num_tokens: int) -> None:
+        """Returns the request's blocks past those its first `num_tokens` tokens fill."""
+        keep = cdiv(num_tokens, self.block_size)
         if len(request.block_ids) > keep:
             self.allocator.free(request.block_ids[keep:])
             del request.block_ids[keep:]

@@ -214,9 +214,7 @@ class SpeculationRule:
         verified drafts, or steps that did not."""
         if num_tokens < 1:
             return
-        per_token = seconds / num_tokens
-        before = self.seconds_per_token[drafted]
-        self.seconds_per_token[drafted] = per_token if before is None else before + MEASURE_WEIGHT * (per_token - before)
+        self.seconds_per_token[drafted] = running_mean(self.seconds_per_token[drafted], seconds / num_tokens)
 
     def speculating(self) -> bool:
         """Whether this step may draft at all, by the step times measured (see the class): each
@@ -267,11 +265,21 @@ class SpeculationRule:
             rows += len(drafts)
 
 
+def row_seconds(seconds_one: float, seconds_wide: float, wide: int) -> float:
+    """b of a step costing a + b R, from its times at 1 row and at `wide` rows (above 0)."""
+    return max((seconds_wide - seconds_one) / (wide - 1), 1e-9)
+
+
 def overhead_rows(seconds_one: float, seconds_wide: float, wide: int) -> float:
     """a / b of a step costing a + b R, from its times at 1 row and at `wide` rows (at least 0: a step
     can cost no less than its rows)."""
-    per_row = max((seconds_wide - seconds_one) / (wide - 1), 1e-9)
+    per_row = row_seconds(seconds_one, seconds_wide, wide)
     return max(0.0, (seconds_one - per_row) / per_row)
+
+
+def running_mean(mean: float | None, value: float) -> float:
+    """`mean` moved MEASURE_WEIGHT of the way to `value` (the value itself when there is none yet)."""
+    return value if mean is None else mean + MEASURE_WEIGHT * (value - mean)
 
 
 def observe(request: Any, num_drafted: int, num_accepted: int) -> None:

@@ -368,7 +368,8 @@ def test_measured_step_times_rest_speculation_that_costs_more_per_token():
         steps = []
         for _ in range(n):
             rule.assign(requests)
-            steps.append(rule.num_steps) if requests[0].draft_token_ids else None
+            if requests[0].draft_token_ids:
+                steps.append(rule.num_steps)
         return steps
 
     assert drafting_steps(4) == [1, 2, 3, 4]  # nothing measured: the cost model alone
@@ -446,11 +447,11 @@ def test_the_rule_charges_a_draft_models_forward_to_the_threshold():
     # Under 0.8 a request rests and probes every probe_every (16) steps; b, facing a threshold over
     # 1 once a drafts again, never probes: no acceptance could pay for the draft's forward.
     requests[0].spec_acceptance, requests[1].spec_acceptance = 0.85, 0.1
-    probes = 0
     for _ in range(40):
         rule.assign(requests)
         assert requests[1].draft_token_ids == []
     requests[0].spec_acceptance = 0.5
+    probes = 0
     for _ in range(40):
         rule.assign(requests)
         probes += requests[0].draft_token_ids == [PLACEHOLDER]

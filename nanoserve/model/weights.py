@@ -90,15 +90,20 @@ def load_checkpoint(path: str | Path | None, device: torch.device | str,
     """The model as stored (dense weights in float32, a GGUF's quantized matrices as stored) and its
     tokenizer, from a checkpoint directory, a .gguf file or a directory holding one and no
     config.json; None: the embedded default model's own GGUF file."""
+    source, is_gguf = checkpoint_source(path)
+    return load_stored(source, is_gguf, device, max_positions), load_tokenizer(source, is_gguf)
+
+
+def load_stored(source: Path, is_gguf: bool, device: torch.device | str,
+                max_positions: int | None = None) -> LlamaModel:
+    """The model of a checkpoint_source as stored: dense weights in float32, a GGUF's quantized
+    matrices as stored."""
     from nanoserve.model.gguf import load_gguf
 
-    source, is_gguf = checkpoint_source(path)
     if is_gguf:
         config, tensors = load_gguf(source)
-        model = LlamaModel.from_state_dict(config, tensors, torch.float32, device, max_positions)
-    else:
-        model = load_model(source, torch.float32, device, max_positions)
-    return model, load_tokenizer(source, is_gguf)
+        return LlamaModel.from_state_dict(config, tensors, torch.float32, device, max_positions)
+    return load_model(source, torch.float32, device, max_positions)
 
 
 def return_freed_memory() -> None:
