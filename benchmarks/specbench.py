@@ -25,7 +25,7 @@ llama.cpp's `llama-lookup` drafting k and drafting nothing, on the shipped GGUF 
 `cmake --build .peers/llama.cpp-build --target llama-lookup` built the tool; with --method
 draft_model, llama.cpp's `llama-speculative` with the same pair (its float32 GGUF of the dense
 checkpoint as target, the Q4_1 file as draft) over `llama-lookup` drafting nothing on the target
-(`--target llama-speculative` builds it).
+(`cmake --build .peers/llama.cpp-build --target llama-speculative` builds it).
 
     python benchmarks/specbench.py                          # 3 rounds, k = 4, 128 tokens
     python benchmarks/specbench.py --rounds 5 --hf --llamacpp
