@@ -115,8 +115,9 @@ class EngineConfig:
     # runs: its logits the same bits alone or beside any other rows, at any width, however its prompt
     # was cut into chunks or found in the prefix cache (an unseeded sampled request draws from the
     # engine's shared generator, which the others advance). "auto": the invariant plan (every step in
-    # one C call, prompts too, every matmul on blockdot's or dense panels at every width) wherever the
-    # other choices allow it; the exact path, compile, tensor parallelism, int8, a GPU and the families
+    # one C call, prompts too, every matmul on blockdot's or dense panels at every width; under tensor
+    # parallelism three C calls a layer between the ranks' matmuls, their partials summed in rank
+    # order) wherever the other choices allow it; the exact path, compile, int8, a GPU and the families
     # fused_decode.c does not run keep their own plan, which Engine.plan marks not invariant. True: the
     # invariant plan or a ValueError naming what rules it out (dtype float32 with quantization None
     # then runs on dense panels, not the exact path's torch ops). False: the fastest plan (prompts on
@@ -189,8 +190,9 @@ class EngineConfig:
         ):
             raise ValueError(f"tensor_parallel_threads={self.tensor_parallel_threads!r} must be None or an integer >= 1")
         if self.tensor_parallel_size > 1 and self.overrides.kernels == "blockdot":
-            raise ValueError(f"kernels='blockdot' with tensor_parallel_size={self.tensor_parallel_size}: each rank lays "
-                             "its shard out on torch's kernels; use kernels='auto' or 'torch'")
+            raise ValueError(f"kernels='blockdot' with tensor_parallel_size={self.tensor_parallel_size}: the ranks run "
+                             "blockdot only on the batch-invariant plan, which batch_invariant='auto' or True takes; "
+                             "use kernels='auto' or 'torch'")
         if self.tensor_parallel_size > 1 and self.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} with tensor_parallel_size="
                              f"{self.tensor_parallel_size}: each rank's cache is in its model's dtype; use 'auto'")

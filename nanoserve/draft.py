@@ -175,6 +175,6 @@ def load_draft(path: str, config: Any, target: LlamaModel, target_tokenizer: Any
         raise ValueError(f"speculative_config draft model positions {model.cos.shape[0]} tokens, "
                          f"under the engine's max_model_len={max_model_len}")
     plan = resolve_plan(replace(config, quantization=config.speculative_config.quantization,
-                                speculative_config=None), model, 1)
+                                speculative_config=None, tensor_parallel_size=1), model, 1)
     return DraftModel(prepare_model(model, plan), num_blocks, config.block_size, DTYPES[plan.kv_cache_dtype],
                       device, config.decode_group_min_rows)

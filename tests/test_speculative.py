@@ -81,11 +81,14 @@ def tiny_model(family: str = "llama", seed: int = 41, lm_head_scale: float = 1.0
     return _MODELS[key]
 
 
+def spec_config(spec: dict | None = SPEC, path: str = "float32-dense", **fields) -> EngineConfig:
+    return config_of(**({"block_size": BLOCK, "num_kv_blocks": 400, "max_num_seqs": 8, "max_num_batched_tokens": 512,
+                         "speculative_config": spec} | PATHS[path] | fields))
+
+
 def engine(hf, spec: dict | None = SPEC, path: str = "float32-dense", **fields) -> Engine:
     """An engine on the batch-invariant plan; spec None: the same config without speculation."""
-    config = config_of(**({"block_size": BLOCK, "num_kv_blocks": 400, "max_num_seqs": 8,
-                           "max_num_batched_tokens": 512, "speculative_config": spec} | PATHS[path] | fields))
-    built = Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), config)
+    built = Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), spec_config(spec, path, **fields))
     assert built.plan.is_batch_invariant, built.plan.render()
     return built
 
@@ -1078,6 +1081,35 @@ def test_streams_through_async_engine():
     assert [t for d in deltas for t in d.token_ids] == list(plain[0].token_ids)
     assert max(len(d.token_ids) for d in deltas) > 1  # a delta carried several tokens: drafts kept
     assert spec_engine.requests == {}
+
+
+# ---- tensor parallelism -----------------------------------------------------------------------------------
+
+
+@needs_build
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_tensor_parallel_ranks_verify_drafts_and_answer_the_same(method, path):
+    # Two ranks on the batch-invariant plan (each rank's slices on panels, the C glue between them,
+    # o and down summed in rank order), under preemption and 5-token chunks: with drafts verified
+    # across both ranks, the answers are the same ranks' without speculation. A draft model runs on
+    # rank 0 alone.
+    from test_tensor_parallel import save_char_tokenizer
+
+    hf = tiny_model(seed=43, head_dim=16)  # int4 reads groups of 32: a rank's 2 heads of 16 feed o
+    checkpoint = saved(hf)
+    save_char_tokenizer(checkpoint, hf.config.vocab_size)
+    fields = {"tensor_parallel_size": 2, "tensor_parallel_timeout_s": 30.0, "num_kv_blocks": 28,
+              "max_num_batched_tokens": 5}
+    params = [greedy(36)] * len(PROMPTS)
+    with Engine.from_pretrained(checkpoint, spec_config(spec_for(method, hf), path, **fields)) as spec_engine:
+        assert spec_engine.plan.mixed == "c-tensor-parallel" and spec_engine.plan.is_batch_invariant
+        spec_outputs, _ = drive(spec_engine, PROMPTS, params)
+    with Engine.from_pretrained(checkpoint, spec_config(None, path, **fields)) as plain_engine:
+        plain_outputs, _ = drive(plain_engine, PROMPTS, params)
+    same_answers(spec_outputs, plain_outputs)
+    assert_speculated(spec_outputs)
+    assert sum(o.num_preemptions for o in spec_outputs) > 0
 
 
 # ---- sampling: the target's distribution ----------------------------------------------------------------

@@ -22,13 +22,16 @@ import torch
 from conftest import TINY, free_port, greedy, make_hf_model, running_server
 from conftest import config_of as engine_config
 from gguf import GGMLQuantizationType as QT
+from test_batch_invariance import HARD_LOAD, answer, run_load
+from test_batch_invariance import PROMPTS as INVARIANT_PROMPTS
+from test_batch_invariance import params as invariant_params
 from test_families import FAMILIES
 from test_gguf import write_gguf_from_hf
 from test_llama import PROMPTS, run_and_capture
 from test_precision import fake
 
 from nanoserve import Engine, EngineConfig, SamplingParams
-from nanoserve.model import precision
+from nanoserve.model import blockdot, precision
 from nanoserve.model.attention import AttentionMetadata, DecodeGroup, PrefillRun
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.llama import ModelInputs
@@ -38,6 +41,7 @@ from nanoserve.parallel.cpus import cpu_share, parse_cpu_list
 from nanoserve.parallel.plan import decode, encode
 
 WORKER = "nanoserve.parallel.worker"
+needs_build = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
 
 
 def config_of(**overrides) -> LlamaConfig:
@@ -263,6 +267,50 @@ def test_a_model_that_does_not_split_is_refused_before_any_process_starts(tmp_pa
     assert worker_processes() == []
     with pytest.raises(ValueError, match="tensor_parallel_size=2 but the model is split over 1 process"):
         Engine(Engine.from_pretrained(path, tiny_config()).model, None, tiny_config(2))
+
+
+# ---- the batch-invariant plan across ranks ---------------------------------------------------------------
+
+# Its paths for the ranks: blockdot's int4 with x rounded to int16 from one row in bf16, and dense
+# panels in float32; 3 ranks (6 heads over 3 key/value heads) sum each partial over more than two.
+# int4 reads groups of 32: a rank's share of o's input (its heads' H_r D) must be a multiple.
+INVARIANT_CASES = {
+    "tp2-bf16-int4": (2, {"head_dim": 16}, {"dtype": "bfloat16", "quantization": "int4"}),
+    "tp2-float32-dense": (2, {}, {"dtype": "float32", "quantization": None, "batch_invariant": True}),
+    "tp3-float32-int4": (3, {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16,
+                             "intermediate_size": 96}, {"dtype": "float32", "quantization": "int4"}),
+}
+
+
+def invariant_config(tensor_parallel_size: int, path: dict, **fields) -> EngineConfig:
+    return tiny_config(tensor_parallel_size, **({"batch_invariant": "auto", "blockdot_int16_rows": 1,
+                                                 "num_kv_blocks": 400, "max_num_seqs": 8} | path | fields))
+
+
+@needs_build
+@pytest.mark.parametrize("case", sorted(INVARIANT_CASES))
+def test_ranks_answer_a_request_as_it_is_answered_alone_under_any_load(tmp_path, case):
+    # test_batch_invariance's hard load (chunks of 5 tokens, prefix-cache hits, preemption, deferred
+    # output, greedy and seeded rows) on every rank: each request's tokens and logprobs (the exact
+    # floats) are those of the request alone in a quiet engine of the same ranks.
+    size, overrides, path = INVARIANT_CASES[case]
+    checkpoint = tiny_checkpoint(tmp_path, "llama", None, **overrides)
+    with Engine.from_pretrained(checkpoint, invariant_config(size, path, max_num_seqs=6, max_num_batched_tokens=5,
+                                                             num_kv_blocks=48, deferred_output=True)) as busy:
+        plan = busy.plan
+        assert plan.is_batch_invariant and plan.decode == plan.mixed == "c-tensor-parallel", plan.render()
+        assert all(m.form.name in ("blockdot", "dense-panels") for m in plan.matrices)
+        assert len(worker_processes()) == size - 1
+        finals = run_load(busy, HARD_LOAD)
+        stats = busy.model.group.stats
+        assert stats.num_all_reduces == 2 * busy.model.config.num_layers * busy.num_steps
+    assert sum(f.num_preemptions for f in finals.values()) > 0
+    assert sum(f.num_cached_tokens for f in finals.values()) > 0
+    with Engine.from_pretrained(checkpoint, invariant_config(size, path, max_num_seqs=1,
+                                                             enable_prefix_caching=False)) as alone:
+        for n, (index, sampled, _) in enumerate(HARD_LOAD):
+            (quiet,) = alone.generate([INVARIANT_PROMPTS[index]], invariant_params(index, sampled))
+            assert answer(finals[n]) == answer(quiet), (n, index, sampled)
 
 
 # ---- failures, and the end of every process ------------------------------------------------------------

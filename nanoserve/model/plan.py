@@ -32,6 +32,8 @@ DRIVERS = {
     "torch": "llama.decoder_layer in torch's ops (the reference)",
     "torch-compiled": "llama.decoder_layer through torch.compile",
     "torch-tensor-parallel": "llama.decoder_layer over this rank's slices, o and down all-reduced",
+    "c-tensor-parallel": "each rank's slices on blockdot's or dense panels, the glue between them in three C calls "
+                         "a layer, o and down summed over the ranks in rank order",
 }
 EVERY_WIDTH = 2**31  # one_call_rows where the one call takes decode steps of every width
 
@@ -115,7 +117,7 @@ class ExecutionPlan:
                 lines.append("  (the one call reads dense panels copied from the matrices torch runs)")
         else:
             lines.append(f"  decode-only: {self.decode} ({DRIVERS[self.decode]})")
-        lines.append(f"  with a prompt: {self.mixed} ({DRIVERS[self.mixed]}{', each token a row' if self.mixed == 'c-one-call' else ''})")
+        lines.append(f"  with a prompt: {self.mixed} ({DRIVERS[self.mixed]}{', each token a row' if self.mixed.startswith('c-') else ''})")
         lines.append(f"batch invariance (a row's result independent of the rows beside it): "
                      f"{'yes' if self.is_batch_invariant else 'no'}")
         lines += [f"  {'yes' if ok else 'no '}  {choice}: {why}" for choice, ok, why in self.batch_invariant]
@@ -201,8 +203,6 @@ def invariance_blockers(config: Any, model: LlamaModel, world_size: int = 1) -> 
     c_reason = why_not(model.config, device)
     if c_reason is not None:
         found.append(f"no C decode: {c_reason}")
-    if world_size > 1:
-        found.append("tensor parallelism runs torch's kernels")
     if config.compile:
         found.append("torch.compile runs torch's kernels")
     if config.batch_invariant == "auto" and config.dtype == "float32" and config.quantization is None:
@@ -234,11 +234,15 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
     """resolve_plan's plan, the invariant one where `invariant` (blockers: why not, where it was asked for)."""
     device = torch.device(config.device)
     parallel, compiled = world_size > 1, config.compile
+    c_parallel = parallel and invariant  # every rank's layers in C calls between its all-reduces
     exact = config.dtype == "float32" and config.quantization is None and not invariant
     overrides = config.overrides
     c_decode = overrides.fused_decode if overrides.fused_decode != "auto" else not exact
     reasons = []
-    if invariant:
+    if c_parallel:
+        reasons.append("batch invariant: every step in three C calls a layer between the matmuls at every width, "
+                       "every matmul on blockdot's or dense panels, o and down summed over the ranks in rank order")
+    elif invariant:
         reasons.append("batch invariant: every step in one C call at every width, every matmul on blockdot's or "
                        "dense panels")
     elif blockers:
@@ -246,7 +250,7 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
     if exact:
         reasons.append("the exact path (dtype float32, quantization None): torch's ops"
                        + (", the C decode as configured" if c_decode else " only"))
-    if parallel or compiled:
+    if (parallel and not c_parallel) or compiled:
         c_decode = False
         reasons.append("tensor parallelism: torch's kernels, decoder_layer with all-reduces" if parallel
                        else "torch.compile: torch's kernels, the compiled decoder_layer")
@@ -322,7 +326,9 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
                        f"{'them' if len(unrun) > 1 else 'it'}")
     decode = mixed = wide_decode = "torch-tensor-parallel" if parallel else "torch-compiled" if compiled else "torch"
     one_call_rows, copies = 0, False
-    if invariant:
+    if c_parallel:  # fused_decode.c's one call has no place for an all-reduce
+        decode = wide_decode = mixed = "c-tensor-parallel"
+    elif invariant:
         decode = wide_decode = mixed = "c-one-call"
         one_call_rows = EVERY_WIDTH
     elif c_decode:
@@ -351,10 +357,20 @@ def _batch_invariance(matrices: tuple[MatrixPlan, ...], decode: str, one_call_ro
     Only what holds by construction is a yes; tests/test_batch_invariance.py holds the plan to it."""
     forms = {m.form for m in matrices}
     entries = []
-    if decode == mixed == wide_decode == "c-one-call" and one_call_rows >= EVERY_WIDTH:
+    one_call = decode == mixed == wide_decode == "c-one-call" and one_call_rows >= EVERY_WIDTH
+    per_layer = decode == mixed == wide_decode == "c-tensor-parallel"
+    if one_call:
         entries.append(("every step in one C call at every width, prompts too", True,
                         "a prompt's token is a row like a decode's: its K/V written to the cache, then its query "
                         "over its context read back from there, whatever the chunk or step it came in"))
+    if per_layer:
+        entries.append(("every step in three C calls a layer at every width, prompts too", True,
+                        "the one call's glue, row by row, and its attention: a prompt's token is a row like a "
+                        "decode's, whatever the chunk or step it came in"))
+        entries.append(("o and down summed over the ranks in rank order", True,
+                        "every rank's partials gathered and added rank 0 first, on every rank, whatever the step's "
+                        "width"))
+    if one_call or per_layer:
         entries.append(("attention over parts of a row's context cut by its length alone", True,
                         "a row's context cut where its own length says, the parts merged in order, whatever the "
                         "step's width or the threads"))
@@ -399,8 +415,8 @@ def check_laid_out(model: LlamaModel, plan: ExecutionPlan) -> list[str]:
         problems.append(f"the plan's decode driver is {plan.decode}, the model's fused decode is {fused}")
     elif fused is not None and fused.max_rows != plan.one_call_rows:
         problems.append(f"the one call takes up to {fused.max_rows} rows, the plan says {plan.one_call_rows}")
-    elif fused is not None and fused.prompts != (plan.mixed == "c-one-call"):
-        problems.append(f"the one call {'takes' if fused.prompts else 'leaves'} steps with a prompt, the plan's mixed "
+    elif fused is not None and fused.prompts != plan.mixed.startswith("c-"):
+        problems.append(f"the fused decode {'takes' if fused.prompts else 'leaves'} steps with a prompt, the plan's mixed "
                         f"driver is {plan.mixed}")
     if (plan.mixed == "torch-compiled") != compiled:
         problems.append(f"the plan's mixed driver is {plan.mixed}, the model's layer is {model.layer_fn}")

@@ -22,13 +22,17 @@ from nanoserve.model.quant import quant_linear, quantize_int4, quantize_int8
 from nanoserve.model.rope import rope_table
 
 
-def _laid_out_weight(w: Weight, form: Form, pack_weights: bool) -> Weight:
+def _laid_out_weight(w: Weight, form: Form, pack_weights: bool, in_rank_order: bool = False) -> Weight:
     """`w` in `form`: itself where it is in that form already, else built from its dense matrix or
-    its stored quantized one."""
+    its stored quantized one. in_rank_order: a tensor-parallel slice's partials summed in rank order
+    (the batch-invariant plan's)."""
+    if form.all_reduced:  # a tensor-parallel slice: its matrix laid out, its all-reduce kept
+        if w.form == form and w.in_rank_order == in_rank_order:
+            return w
+        inner = _laid_out_weight(w.inner, dataclasses.replace(form, all_reduced=False), pack_weights)
+        return w.with_inner(inner, in_rank_order)
     if w.form == form:
         return w
-    if form.all_reduced:  # a tensor-parallel slice: its matrix laid out, its all-reduce kept
-        return w.with_inner(_laid_out_weight(w.inner, dataclasses.replace(form, all_reduced=False), pack_weights))
     dtype = DTYPES[form.dtype]
     if form.name == "torch":
         return Dense(w.dequantize(dtype))
@@ -59,8 +63,8 @@ def laid_out(model: LlamaModel, plan: ExecutionPlan) -> LlamaModel:
     dtype = plan.torch_dtype
 
     def layer_of(i: int, layer: LayerWeights) -> LayerWeights:
-        weights = {name: _laid_out_weight(getattr(layer, name), plan.form_of(i, name), plan.pack_weights)
-                   for name in MATMULS}
+        weights = {name: _laid_out_weight(getattr(layer, name), plan.form_of(i, name), plan.pack_weights,
+                                          plan.is_batch_invariant) for name in MATMULS}
         biases = {name: getattr(layer, name).to(dtype) for name in ("qkv_bias", "o_bias") if getattr(layer, name) is not None}
         return dataclasses.replace(layer, **weights, **biases)
 
@@ -116,7 +120,7 @@ def prepare_model(model: LlamaModel, plan: ExecutionPlan) -> LlamaModel:
     prepared = laid_out(model, plan)
     if plan.mixed == "torch-compiled":
         return compiled(prepared)
-    fused = (fused_decode(prepared, plan.one_call_rows, plan.form_of(0, "qkv").int16_rows, plan.mixed == "c-one-call")
+    fused = (fused_decode(prepared, plan.one_call_rows, plan.form_of(0, "qkv").int16_rows, plan.mixed.startswith("c-"))
              if plan.decode.startswith("c-") else None)
     if fused is not None or prepared.fused_layers is not None:  # a given model's own is not this engine's
         prepared = copy.copy(prepared) if prepared is model else prepared

@@ -145,6 +145,11 @@ class AllReduced:
     inner: Weight  # [N, K_r], in any form
     group: Any  # a torch.distributed ProcessGroup
     stats: CollectiveStats
+    # The batch-invariant plan's sum: every rank's partial gathered and added in rank order, the same
+    # additions whatever the step's width. An all-reduce over three or more ranks adds an element in
+    # the order of the ring segment it falls in, which moves with the tensor's size (over two it is
+    # one commutative addition either way).
+    in_rank_order: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -163,14 +168,21 @@ class AllReduced:
     def c_form(self, regroup: Regroup) -> None:
         return None  # fused_decode.c has no collective: tensor-parallel ranks run decoder_layer
 
-    def with_inner(self, inner: Weight) -> AllReduced:
-        return AllReduced(inner, self.group, self.stats)
+    def with_inner(self, inner: Weight, in_rank_order: bool = False) -> AllReduced:
+        return AllReduced(inner, self.group, self.stats, in_rank_order)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self.inner(x).float()  # [M, N] partial
         start = time.perf_counter()
         try:
-            self.group.allreduce([out], dist.AllreduceOptions()).wait()
+            if self.in_rank_order:
+                parts = [torch.empty_like(out) for _ in range(self.group.size())]
+                self.group.allgather([parts], [out]).wait()
+                out = parts[0]
+                for part in parts[1:]:
+                    out += part
+            else:
+                self.group.allreduce([out], dist.AllreduceOptions()).wait()
         except RuntimeError as e:
             raise CollectiveError(f"all-reduce of {list(out.shape)} float32 failed: {e}") from e
         self.stats.all_reduce_s += time.perf_counter() - start
