@@ -13,6 +13,13 @@
 
     python benchmarks/tpbench.py               # the default model, float32, 20 timed steps a point
     python benchmarks/tpbench.py --quick       # 3 timed steps a point, slots 1 and 4
+    python benchmarks/tpbench.py --dtype auto --quantization auto --pair plans
+        # TP=2 on torch's kernels (batch_invariant=False) against TP=2 on the batch-invariant plan
+        # (each rank's slices on blockdot's or dense panels, C glue, partials summed in rank order)
+
+Engines that answer differently are not compared where they should agree (TP=1 and TP=2 of one
+plan: refused); two plans that round differently are compared, with each one's greedy agreement
+with float32 (the exact path, one process) and with the other printed and written beside their times.
 """
 
 from __future__ import annotations
@@ -93,29 +100,34 @@ def prefill_step(engine: Engine, prompt_len: int) -> tuple[list[float], dict[str
     return [elapsed], {k: after[k] - before[k] for k in after}
 
 
-def measured_rows(one: Engine, two: Engine, points: list[tuple[str, int]], steps: int, rounds: int,
-                  prompt_len: int) -> list[dict]:
+def measured_rows(pair: list[tuple[str, Engine]], points: list[tuple[str, int]], steps: int, rounds: int,
+                  prompt_len: int, alike: dict[str, dict[str, float]]) -> list[dict]:
+    """Step times of the pair [(label, engine)], interleaved by round; alike: by label, the engine's
+    greedy agreements (column -> share), written beside its times."""
     cores = len(os.sched_getaffinity(0))
-    share = max(1, cores // 2)
-    samples: dict[tuple[str, int, int], list[float]] = {}
-    counted: dict[tuple[str, int], dict[str, float]] = {}
+    samples: dict[tuple[str, int, str], list[float]] = {}
+    counted: dict[tuple[str, int, str], dict[str, float]] = {}
     for _ in range(rounds):
-        for tp, engine, threads in ((1, one, cores), (2, two, share)):
-            torch.set_num_threads(threads)  # process-wide: TP=1 gets every core, rank 0 its share
+        for label, engine in pair:
+            torch.set_num_threads(threads_of(engine, cores))  # process-wide: TP=1 gets every core, rank 0 its share
             for kind, size in points:
                 times, delta = decode_steps(engine, size, prompt_len, steps) if kind == "decode" \
                     else prefill_step(engine, size)
-                samples.setdefault((kind, size, tp), []).extend(times)
-                total = counted.setdefault((kind, size), {})
+                samples.setdefault((kind, size, label), []).extend(times)
+                total = counted.setdefault((kind, size, label), {})
                 for k, v in delta.items():
                     total[k] = total.get(k, 0.0) + v
+    engines = dict(pair)
     rows = []
-    for (kind, size, tp), times in samples.items():
-        row = {"bench": "measured", "workload": kind, "slots_or_prompt_tokens": size, "tp": tp,
-               "threads_per_rank": cores if tp == 1 else share, "timed_steps": len(times),
-               "step_ms_median": 1e3 * statistics.median(times), "step_ms_min": 1e3 * min(times)}
+    for (kind, size, label), times in samples.items():
+        engine = engines[label]
+        tp = engine.config.tensor_parallel_size
+        row = {"bench": "measured", "workload": kind, "slots_or_prompt_tokens": size, "engine": label, "tp": tp,
+               "driver": engine.plan.driver(size, kind == "decode"), "batch_invariant": engine.plan.is_batch_invariant,
+               "threads_per_rank": threads_of(engine, cores), "timed_steps": len(times),
+               "step_ms_median": 1e3 * statistics.median(times), "step_ms_min": 1e3 * min(times), **alike[label]}
         if tp == 2:
-            c, n = counted[(kind, size)], len(times)
+            c, n = counted[(kind, size, label)], len(times)
             row |= {"all_reduces_per_step": c["num_all_reduces"] / n, "all_reduce_bytes_per_step": c["all_reduce_bytes"] / n,
                     "all_reduce_ms_per_step": 1e3 * c["all_reduce_s"] / n,
                     "gather_bytes_per_step": c["gather_bytes"] / n, "gather_ms_per_step": 1e3 * c["gather_s"] / n,
@@ -144,12 +156,27 @@ def gpu_rows(config: LlamaConfig, tokens: list[int], element_bytes: int = 4) -> 
     return rows
 
 
-def check_same_tokens(one: Engine, two: Engine) -> None:
-    prompts = [prompt(one, 12 + 5 * i, 50 + i) for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    a, b = one.generate(prompts, params), two.generate(prompts, params)
-    if [o.token_ids for o in a] != [o.token_ids for o in b]:
-        raise SystemExit("tpbench: TP=1 and TP=2 greedy tokens differ; refusing to compare their step times")
+def threads_of(engine: Engine, cores: int) -> int:
+    return max(1, cores // engine.config.tensor_parallel_size)
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three laws of thermodynamics are",
+           "Water boils at", "List three prime numbers:", "import numpy as np", "The quick brown fox"]
+ANSWER_TOKENS = 24
+
+
+def answers(engine: Engine) -> list[list[int]]:
+    """Greedy tokens for PROMPTS; also a warm-up (the engine has run every shape once)."""
+    params = SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS, ignore_eos=True)
+    return [list(o.token_ids) for o in engine.generate(PROMPTS, params)]
+
+
+def agreement(xs: list[list[int]], ys: list[list[int]]) -> float:
+    """The share of the answers' tokens before each pair's first difference (quantbench's greedy
+    agreement: mean common prefix over the answer length)."""
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), ANSWER_TOKENS)
+              for a, b in zip(xs, ys, strict=True)]
+    return sum(prefix) / (ANSWER_TOKENS * len(prefix))
 
 
 def main() -> None:
@@ -157,25 +184,45 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint (default: the embedded default model's GGUF)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps a point, a round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds, TP=1 and TP=2 interleaved in each")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, the pair interleaved in each")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens of the decoding requests")
     parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the timed prefill step")
+    parser.add_argument("--quantization", default="none", choices=["none", "auto", "int4"],
+                        help="the engines' quantization (auto: a GGUF's blocks as stored where a kernel runs them)")
+    parser.add_argument("--batch-invariant", default="auto", choices=["auto", "true", "false"],
+                        help="the engines' batch_invariant (float32 with quantization none is the exact path under auto)")
+    parser.add_argument("--pair", default="tp", choices=["tp", "plans"],
+                        help="tp: TP=1 against TP=2; plans: TP=2 with batch_invariant=False against TP=2 as configured")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="runs/tpbench.csv")
     args = parser.parse_args()
     slots = [1, 4] if args.quick else [1, 4, 16]
     steps, rounds = (3, 1) if args.quick else (args.steps, args.rounds)
     torch.manual_seed(0)
-    config = {"dtype": args.dtype, "quantization": None, "num_kv_blocks": 512, "max_num_seqs": max(slots),
-              "max_num_batched_tokens": max(2048, args.prefill)}
+    invariant = {"auto": "auto", "true": True, "false": False}[args.batch_invariant]
+    config = {"dtype": args.dtype, "quantization": None if args.quantization == "none" else args.quantization,
+              "num_kv_blocks": 512, "max_num_seqs": max(slots), "max_num_batched_tokens": max(2048, args.prefill),
+              "batch_invariant": invariant}
     path = Path(args.model) if args.model else None
-    with Engine.from_pretrained(path, EngineConfig(**config)) as one, \
-            Engine.from_pretrained(path, EngineConfig(**config, tensor_parallel_size=2)) as two:
-        assert isinstance(two.model, TensorParallelModel)
-        check_same_tokens(one, two)  # also the warm-up: both engines have run every shape once
+    first = EngineConfig(**config, tensor_parallel_size=1) if args.pair == "tp" else \
+        EngineConfig(**config | {"batch_invariant": False}, tensor_parallel_size=2)
+    labels = ("TP=1", "TP=2") if args.pair == "tp" else ("TP=2 not invariant", "TP=2 as configured")
+    exact = config | {"dtype": "float32", "quantization": None, "batch_invariant": "auto"}
+    with Engine.from_pretrained(path, EngineConfig(**exact)) as reference:  # the exact path: float32's tokens
+        float32 = answers(reference)
+    with Engine.from_pretrained(path, first) as a, \
+            Engine.from_pretrained(path, EngineConfig(**config, tensor_parallel_size=2)) as b:
+        assert isinstance(b.model, TensorParallelModel)
+        got = {label: answers(engine) for label, engine in zip(labels, (a, b), strict=True)}
+        pair = agreement(*got.values())
+        if args.pair == "tp" and pair < 1.0:
+            raise SystemExit("tpbench: TP=1 and TP=2 greedy tokens differ; refusing to compare their step times")
+        alike = {label: {"greedy_agreement_pair": pair, "greedy_agreement_float32": agreement(tokens, float32)}
+                 for label, tokens in got.items()}
         points = [("decode", s) for s in slots] + [("prefill", args.prefill)]
-        rows = measured_rows(one, two, points, steps, rounds, args.prompt_len)
-        model_config = one.model.config
+        rows = measured_rows(list(zip(labels, (a, b), strict=True)), points, steps, rounds, args.prompt_len, alike)
+        model_config = a.model.config
+        print(f"{labels[0]}: {a.plan.reason}\n{labels[1]}: {b.plan.reason}")
     rows += gpu_rows(model_config, [1, 16, 256, 2048])
     write_csv(args.out, rows)
     print_tables(rows)
@@ -183,14 +230,19 @@ def main() -> None:
 
 
 def print_tables(rows: list[dict]) -> None:
-    measured = {(r["workload"], r["slots_or_prompt_tokens"], r["tp"]): r for r in rows if r["bench"] == "measured"}
-    print("measured on this machine: median step ms (TP=2's collectives: host ms per step)")
-    print(f"{'workload':<10}{'size':>6}{'TP=1 ms':>10}{'TP=2 ms':>10}{'TP2/TP1':>9}{'all-reduces':>13}"
+    measured = [r for r in rows if r["bench"] == "measured"]
+    labels = list(dict.fromkeys(r["engine"] for r in measured))
+    by_point = {(r["workload"], r["slots_or_prompt_tokens"], r["engine"]): r for r in measured}
+    agree = {r["engine"]: r["greedy_agreement_float32"] for r in measured}
+    print(f"measured on this machine: A = {labels[0]}, B = {labels[1]}; median step ms (B's collectives: host ms "
+          f"per step)\ngreedy tokens alike: A and B {measured[0]['greedy_agreement_pair']:.0%}; with float32's (the "
+          f"exact path): A {agree[labels[0]]:.0%}, B {agree[labels[1]]:.0%}")
+    print(f"{'workload':<10}{'size':>6}{'A ms':>10}{'B ms':>10}{'B/A':>9}{'all-reduces':>13}"
           f"{'AR KB':>9}{'AR ms':>8}{'gather ms':>11}{'plan ms':>9}")
-    for (workload, size, tp), two in measured.items():
-        if tp != 2:
+    for (workload, size, label), two in by_point.items():
+        if label != labels[1]:
             continue
-        one = measured[(workload, size, 1)]
+        one = by_point[(workload, size, labels[0])]
         print(f"{workload:<10}{size:>6}{one['step_ms_median']:>10.2f}{two['step_ms_median']:>10.2f}"
               f"{two['step_ms_median'] / one['step_ms_median']:>9.2f}{two['all_reduces_per_step']:>13.0f}"
               f"{two['all_reduce_bytes_per_step'] / 1024:>9.0f}{two['all_reduce_ms_per_step']:>8.2f}"

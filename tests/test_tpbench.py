@@ -52,3 +52,20 @@ def test_quick_run_on_a_tiny_checkpoint(tmp_path):
             assert float(r["all_reduces_per_step"]) == 2 * 2  # 2 layers
             assert float(r["all_reduce_bytes_per_step"]) == 4 * tokens * 32 * 4
     assert {r["tp"] for r in rows if r["bench"] == "gpu_model"} == {"2", "4", "8"}
+
+
+def test_plans_pair_times_the_torch_plan_against_the_invariant_one(tmp_path):
+    path = tiny_checkpoint(tmp_path / "m")
+    out = tmp_path / "tpbench.csv"
+    proc = subprocess.run([sys.executable, "benchmarks/tpbench.py", "--model", str(path), "--quick", "--prefill", "16",
+                           "--prompt-len", "8", "--dtype", "bfloat16", "--pair", "plans", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = [r for r in csv.DictReader(out.open()) if r["bench"] == "measured"]
+    drivers = {(r["engine"], r["batch_invariant"], r["tp"], r["driver"]) for r in measured}
+    assert drivers == {("TP=2 not invariant", "False", "2", "torch-tensor-parallel"),
+                       ("TP=2 as configured", "True", "2", "c-tensor-parallel")}
+    assert all(float(r["all_reduces_per_step"]) == 2 * 2 for r in measured)
+    for r in measured:
+        assert 0.0 <= float(r["greedy_agreement_pair"]) <= 1.0 and 0.0 <= float(r["greedy_agreement_float32"]) <= 1.0
+    assert "greedy tokens alike: A and B" in proc.stdout
