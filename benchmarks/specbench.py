@@ -31,6 +31,7 @@ checkpoint as target, the Q4_1 file as draft) over `llama-lookup` drafting nothi
     python benchmarks/specbench.py --rounds 5 --hf --llamacpp
     python benchmarks/specbench.py --speculative-config '{"method": "ngram", "num_speculative_tokens": 8}'
     python benchmarks/specbench.py --method draft_model --target-dtype bfloat16 --llamacpp
+    python benchmarks/specbench.py --tensor-parallel-size 2   # both engines on 2 ranks (a draft model on rank 0)
 """
 
 from __future__ import annotations
@@ -165,10 +166,10 @@ def speculative_config(args: argparse.Namespace) -> dict:
 def target_of(args: argparse.Namespace) -> tuple[Path | None, dict]:
     """What both engines serve, and their EngineConfig fields: the shipped GGUF as the plan likes it,
     or (draft_model) its dense checkpoint in --target-dtype on the batch-invariant plan."""
+    common = {"max_num_seqs": 16, "tensor_parallel_size": args.tensor_parallel_size}
     if speculative_config(args)["method"] == "ngram":
-        return None, {"max_num_seqs": 16}
-    return default_model_dir(), {"max_num_seqs": 16, "dtype": args.target_dtype, "quantization": None,
-                                 "batch_invariant": True}
+        return None, common
+    return default_model_dir(), common | {"dtype": args.target_dtype, "quantization": None, "batch_invariant": True}
 
 
 def bench_nanoserve(args: argparse.Namespace) -> tuple[list[dict], int]:
@@ -176,6 +177,14 @@ def bench_nanoserve(args: argparse.Namespace) -> tuple[list[dict], int]:
     target, fields = target_of(args)
     engines = {"plain": Engine.from_pretrained(target, EngineConfig(**fields)),
                "spec": Engine.from_pretrained(target, EngineConfig(**fields, speculative_config=spec))}
+    try:
+        return measure(args, spec, fields, engines)
+    finally:
+        for engine in engines.values():
+            engine.close()  # a tensor-parallel engine's workers end with it
+
+
+def measure(args: argparse.Namespace, spec: dict, fields: dict, engines: dict[str, Engine]) -> tuple[list[dict], int]:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     for engine in engines.values():
         engine.warmup()
@@ -207,7 +216,8 @@ def bench_nanoserve(args: argparse.Namespace) -> tuple[list[dict], int]:
               f"{statistics.median(n['decode_tok_s'] for n in spec_runs):>13.1f}{spread(decode):>20}{spread(output):>20}"
               f"{rate:>8.2f}{per_verify:>11.2f}")
         rows.append({"system": "nanoserve", "method": spec["method"], "target": fields.get("dtype", "q4_1"),
-                     "workload": workload, "concurrency": concurrency, "rounds": args.rounds,
+                     "tp": args.tensor_parallel_size, "workload": workload, "concurrency": concurrency,
+                     "rounds": args.rounds,
                      "k": spec.get("num_speculative_tokens"), "config": json.dumps(spec),
                      "plain_decode_tok_s": round(statistics.median(p["decode_tok_s"] for p in plain), 2),
                      "spec_decode_tok_s": round(statistics.median(n["decode_tok_s"] for n in spec_runs), 2),
@@ -330,6 +340,8 @@ def main() -> None:
                         help="ngram on the shipped file, or draft_model: its dense checkpoint with the file as draft")
     parser.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="draft_model: the dense target's dtype")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="nanoserve's engines on this many ranks (the batch-invariant plan's c-tensor-parallel)")
     parser.add_argument("--speculative-config", default=None,
                         help="the speculative engine's EngineConfig.speculative_config, as JSON (default: the method's, k = 4)")
     parser.add_argument("--hf", action="store_true", help="also transformers' prompt_lookup_num_tokens (loads for ~35 s)")
