@@ -55,7 +55,8 @@ class PlanOverrides:
     # C form (blockdot's panels, or dense panels), three calls a layer between the weights' own linears
     # otherwise. "auto": on, except on the exact path (dtype="float32", quantization=None), which runs
     # torch's ops only; True asks for it there too; False keeps decoder_layer (to compare, or to profile
-    # per operation). Tensor-parallel ranks and compile keep decoder_layer.
+    # per operation). compile keeps decoder_layer; tensor-parallel ranks keep it off the
+    # batch-invariant plan, whose ranks run three C calls a layer between their matmuls.
     fused_decode: bool | str = "auto"
 
     def __post_init__(self) -> None:
