@@ -37,6 +37,7 @@ from nanoserve.speculative import PLACEHOLDER, SpeculationRule, overhead_rows, r
 from nanoserve.structured import GrammarCompiler, apply_bitmask
 
 logger = logging.getLogger("nanoserve")
+CATCH_UP_ROWS = 64  # a draft model's catch-up is timed as a forward of this many tokens
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,10 @@ class Engine:
             if self.draft is not None:
                 drafting = self.speculation_cost(1, draft=True)
                 self.speculation.draft_rows = drafting / row_seconds(one, many, wide)
-                logger.info("nanoserve: speculation: a draft token %.2f ms: %.1f rows", 1e3 * drafting,
-                            self.speculation.draft_rows)
+                catch_up = self.speculation_cost(CATCH_UP_ROWS, draft=True) / CATCH_UP_ROWS
+                self.speculation.catch_up_seconds = catch_up
+                logger.info("nanoserve: speculation: a draft token %.2f ms: %.1f rows; catching up %.3f ms a token",
+                            1e3 * drafting, self.speculation.draft_rows, 1e3 * catch_up)
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, config: EngineConfig | None = None) -> Engine:

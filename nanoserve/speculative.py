@@ -30,6 +30,7 @@ from typing import Any
 METHODS = ("ngram", "draft_model")
 PLACEHOLDER = -1  # a draft the scheduler budgets before the draft model has made it
 MEASURE_WEIGHT = 0.25  # SpeculationRule's running means of step time: the weight of each new step
+PROBE_SHARE = 0.02  # the most of the decode time since the last drafting step a probe's catch-up may take
 
 
 @dataclass(frozen=True)
@@ -180,10 +181,19 @@ class SpeculationRule:
     request that rested, or a rested draft would look dearer than drafting is), into one running
     mean for steps that verified drafts and one for steps that did not. While drafting steps cost
     more per token, no request drafts but on every probe_every-th step; while they cost less, every
-    probe_every-th step drafts nothing, so both means stay current. A fixed min_acceptance turns
-    both the cost model and this off. Its draft length follows transformers' schedule for assisted
-    generation: two more after a verification that kept every draft, one fewer after one that did
-    not, up to num_speculative_tokens.
+    probe_every-th step drafts nothing, so both means stay current. A draft model must also see
+    every token before it can draft the next: a request's first drafts catch it up on the whole
+    prompt, a rested request's on every token since, in one forward the step times leave out. So
+    outside the probing steps a request drafts only where that catch-up pays: where the seconds a
+    token drafting saves (the two means' difference) times the tokens it may still give
+    (max_tokens) exceed the catch-up's (`catch_up_seconds` a token, timed at start-up). A draft no
+    faster than the target's own steps then never pays for a long prompt. A probing step's catch-up
+    is its exploration's price: a request probes only where it costs at most PROBE_SHARE of the
+    decode time since a step last drafted (a whole prompt's catch-up each probe cost the default
+    model in bf16 a fifth of its time, drafted by its own Q4_1 file). A fixed min_acceptance
+    turns the cost model, the measurement and the catch-up's charge off. Its draft length follows
+    transformers' schedule for assisted generation: two more after a verification that kept every
+    draft, one fewer after one that did not, up to num_speculative_tokens.
     """
 
     def __init__(self, config: SpeculativeConfig, overhead_rows: float | None = None, draft_rows: float = 0.0) -> None:
@@ -193,9 +203,13 @@ class SpeculationRule:
                          if config.method == "ngram" else None)
         self.overhead_rows = overhead_rows if config.overhead_rows == "auto" else config.overhead_rows
         self.draft_rows = draft_rows  # what proposing one draft costs, in rows (a draft model's forward)
+        # A draft model's catch-up: seconds a token of its forward over many (None: not timed, no charge).
+        self.catch_up_seconds: float | None = None
         # Measured: seconds per token of decode steps that verified drafts (True) and that did not.
         self.seconds_per_token: dict[bool, float | None] = {True: None, False: None}
         self.num_steps = 0
+        self.probing = False  # this step drafts only to measure drafting again (it costs more per token)
+        self.seconds_since_drafting = 0.0  # decode steps' seconds since a step last verified drafts
 
     @property
     def needs_calibration(self) -> bool:
@@ -215,18 +229,35 @@ class SpeculationRule:
         if num_tokens < 1:
             return
         self.seconds_per_token[drafted] = running_mean(self.seconds_per_token[drafted], seconds / num_tokens)
+        self.seconds_since_drafting = 0.0 if drafted else self.seconds_since_drafting + seconds
 
     def speculating(self) -> bool:
         """Whether this step may draft at all, by the step times measured (see the class): each
         probe_every-th step goes to the arm that looks slower, every other step to the faster."""
         self.num_steps += 1
+        self.probing = False
         if self.config.min_acceptance is not None:
             return True  # a fixed floor: the caller chose
         spec, plain = self.seconds_per_token[True], self.seconds_per_token[False]
         refresh = self.num_steps % self.config.probe_every == 0
         if spec is None or plain is None:
             return not (refresh and spec is not None)  # until plain steps are measured too
+        self.probing = refresh and spec > plain
         return (spec <= plain) != refresh
+
+    def catch_up_pays(self, request: Any) -> bool:
+        """Whether a draft model's catch-up on the tokens it has not seen, past the one or two of
+        steady drafting, costs less than drafting can save the request, or on a probing step less
+        than PROBE_SHARE of the time since a step last drafted (see the class). True where nothing
+        is measured yet, and under a fixed min_acceptance."""
+        spec, plain, per_token = self.seconds_per_token[True], self.seconds_per_token[False], self.catch_up_seconds
+        if self.config.min_acceptance is not None or None in (spec, plain, per_token):
+            return True
+        behind = request.num_tokens - min(request.num_draft_computed, request.num_computed_tokens) - 2
+        catch_up = max(0, behind) * per_token
+        if self.probing:
+            return catch_up <= PROBE_SHARE * self.seconds_since_drafting
+        return (plain - spec) * (request.params.max_tokens - request.num_output_tokens) > catch_up
 
     def assign(self, requests: Sequence[Any]) -> None:
         """Sets each request's draft_token_ids for the next schedule: [] for those that do not
@@ -255,6 +286,8 @@ class SpeculationRule:
                     continue
                 request.spec_skipped, k = 0, 1  # a probe: the cheapest bet that can show a change
             if self.proposer is None:
+                if not self.catch_up_pays(request):
+                    continue
                 request.draft_token_ids = [PLACEHOLDER] * k  # the draft model's, after schedule
                 rows += k
                 continue

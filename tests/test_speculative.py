@@ -461,6 +461,52 @@ def test_the_rule_charges_a_draft_models_forward_to_the_threshold():
     assert probes == 40 // 16
 
 
+def test_a_draft_models_catch_up_must_pay_for_itself():
+    rule = SpeculationRule(SpeculativeConfig(method="draft_model", model="d", overhead_rows=0.0, probe_every=4))
+    rule.catch_up_seconds = 0.001  # 1 ms a token caught up
+    fresh = decoding_request("a", list(range(10, 60)), max_tokens=30)  # 50 tokens, 1 output; the draft saw none
+    fresh.spec_acceptance = 1.0
+    rule.assign([fresh])
+    assert fresh.draft_token_ids == [PLACEHOLDER] * 4  # nothing measured: no charge
+    # Drafting saves 0.5 ms a token over the 29 tokens the request may still give: 14.5 ms, under the
+    # 48 ms of catching up on 50 tokens past steady drafting's 2.
+    rule.observe_step(True, 5, 5 * 0.0045)
+    rule.observe_step(False, 1, 0.005)
+    rule.num_steps = 0  # steps 1-3 draft (drafting is cheaper), the 4th refreshes the plain arm
+    rule.assign([fresh])
+    assert fresh.draft_token_ids == []
+    fresh.num_draft_computed = 20  # 30 tokens behind: 28 ms past steady, more than 14.5 ms
+    rule.assign([fresh])
+    assert fresh.draft_token_ids == []
+    fresh.num_draft_computed = 40  # 10 behind: 8 ms
+    rule.assign([fresh])
+    assert fresh.draft_token_ids == [PLACEHOLDER] * 4
+    # Drafting dearer than plain steps: only probing steps (every 4th) draft, and a probe's catch-up
+    # may take 2% of the decode time since a step last drafted.
+    rule.observe_step(True, 5, 5 * 0.2)  # the spec arm's mean: 4.5 + 0.25 (200 - 4.5) ms
+    rule.num_steps, fresh.num_draft_computed = 0, 0  # 48 ms behind: a probe needs 2.4 s of plain steps
+    for _ in range(8):
+        rule.assign([fresh])
+        assert fresh.draft_token_ids == []
+    for _ in range(239):
+        rule.observe_step(False, 1, 0.01)  # 2.39 s: 2% of it is 47.8 ms
+    rule.num_steps = 3
+    rule.assign([fresh])
+    assert rule.probing and fresh.draft_token_ids == []
+    rule.observe_step(False, 1, 0.02)  # 2.41 s
+    rule.num_steps = 3
+    rule.assign([fresh])
+    assert rule.probing and fresh.draft_token_ids == [PLACEHOLDER] * 4
+    rule.observe_step(True, 5, 0.05)
+    assert rule.seconds_since_drafting == 0.0
+    fixed = SpeculationRule(SpeculativeConfig(method="draft_model", model="d", min_acceptance=0.0))
+    fixed.catch_up_seconds = 1.0
+    fixed.observe_step(True, 1, 1.0)
+    fixed.observe_step(False, 1, 0.001)
+    fixed.assign([fresh])
+    assert fresh.draft_token_ids == [PLACEHOLDER] * 4  # a fixed floor: the caller chose
+
+
 # ---- Scheduler: drafts and rollback ------------------------------------------------------------------
 
 
