@@ -22,8 +22,10 @@ For a step whose every row is one decoding sequence:
 Under the batch-invariant plan (EngineConfig.batch_invariant) the one call takes every step at every
 width, prompts and chunks too: each prompt token is a row like a decode's, its K/V written to the
 cache before any row reads, then its query over its own context read back from there, so a row's
-arithmetic does not depend on the step it came in. Elsewhere every step with a prompt or chunk in it
-runs llama.py's decoder_layer. Either way the embedding, the final norm and the head stay in
+arithmetic does not depend on the step it came in. Tensor-parallel ranks on that plan run every step,
+prompts too, in the three calls a layer, between their matmuls (blockdot's or dense panels) and
+their all-reduces. Elsewhere every step with a prompt or chunk in it runs llama.py's decoder_layer.
+Either way the embedding, the final norm and the head stay in
 llama.py's forward. It applies to the Llama family's switches that SmolLM,
 Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 use (a qkv bias, per-head q/k norms, a sliding window on
 some or all layers, SiLU), the model computing in float32 or bfloat16 on the CPU; Gemma's (sandwich
@@ -119,7 +121,8 @@ class FusedDecode:
         return h
 
     def _per_layer(self, h: torch.Tensor, kv: KVCache, rows: tuple) -> torch.Tensor:
-        """torch's linears, the glue between them in three C calls a layer."""
+        """The weights' own linears (torch's, or panels between a rank's all-reduces), the glue
+        between them in three C calls a layer."""
         lib, shape, T = self.kernel.lib, self.shape, h.shape[0]
         io_bf16 = int(self.dtype == torch.bfloat16)
 
@@ -194,8 +197,8 @@ def fused_decode(model: LlamaModel, max_rows: int, int16_rows: int | None, promp
     """The fused decode of a laid-out model (the execution plan decides that it runs): decode steps of
     up to max_rows rows in one C call (0: none, every matmul's C form read from the weight itself),
     the wider ones in three C calls a layer between the weights' own linears; blockdot's panels on
-    their int16 path from int16_rows rows (None: never); with `prompts` (max_rows then every width),
-    the steps with prompts in one call too.
+    their int16 path from int16_rows rows (None: never); with `prompts`, the steps with prompts too,
+    as decode steps of their width run (max_rows then every width, or 0: three calls a layer always).
 
     Raises:
         ValueError: max_rows > 0 but some matmul has no form fused_decode.c reads.

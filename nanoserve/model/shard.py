@@ -166,7 +166,7 @@ class AllReduced:
         return self.inner.nbytes_by_kind()
 
     def c_form(self, regroup: Regroup) -> None:
-        return None  # fused_decode.c has no collective: tensor-parallel ranks run decoder_layer
+        return None  # the one call has no collective: a rank runs three C calls a layer, or decoder_layer
 
     def with_inner(self, inner: Weight, in_rank_order: bool = False) -> AllReduced:
         return AllReduced(inner, self.group, self.stats, in_rank_order)
