@@ -1,43 +1,51 @@
-/* blockdot.c: y = x @ w^T for a few rows of x, w in blocks of 32 weights with one scale and min each
- * (GGUF's Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, and the K-quants whose groups are 32: Q4_K, Q5_K,
- * IQ4_XS), the codes and scales exact, x in float32 or rounded to int16 per block.
+/* blockdot.c: y = x @ w^T for a few rows of x, w in blocks of 32 weights of one output row with a
+ * scale and a min each (two of each for the kinds that scale 16 weights), the codes and scales exact,
+ * x in float32 or rounded to int16 per block. It runs twelve of GGUF's block types as stored (Q4_0,
+ * Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS, Q6_K, Q3_K and Q2_K: blockdot.py's KINDS),
+ * nanoserve's own int4 (Q4_1's form), and rows of several of them stacked in one matrix as int8 codes.
  *
- * Built at first use by nanoserve/model/blockdot.py (cc -O3 -march=native -fopenmp) and used in place
- * of torch's kernels unless a start-up probe measures theirs clearly faster. Why it exists: torch's one-row
- * int4 kernel rounds a GGUF file's fp16 scales to bf16 (8 of their 11 bits), its int8 Q8_0 head needs
- * two int4 passes, and on a CPU without AVX-512 bf16 it has no fast path at all.
+ * Built at first use, with fused_decode.c, into one library by nanoserve/model/cabi.py (cc -O3
+ * -march=native -fopenmp -fno-trapping-math), and run in place of torch's kernels unless the start-up
+ * probe times theirs BLOCKDOT_MARGIN faster (nanoserve/model/precision.py). Why it exists: torch's
+ * one-row int4 kernel rounds a GGUF file's fp16 scales to bf16 (8 of their 11 bits), its int8 Q8_0
+ * head needs two int4 passes, it takes no kind that scales 16 weights, and on a CPU without AVX-512
+ * bf16 it has no fast path at all.
  *
  * Every block is w[n, k] = d * q + m for 32 consecutive k of one output row n, its codes q either
  * 4 bits (0..15) or 8 (int8); `planes` names which, as the 4-bit planes the codes take:
  *   Q4_1: 4-bit codes (planes = 1), d and m as stored;   Q4_0 (d (q - 8)): 4-bit codes, m = -8 d;
  *   Q8_0 (d q): int8 codes as stored (planes = 2), m = 0; Q5_0, Q5_1 and IQ4_NL as int8 codes (q - 16,
  *   q, the table's value) with fp16 d and m; Q4_K (4-bit) and Q5_K, IQ4_XS (int8) with float heads;
- *   Q6_K, Q3_K and Q2_K, whose groups are 16, with two scales (G16) and mins (G16M) a block.
+ *   Q6_K, Q3_K and Q2_K, whose groups are 16, as int8 codes with two scales (G16) and, for Q2_K,
+ *   two mins (G16M) a block.
  * All of these are exact in the heads' type and in float32 (blockdot.py checks that fp16 ones are).
  *
  * Layout ("panels"): output rows in panels of 16, one vector lane per row. Block (p, b) is
  *   fp16 d[16], fp16 m[16] (float d[16], m[16] where planes has F32_HEADS: a K-quant's group scales,
- *   its fp16 d times a 6-bit scale, exact in float32 and not in fp16), then 256 bytes of 4-bit codes
- *   or 512 of int8 codes:
+ *   its fp16 d times a 6-bit scale, exact in float32 and not in fp16; with G16M float d0, d1, m0,
+ *   m1, 16 each), then 256 bytes of 4-bit codes or 512 of int8 codes:
  *   4-bit: 4 octets of 16 uint32: lane n of octet o holds the codes of row 16 p + n at
  *          k = 32 b + 8 o + i, i = 0..7, in bits 4 i .. 4 i + 3;
  *   int8:  per octet o and j = 0..3, 32 bytes: row n's codes at k = 32 b + 8 o + j and that k + 4 in
  *          bytes 2 n and 2 n + 1, so that one sign extension to int16 gives each row's pair of k
  *          (the pairs the int16 path multiplies at once, below).
+ * So a weight costs 5 bits (4-bit codes, fp16 heads), 6 (4-bit, float heads), 9 (int8, fp16 heads),
+ * 10 (int8, float heads or G16) or 12 (G16M); docs/cpu-kernels.md gives each kind's.
  * A step takes each k's 16 codes as floats (a table lookup or a conversion) and multiplies them by
  * x[k] broadcast, so 16 rows advance at once and no sum crosses lanes; g[n] = sum over the block of
  * q[n, k] x[k] is then scaled once: acc[n] += d[n] g[n] + m[n] sum_b(x). bf16 activations are widened
  * to float32 first (exactly).
  *
- * The int16 path (tile16; from `int16_rows` rows of x, EngineConfig.blockdot_int16_rows) rounds
+ * The int16 path (tile16; from `int16_rows` rows of x, PlanOverrides.blockdot_int16_rows) rounds
  * each block of x to int16 against its largest |x| first and sums codes times x in int32, two k a
  * multiply-add (vpdpwssd with AVX-512 VNNI, vpmaddwd without): fewer instructions a code than
  * widening every code to a float, for the same result within x's rounding.
  *
  * One 16-lane vector type, vf (and vi, its int32 twin), is what differs between machines: one
- * __m512, two __m256 (AVX2, FMA, F16C), or 16 lanes in plain C (correct and slow: the probe then
- * keeps torch's kernels). Output
- * rows are split over `nthreads` OpenMP threads, on the libgomp torch has already loaded.
+ * __m512 (AVX-512 F and BW, with F16C), two __m256 (AVX2, FMA, F16C), or 16 lanes in plain C
+ * (correct and slow; the start-up probe times it like any build). Output rows are split over
+ * `nthreads` OpenMP threads, on the libgomp torch has already loaded; the tiles each thread runs,
+ * per build, are in blockdot_tasks and task below, and in docs/cpu-kernels.md ("Tiles").
  */
 #include <math.h>
 #include <pthread.h>
@@ -182,9 +190,9 @@ static inline vi vdot(vi acc, vi u, int32_t s) {
 }
 #endif
 
-/* A line on its way to L2 (prefetch) or L1 (prefetch_l1). __builtin_prefetch, not _mm_prefetch: built
-   by gcc 12 from this file, the intrinsic left no prefetch instruction at all in the disassembly, so
-   the kernels ran without the prefetches they were written with until 2026-12-02. */
+/* A line on its way to L2 (prefetch) or L1 (prefetch_l1). __builtin_prefetch, not _mm_prefetch: gcc 12
+   leaves no prefetch instruction for the intrinsic inside these loops (notes/blockdot.md, "Why
+   blockdot.c is as it is"). */
 #if SIMD
 static inline void prefetch(const void *p) { __builtin_prefetch(p, 0, 2); }
 static inline void prefetch_l1(const void *p) { __builtin_prefetch(p, 0, 3); }
@@ -351,12 +359,12 @@ INLINE void tile16(const struct xin *in, const uint8_t *w, int64_t B, int planes
 
 #if SIMD == 256
 /* tile16 for one panel against four rows of x, written out for AVX2: gcc's register allocation of the
-   generic tile (a vf is two registers here) kept the pair shifts in a register and re-associated the
-   integer sums, spilling them inside the loop (perf annotate, 2026-12-03). Here the 8 int32 sums, the
-   pair of codes, the mask and one broadcast x are 13 of the 16 registers, and an empty asm after each
-   pair keeps the sums where they are. Per octet and pair j: the pair of codes (4-bit: 2 shifts and 2
-   ands of the octet re-read from L1; int8: 2 sign extensions), then for each row one broadcast, 2
-   vpmaddwd and 2 vpaddd. */
+   generic tile (a vf is two registers here) keeps the pair shifts in a register and re-associates the
+   integer sums, spilling them inside the loop (notes/blockdot.md, "Why blockdot.c is as it is"). Here
+   the 8 int32 sums, the pair of codes, the mask and one broadcast x are 13 of the 16 registers, and an
+   empty asm after each pair keeps the sums where they are. Per octet and pair j: the pair of codes
+   (4-bit: 2 shifts and 2 ands of the octet re-read from L1; int8: 2 sign extensions), then for each
+   row one broadcast, 2 vpmaddwd and 2 vpaddd. */
 #define DOT4(pa, pb, j)                                                                                    \
   do {                                                                                                     \
     __m256i s = _mm256_set1_epi32(q0[4 * o + (j)]);                                                        \
@@ -611,7 +619,9 @@ void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const
                     int y_bf16) {
   const int64_t panels = (N + P - 1) / P;
   /* A task is NP panels (16 NP output rows) against every row of x, in tiles of NP panels by MR
-     rows with NP * MR <= 8: four panels for one or two rows of x, fewer as the rows grow. */
+     rows (task, below) with NP * MR <= 8: four panels for one or two rows of x, two for three or
+     four, one past that. AVX2, whose vf is two registers, keeps NP * MR <= 4: four panels for one
+     row, two for two, one (by up to four rows) past that. */
   const int NP = SIMD == 256 ? (M <= 1 ? 4 : M <= 2 ? 2 : 1) : M <= 2 ? 4 : M <= 4 ? 2 : 1;
   const int64_t tasks = (panels + NP - 1) / NP;
   #pragma omp for schedule(static)
@@ -629,9 +639,10 @@ void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const
    registers for the whole of K, each k a broadcast x[r, k] times the panel's vector: no horizontal
    sum, one pass over the panel per tile of rows (from L2 after the first), and the panel read as one
    contiguous stream. A dot-product form (rows of w against rows of x, the sums reduced across lanes
-   at the end) read x once per pair of w rows: half the FMA rate at 32 rows (notes/fused_decode.md). */
-/* Rows of x a tile: 12 (AVX-512) or 3 (AVX2, whose vf is two registers): two vector sums a row, 24 (12) of the
-   32 (16) vector registers. */
+   at the end) reads x once per pair of w rows, and ran at under half this form's rate at 32 rows
+   (notes/blockdot.md, "Why blockdot.c is as it is"). */
+/* Rows of x a tile: 12 (AVX-512) or 3 (AVX2 and plain C; AVX2's vf is two registers): two vector sums a
+   row, 24 (12) of the 32 (16) vector registers. */
 #define DP_MR (SIMD == 512 ? 12 : 3)
 INLINE vf dense_k(const void *p, int64_t k, const int bf16) {
 #if SIMD == 256
@@ -645,7 +656,8 @@ INLINE vf dense_k(const void *p, int64_t k, const int bf16) {
 }
 /* Rows r0 .. r0 + MR - 1 of x against panel p: y[r, n0 .. n0 + nn - 1]. Two sums a row (even and odd k,
    added at the end) at every MR: a row's sums are the same whatever tile it is in, so its output bits
-   do not change with the width of the call (with one sum a row in tiles of four rows or more, they did).
+   do not change with the width of the call (a tile that summed a row in one chain at some widths and
+   two at others would change them: notes/batch-invariance.md).
    `next` (or NULL): the panel to fetch to L2 on the way, a line every `stride` steps of k from byte
    *cursor up to `end` (the cursor goes on from one tile of the panel to the next). */
 INLINE void dense_tile(const float *x, int64_t K, const void *p, const int bf16, int64_t r0, const int MR, float *y,
@@ -686,8 +698,8 @@ INLINE void dense_panel(const float *x, int64_t M, int64_t K, const void *p, con
   const int64_t tiles = (M + DP_MR - 1) / DP_MR, base = M / tiles, extra = M % tiles;  /* tiles as even as they go */
   int64_t r0 = 0;
   /* the next panel's lines spread evenly over all the tiles of this one: end / 64 lines in tiles * K
-     steps of k. Fetched all in the first tile, the next panel's 576 lines (float32, K = 576) queued
-     behind that tile's own misses: 1.25x slower at 32 rows, 1.4x at 16, streamed (notes/fused_decode.md). */
+     steps of k. Fetched all in the first tile, they would queue behind that tile's own misses
+     (notes/blockdot.md, "Why blockdot.c is as it is"). */
   const int64_t end = K * P * (bf16 ? 2 : 4);
   int64_t cursor = 0;
   const int stride = (int)((tiles * K * 64) / end > 1 ? (tiles * K * 64) / end : 1);
@@ -720,7 +732,7 @@ void dense_tasks(const float *x, int64_t M, int64_t K, int64_t N, const void *w,
      weights are not in cache) it fetches the next to L2; the hardware's prefetchers alone left the
      panels' FMAs waiting on memory in whole decode steps. But not at one row: there a panel is read
      once, as one stream, at the memory rate on the hardware's prefetchers, and a second stream of
-     software prefetches made float32 decode steps 1.04-1.08x slower (bf16: no change; Zen 3). */
+     software prefetches slows it (notes/blockdot.md, "Why blockdot.c is as it is"). */
   #pragma omp for schedule(static)
   for (int64_t g = 0; g < panels; g++) {
     const char *p = (const char *)w + g * bytes, *next = g + 1 < panels && M > 1 ? p + bytes : NULL;
@@ -814,7 +826,8 @@ void blockdot_dequantize(const uint8_t *w, int planes, int64_t N, int64_t K, voi
   }
 }
 
-/* y [M, N] = x [M, K] @ w^T, w in panels of 4-bit (planes 1) or int8 (2) codes, | F32_HEADS for float heads ([ceil(N / 16), K / 32] blocks; rows
+/* y [M, N] = x [M, K] @ w^T, w in panels of 4-bit (planes 1) or int8 (2) codes, | F32_HEADS for float heads,
+   | G16 and G16M for two scales (and mins) a block ([ceil(N / 16), K / 32] blocks; rows
    past N all zero). x and y are float32, or bf16 where x_bf16 / y_bf16; from int16_rows rows of x (0:
    never) x is rounded to int16 per block of 32 (the int16 path). Returns 0, or -1 when out of memory
    for the activations' float32 copies (the thread's scratch, blockdot_scratch). */

@@ -1,8 +1,12 @@
-/* fused_decode.c: every decoder layer of a decode step (one query per sequence, a few sequences) in
- * one call, inside one OpenMP parallel region, for a Llama-family model whose four matmuls per layer
- * are in blockdot's panels (blockdot.c) or dense panels of float32 or bf16 (blockdot.c's dense_tasks);
- * and the same glue in three calls a layer for steps whose matmuls torch runs (fused_attention,
- * fused_add_norm, fused_silu_mul).
+/* fused_decode.c: every decoder layer of a step in one call (fused_decode), inside one OpenMP parallel
+ * region, for a Llama-family model whose four matmuls per layer are in blockdot's panels (blockdot.c)
+ * or dense panels of float32 or bf16 (blockdot.c's dense_tasks): a decode step's rows (one query per
+ * sequence), and on the batch-invariant plan every step, each prompt token a row like a decode's.
+ * And the same glue in three calls a layer (fused_attention, fused_add_norm, fused_silu_mul) for
+ * steps whose matmuls run outside it: the weights' own linears (decode steps wider than the one call
+ * takes, forms C does not read), or a tensor-parallel rank's slices on blockdot's or dense panels, whose o
+ * and down are summed over the ranks between the calls (the plan's c-per-layer and
+ * c-tensor-parallel drivers, nanoserve/model/plan.py).
  *
  * Why: at one sequence the linears of the default model take 8-10 ms a step when called back to back,
  * but 15 ms when each follows the Python glue between them (norms, rope, the cache write, attention:
@@ -12,16 +16,19 @@
  * ~3 ms a 16-row step on a Zen 5).
  *
  * The arithmetic is llama.py's decoder_layer, with the activations in float32 throughout (the
- * matmuls read the blocks' codes and fp16 scales exactly, as blockdot does, rounding x to int16 per
- * block where the shape's int16_rows says; dense panels are read as stored), and the K/V written to
- * and read from the paged cache in its own dtype (float32, bf16 or fp16, rounded to nearest even as torch
- * rounds). Softmax is two-pass, over a per-thread scratch of the scores. Per layer, for rows r of T:
+ * matmuls read the blocks' codes and scales, fp16 or float32 heads, exactly, as blockdot does,
+ * rounding x to int16 per block where the shape's int16_rows says; dense panels are read as stored),
+ * and the K/V written to and read from the paged cache in its own dtype (float32, bf16 or fp16,
+ * rounded to nearest even as torch rounds). Each row's context is cut into parts of at most PART
+ * keys by its own length; each part's softmax is two-pass, over a per-thread scratch of the scores,
+ * and the parts are merged in order. Per layer, for rows r of T:
  *   x = rms_norm(h) * input_norm;  q, k, v = x @ qkv^T (+ qkv_bias);  q, k heads normed (q_norm,
  *   k_norm) and rotated (rotate-half, cos/sin of r's position);  k, v written to the cache at
  *   slot_mapping[r];  a = softmax(scale q . K^T) V over r's context (positions 0 .. position[r], the
  *   last W of them in a windowed layer, through its block table);  h += a @ o^T;
  *   x = rms_norm(h) * post_norm;  g, u = x @ gate_up^T;  h += (silu(g) u) @ down^T.
- * fused_decode.py decides when this applies (no o bias, no sandwich norms, no softcap, SiLU).
+ * The execution plan decides which steps run here; fused_decode.py's why_not, which families can
+ * (no o bias, no sandwich norms, no softcap, SiLU).
  */
 #include <math.h>
 #include <omp.h>
@@ -36,7 +43,7 @@
 struct fused_layer {  /* one layer's weights and cache, as fused_decode.py lays them out */
   const float *input_norm, *post_norm;           /* [E] float32 */
   const uint8_t *qkv, *o, *gate_up, *down;       /* blockdot panels or dense panels (NULL where torch's linears run) */
-  int64_t qkv_planes, o_planes, gate_up_planes, down_planes;  /* panels: 1 (4-bit codes) or 2 (int8); dense: DENSE_F32, DENSE_BF16 */
+  int64_t qkv_planes, o_planes, gate_up_planes, down_planes;  /* panels: blockdot's planes; dense: DENSE_F32, DENSE_BF16 */
   void *k_cache, *v_cache;                       /* [slots, Hkv, D] in the shape's kv_kind */
   /* the family's switches, NULL or 0 where it has none */
   const float *qkv_bias;                         /* [(H + 2 Hkv) D] float32 (Qwen2) */
@@ -147,8 +154,9 @@ static inline float exp_fast(float x) {
   return p * two_n.f;
 }
 
-/* A layer's matmul y = x @ w^T on blockdot's panels (`planes` 1 or 2: blockdot_prepare_rows for each
-   row of x, then blockdot_tasks), or on dense panels of a float32 or bf16 [N, K] (dense_tasks). */
+/* A layer's matmul y = x @ w^T on blockdot's panels (`planes` > 0: 1 or 2 with blockdot.c's F32_HEADS,
+   G16 and G16M flags; blockdot_prepare_rows for each row of x, then blockdot_tasks), or on dense
+   panels of a float32 or bf16 [N, K] (dense_tasks). */
 #define DENSE_F32 (-1)
 #define DENSE_BF16 (-2)
 static void prepare_row(const struct xin *in, int64_t K, int64_t planes, int64_t r) {
@@ -501,9 +509,10 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
   return 0;
 }
 
-/* The same step with the matmuls left to the caller (fused_decode.py's wide steps: torch's dense
-   or quantized linears between these calls), activations in float32 or bf16 (io_bf16) as the
-   linears give and take them. */
+/* The same step with the matmuls left to the caller (fused_decode.py's three calls a layer: torch's
+   dense or quantized linears between these calls, or a tensor-parallel rank's panels and the sum of
+   its o and down over the ranks), activations in float32 or bf16 (io_bf16) as the linears give and
+   take them. */
 
 static void widen(const void *x, float *out, int64_t n, int bf16) {
   if (bf16) for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(((const uint16_t *)x)[i]);
