@@ -229,9 +229,9 @@ def live_run(engine: Engine, slots: int, params: SamplingParams, max_tokens: int
     captured: list[torch.Tensor] = []
     original = engine._sample
 
-    def capture(logits: torch.Tensor, rows: list, bitmask: torch.Tensor | None = None, drafts: list | None = None) -> Any:
+    def capture(logits: torch.Tensor, rows: Any, bitmask: torch.Tensor | None = None) -> Any:
         captured[:] = [logits]
-        return original(logits, rows, bitmask, drafts)
+        return original(logits, rows, bitmask)
 
     engine._sample = capture  # an instance attribute: step() finds it before the method
     try:

@@ -168,10 +168,6 @@ class EngineConfig:
             if self.speculative_config.quantization not in _QUANTIZATIONS:
                 raise ValueError(f"speculative_config quantization={self.speculative_config.quantization!r} is not "
                                  f"one of {list(_QUANTIZATIONS)}")
-            if self.batch_invariant is False:
-                raise ValueError("speculative_config with batch_invariant=False: verifying k drafts as k + 1 rows gives "
-                                 "greedy's tokens only where a row's logits do not depend on the step's width; use "
-                                 "batch_invariant='auto' or True")
         if not isinstance(self.overrides, PlanOverrides):
             raise ValueError(f"overrides={self.overrides!r} must be a PlanOverrides")
         try:
@@ -190,16 +186,9 @@ class EngineConfig:
             not isinstance(self.tensor_parallel_threads, int) or self.tensor_parallel_threads < 1
         ):
             raise ValueError(f"tensor_parallel_threads={self.tensor_parallel_threads!r} must be None or an integer >= 1")
-        if self.tensor_parallel_size > 1 and self.overrides.kernels == "blockdot":
-            raise ValueError(f"kernels='blockdot' with tensor_parallel_size={self.tensor_parallel_size}: the ranks run "
-                             "blockdot only on the batch-invariant plan, which batch_invariant='auto' or True takes; "
-                             "use kernels='auto' or 'torch'")
-        if self.tensor_parallel_size > 1 and self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} with tensor_parallel_size="
-                             f"{self.tensor_parallel_size}: each rank's cache is in its model's dtype; use 'auto'")
-        if self.tensor_parallel_size > 1 and self.compile:
-            raise ValueError(f"compile=True with tensor_parallel_size={self.tensor_parallel_size}: the compiled layer "
-                             "would have to trace the all-reduces inside it; use compile=False")
+        from nanoserve.model.plan import refuse  # the plan's rules, asked before anything is loaded
+
+        refuse(self, self.tensor_parallel_size)
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None

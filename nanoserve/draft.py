@@ -19,23 +19,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from nanoserve.inputs import build_inputs
+from nanoserve.inputs import TokenRun, lay_out
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.llama import LlamaModel
-from nanoserve.scheduler import ScheduledRequest, SchedulerOutput
+from nanoserve.scheduler import ScheduledRequest
 from nanoserve.speculative import running_mean
 from nanoserve.structured import apply_bitmask
 
 
 @dataclass
-class _DraftView:
-    """A request as the draft model's forward sees it (what build_inputs reads of a Request): its
-    tokens and the drafts made so far, and how many of them the draft's K/V holds."""
+class _Drafting:
+    """One request's drafting: its tokens and the drafts made so far, and how many of them the
+    draft's K/V holds."""
 
     request_id: str
     token_ids: list[int]
@@ -109,23 +109,22 @@ class DraftModel:
             # A grammar ends at an end-of-sequence token whatever ignore_eos says (GrammarCompiler's stops).
             ends = not params.ignore_eos or request.grammar is not None
             stops = frozenset(params.stop_token_ids) | (request.eos_token_ids if ends else frozenset())
-            views.append(_DraftView(request.request_id, list(request.token_ids), request.num_draft_computed,
+            views.append(_Drafting(request.request_id, list(request.token_ids), request.num_draft_computed,
                                     request.block_ids, len(item.draft_token_ids), stops, request.grammar))
         active, catch_up_s = views, 0.0
         while active:
             started = time.perf_counter()
-            rows = [ScheduledRequest(v, len(v.token_ids) - v.num_computed_tokens, True) for v in active]
-            sched = SchedulerOutput(rows, [], sum(r.num_new_tokens for r in rows))
-            inputs = build_inputs(sched, self.block_size, self.device, None, self.decode_group_min_rows,
-                                  self.model.config.sliding_window)
+            runs = [TokenRun(v.token_ids[v.num_computed_tokens:], v.num_computed_tokens, v.block_ids, 1) for v in active]
+            inputs = lay_out(runs, self.block_size, self.device, None, self.decode_group_min_rows,
+                             self.model.config.sliding_window)
             logits = self.model.forward(inputs, self.kv)[:, :vocab_size]  # [len(active), V]
             if any(v.grammar is not None for v in active):
                 logits = apply_bitmask(logits, self._bitmask(active, grammars))
             tokens = logits.argmax(-1).tolist()  # the host waits for the forward here
             seconds = time.perf_counter() - started
-            if sched.num_batched_tokens == len(rows):  # a token a request: the steady cost
+            if all(len(run.token_ids) == 1 for run in runs):  # a token a request: the steady cost
                 self.token_seconds = running_mean(self.token_seconds, seconds)
-            elif self.token_seconds is not None and max(r.num_new_tokens for r in rows) > 2:
+            elif self.token_seconds is not None and max(len(run.token_ids) for run in runs) > 2:
                 catch_up_s = max(0.0, seconds - self.token_seconds)
             for view, token in zip(active, tokens, strict=True):
                 view.num_computed_tokens = len(view.token_ids)
@@ -141,31 +140,24 @@ class DraftModel:
         return catch_up_s
 
     @staticmethod
-    def _bitmask(views: list[_DraftView], grammars: Any) -> torch.Tensor:
-        """[rows, W]: what each view's grammar allows after its drafts so far (all ones: no grammar)."""
-        rows = []
-        for view in views:
-            walked = [view.grammar] * (len(view.drafts) + 1) if view.grammar is not None else [None]
-            rows.append(grammars.fill_bitmask(walked, [*view.drafts, None])[-1:])
-        return torch.cat(rows)
+    def _bitmask(views: list[_Drafting], grammars: Any) -> torch.Tensor:
+        """[rows, W]: what each request's grammar allows after its drafts so far (all ones: no grammar)."""
+        full = torch.full((1, grammars.bitmask_width), -1, dtype=torch.int32)
+        return torch.cat([full if v.grammar is None else grammars.span_bitmask(v.grammar, v.drafts)[-1:]
+                          for v in views])
 
 
-def load_draft(path: str, config: Any, target: LlamaModel, target_tokenizer: Any, max_model_len: int,
-               num_blocks: int) -> DraftModel:
-    """The draft model at `path` (a checkpoint directory or a .gguf file), checked against the target
-    and laid out by its own execution plan, resolved from the engine's config as the target's is but
-    for the speculative config's quantization.
+def load_draft(path: str, device: torch.device, target: LlamaModel, target_tokenizer: Any,
+               max_model_len: int) -> LlamaModel:
+    """The draft model at `path` (a checkpoint directory or a .gguf file), as stored, checked against
+    the target; the engine's execution plan lays it out (ExecutionPlan.draft).
 
     Raises:
-        ValueError: a draft whose vocabulary is not the target's (check_vocabulary), that cannot
-            position max_model_len tokens, or a quantization that cannot run here.
+        ValueError: a draft whose vocabulary is not the target's (check_vocabulary), or that cannot
+            position max_model_len tokens.
     """
-    from nanoserve.model.plan import resolve_plan
-    from nanoserve.model.precision import DTYPES
-    from nanoserve.model.prepare import prepare_model
     from nanoserve.model.weights import checkpoint_source, load_stored, load_tokenizer
 
-    device = torch.device(config.device)
     source, is_gguf = checkpoint_source(path)
     model = load_stored(source, is_gguf, device, max_model_len)
     has_tokenizer = is_gguf or any((source / name).exists()
@@ -174,7 +166,4 @@ def load_draft(path: str, config: Any, target: LlamaModel, target_tokenizer: Any
     if model.cos.shape[0] < max_model_len:
         raise ValueError(f"speculative_config draft model positions {model.cos.shape[0]} tokens, "
                          f"under the engine's max_model_len={max_model_len}")
-    plan = resolve_plan(replace(config, quantization=config.speculative_config.quantization,
-                                speculative_config=None, tensor_parallel_size=1), model, 1)
-    return DraftModel(prepare_model(model, plan), num_blocks, config.block_size, DTYPES[plan.kv_cache_dtype],
-                      device, config.decode_group_min_rows)
+    return model

@@ -18,8 +18,8 @@ from nanoserve.blocks import BlockAllocator
 from nanoserve.chat import as_conversations, encode_chat, render_chat
 from nanoserve.config import EngineConfig
 from nanoserve.detokenize import IncrementalDetokenizer
-from nanoserve.draft import load_draft
-from nanoserve.inputs import build_inputs
+from nanoserve.draft import DraftModel, load_draft
+from nanoserve.inputs import TokenRun, build_inputs, lay_out
 from nanoserve.model.kv_cache import KVCache, bytes_per_block
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.plan import check_laid_out, resolve_plan
@@ -31,13 +31,13 @@ from nanoserve.params import SamplingParams
 from nanoserve.readback import TokenBatch
 from nanoserve.recorder import NULL_RECORDER
 from nanoserve.request import FinishReason, Request, RequestOutput, check_request, prompt_token_ids
-from nanoserve.sampling import BatchedSampler, RowHistory, packed_logprobs, skip_noise
-from nanoserve.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from nanoserve.speculative import PLACEHOLDER, SpeculationRule, overhead_rows, row_seconds
+from nanoserve.sampling import BatchedSampler, RowHistory, packed_logprobs
+from nanoserve.scheduler import Scheduler, SchedulerOutput
+from nanoserve.speculator import Speculator
+from nanoserve.step_rows import StepRows
 from nanoserve.structured import GrammarCompiler, apply_bitmask
 
 logger = logging.getLogger("nanoserve")
-CATCH_UP_ROWS = 64  # a draft model's catch-up is timed as a forward of this many tokens
 
 
 @dataclass(frozen=True)
@@ -76,27 +76,26 @@ class Engine:
         if world_size != config.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} but the model is split over {world_size} "
                              "process(es): a tensor-parallel engine is built by Engine.from_pretrained(path, config)")
-        # How every step runs is decided once (dtype and quantization "auto" by a probe), the model
-        # laid out as the plan says (a new model: the one given is left as it was) and held to it.
-        self.plan = resolve_plan(config, model, world_size)
         spec = config.speculative_config
-        if spec is not None and not self.plan.is_batch_invariant:
-            raise ValueError("speculative_config needs the batch-invariant plan (a row's logits the same at any step "
-                             f"width, so verified drafts give greedy's tokens), and this config rules it out: "
-                             f"{'; '.join(c for c, ok, _ in self.plan.batch_invariant if not ok)}"
-                             + ("; batch_invariant=True runs dtype float32 on dense panels"
-                                if config.dtype == "float32" and config.quantization is None else ""))
-        # Speculation reads each step's tokens to propose the next step's drafts: nothing is deferred.
-        self.deferred = config.deferred_output and spec is None
-        logger.info("nanoserve: execution plan\n%s", self.plan.render())
-        model = self.model = prepare_model(model, self.plan)
-        mismatches = check_laid_out(model, self.plan)
-        if mismatches:
-            raise RuntimeError(f"the laid-out model differs from its execution plan: {mismatches[:4]}")
         num_positions = model.cos.shape[0]
         self.max_model_len = config.max_model_len or num_positions
         if self.max_model_len > num_positions:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {num_positions} positions")
+        # method "draft_model": the draft as stored, checked against the target; the plan lays it out.
+        draft = (load_draft(spec.model, self.device, model, tokenizer, self.max_model_len)
+                 if spec is not None and spec.method == "draft_model" else None)
+        # How every step runs is decided once (dtype and quantization "auto" by a probe), the model
+        # (and a draft model) laid out as the plan says (a new model: the one given is left as it
+        # was) and held to it.
+        self.plan = resolve_plan(config, model, world_size, draft=draft)
+        # Speculation reads each step's tokens to propose the next step's drafts: nothing is deferred.
+        self.deferred = config.deferred_output and spec is None
+        logger.info("nanoserve: execution plan\n%s", self.plan.render())
+        model = self.model = prepare_model(model, self.plan)
+        draft = prepare_model(draft, self.plan.draft) if draft is not None else None
+        mismatches = check_laid_out(model, self.plan, draft)
+        if mismatches:
+            raise RuntimeError(f"the laid-out model differs from its execution plan: {mismatches[:4]}")
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens={config.max_num_batched_tokens} is below max_model_len="
                              f"{self.max_model_len}: without chunked prefill a long prompt could never be scheduled")
@@ -123,33 +122,17 @@ class Engine:
         self._generators: dict[str, torch.Generator] = {}  # seeded requests' own noise
         self._default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self._ids = itertools.count()
-        # Deferred mode: the batch sampled last step, not yet brought home, and its rows' requests.
-        self._in_flight: tuple[TokenBatch, list[Request], None] | None = None
-        self._num_accepted = 0  # drafts the last resolve kept (the step profile's count)
-        self._catch_up_s = 0.0
-        # Speculation: seeded requests verifying drafts this step -> their generator's state before
-        # its draws, and the noise rows' (V, dtype); _resolve rewinds past the rows it discards.
-        self._seeded_states: dict[str, torch.Tensor] = {}
-        self._noise_row: tuple[int, torch.dtype] = (0, torch.float32)
+        # Deferred mode: the batch sampled last step, not yet brought home, and its rows.
+        self._in_flight: tuple[TokenBatch, StepRows] | None = None
         self._step_requests: list[Request] | None = None  # the running step's, once scheduled: fail_step's to abort
         self.num_steps = 0
-        self.speculation = SpeculationRule(spec) if spec is not None else None
-        # method "draft_model": the draft, its K/V pool indexed by the target's block ids.
-        self.draft = (load_draft(spec.model, config, model, tokenizer, self.max_model_len, num_blocks)
-                      if spec is not None and spec.method == "draft_model" else None)
-        if self.speculation is not None and self.speculation.needs_calibration:
-            wide = max(2, min(16, 1 + 2 * spec.num_speculative_tokens))
-            one, many = self.speculation_cost(1), self.speculation_cost(wide)
-            self.speculation.overhead_rows = overhead_rows(one, many, wide)
-            logger.info("nanoserve: speculation: a step of 1 row %.2f ms, of %d rows %.2f ms: overhead %.1f rows",
-                        1e3 * one, wide, 1e3 * many, self.speculation.overhead_rows)
-            if self.draft is not None:
-                drafting = self.speculation_cost(1, draft=True)
-                self.speculation.draft_rows = drafting / row_seconds(one, many, wide)
-                catch_up = self.speculation_cost(CATCH_UP_ROWS, draft=True) / CATCH_UP_ROWS
-                self.speculation.catch_up_seconds = catch_up
-                logger.info("nanoserve: speculation: a draft token %.2f ms: %.1f rows; catching up %.3f ms a token",
-                            1e3 * drafting, self.speculation.draft_rows, 1e3 * catch_up)
+        self.speculation = None  # speculative decoding's state from phase to phase (nanoserve.speculator)
+        if spec is not None:
+            draft_model = None if draft is None else DraftModel(draft, num_blocks, config.block_size,
+                                                                DTYPES[self.plan.draft.kv_cache_dtype], self.device,
+                                                                config.decode_group_min_rows)
+            self.speculation = Speculator(spec, draft_model)
+            self.speculation.calibrate(lambda rows, draft: self.forward_seconds(rows, draft=draft))
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, config: EngineConfig | None = None) -> Engine:
@@ -249,7 +232,9 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Runs one iteration: schedule, sync_rows, build_inputs, forward, sample, collect.
+        """Runs one iteration: schedule, sync_rows, build_inputs, forward, sample, collect; with
+        speculative decoding, propose before schedule and, for a draft model, draft after it; with
+        structured outputs, grammar_mask before sample.
 
         Returns the outputs of the requests that received a token (or finished) in this step's
         collect. With config.deferred_output, collect resolves the *previous* step's tokens after
@@ -257,21 +242,21 @@ class Engine:
         decode's input ids come from the device tensor, and a stop found one step late discards
         its one token of overshoot.
         """
-        rec = self.recorder
+        rec, spec = self.recorder, self.speculation
         deferred = self.deferred
         started = time.perf_counter()
-        self._catch_up_s = 0.0  # a draft model's catch-up this step, past steady drafting (_draft)
         rec.begin_step()
         self._step_requests = None
-        if self.speculation is not None:
+        if spec is not None:
             with rec.phase("propose"):
-                self.speculation.assign(self.scheduler.running)
+                spec.propose(self.scheduler.running)
         with rec.phase("schedule"):
             sched = self.scheduler.schedule()
-        if self.draft is not None and any(item.draft_token_ids for item in sched.scheduled):
+        if spec is not None and spec.needs_drafts(sched):
             with rec.phase("draft", syncs=True):
-                self._draft(sched)
-        homing = [r for r in self._in_flight[1] if not r.is_finished] if self._in_flight else []  # not overshoot
+                spec.make_drafts(sched, self.scheduler, self.model.config.vocab_size, self.grammars)
+        in_flight = self._in_flight[1].spans if self._in_flight else ()
+        homing = [span.request for span in in_flight if not span.request.is_finished]  # not overshoot
         self._step_requests = [item.request for item in sched.scheduled] + homing
         if sched.is_empty:  # idle: what is left in flight comes home after the step, ending the loop
             rec.end_step(num_rows=0, num_tokens=0, num_decode_rows=0)
@@ -280,16 +265,13 @@ class Engine:
         # Deferred mode brings last step's tokens home before this step's rows are fixed when a row's
         # penalties or min_tokens must see its whole history, or its grammar must take the token
         # before it can say what may follow; a request that finishes then drops out.
-        flush = self._in_flight is not None and any(r.params.needs_resolved_output for r in self._in_flight[1])
+        flush = any(span.request.params.needs_resolved_output for span in in_flight)
         with rec.phase("sync_rows", syncs=flush):
             outputs = self._resolve(*self._in_flight) if flush else []
             if flush:
                 self._in_flight = None
                 sched = sched.without_finished()
-            # Row order of the logits: one row per sampling request, and one more per draft it verifies.
-            rows = [item.request for item in sched.scheduled if item.samples for _ in range(1 + len(item.draft_token_ids))]
-            drafts = ([d for item in sched.scheduled if item.samples for d in (*item.draft_token_ids, None)]
-                      if any(item.draft_token_ids for item in sched.scheduled) else None)  # per row: the draft it verifies
+            rows = StepRows.of(sched.scheduled)  # the logits' rows: each sampling request's, and its drafts'
             pending = self._in_flight
         if sched.is_empty:  # every scheduled request finished in the flush
             rec.end_step(num_rows=0, num_tokens=0, num_decode_rows=0)
@@ -300,13 +282,13 @@ class Engine:
         with rec.phase("forward"):
             logits = self.model.forward(inputs, self.kv)  # [rows, V]
         bitmask = None
-        if any(r.grammar is not None for r in rows):  # host work, after the launch: on a GPU it overlaps the forward
+        if any(span.request.grammar is not None for span in rows.spans):  # host work after the launch: on a GPU it overlaps the forward
             with rec.phase("grammar_mask"):
-                bitmask = self.grammars.fill_bitmask([r.grammar for r in rows], drafts)  # [rows, ceil(V / 32)]
+                bitmask = self.grammars.fill_bitmask(rows)  # [rows, ceil(V / 32)]
         with rec.phase("sample"):
-            batch = self._sample(logits, rows, bitmask, drafts)
+            batch = self._sample(logits, rows, bitmask)
         with rec.phase("collect", syncs=not deferred):
-            sampled = (batch, rows, drafts)
+            sampled = (batch, rows)
             if deferred:
                 sampled, self._in_flight = pending, sampled
             outputs += self._collect(sched, sampled)
@@ -314,36 +296,28 @@ class Engine:
         num_drafted = sum(len(item.draft_token_ids) for item in sched.scheduled)
         num_decode_rows = sum(item.num_new_tokens for item in sched.scheduled
                               if item.num_new_tokens == 1 + len(item.draft_token_ids))
-        if self.speculation is not None and num_decode_rows == sched.num_batched_tokens:  # no prompt in it
-            self.speculation.observe_step(num_drafted > 0, len(sched.scheduled) + self._num_accepted,
-                                          time.perf_counter() - started - self._catch_up_s)
-        rec.end_step(num_rows=len(rows), num_tokens=sched.num_batched_tokens, num_decode_rows=num_decode_rows,
-                     num_draft_tokens=num_drafted, num_accepted_tokens=self._num_accepted)
+        num_accepted = 0
+        if spec is not None:
+            spec.end_step(len(sched.scheduled), num_decode_rows == sched.num_batched_tokens, num_drafted > 0,
+                          time.perf_counter() - started)
+            num_accepted = spec.num_accepted
+        rec.end_step(num_rows=rows.num_rows, num_tokens=sched.num_batched_tokens, num_decode_rows=num_decode_rows,
+                     num_draft_tokens=num_drafted, num_accepted_tokens=num_accepted)
         return outputs
 
-    def _draft(self, sched: SchedulerOutput) -> None:
-        """The draft model's proposals over the placeholders the schedule budgeted; what a stop token
-        left unproposed the scheduler takes back."""
-        self._catch_up_s = self.draft.propose(sched.scheduled, self.model.config.vocab_size, self.grammars)
-        for item in sched.scheduled:
-            if PLACEHOLDER in item.draft_token_ids:
-                self.scheduler.drop_drafts(sched, item, item.draft_token_ids.index(PLACEHOLDER))
-
-    def speculation_cost(self, num_rows: int, context: int = 128, repeats: int = 5, draft: bool = False) -> float:
+    def forward_seconds(self, num_rows: int, context: int = 128, repeats: int = 5, draft: bool = False) -> float:
         """Seconds of one forward of a lone sequence scoring `num_rows` tokens after `context` cached
         ones (median of `repeats`, after one warm-up), by the target or (draft=True) the draft model:
-        the start-up timing SpeculationRule's cost model is fitted to. Writes garbage K/V into free
-        blocks, which it returns to the pool."""
-        model, kv = (self.draft.model, self.draft.kv) if draft else (self.model, self.kv)
+        the start-up timing speculation's cost model is fitted to (Speculator.calibrate). Writes
+        garbage K/V into free blocks, which it returns to the pool."""
+        drafter = self.speculation.draft if draft else None
+        model, kv = (drafter.model, drafter.kv) if drafter is not None else (self.model, self.kv)
         bs = self.config.block_size
         context = max(0, min(context, self.allocator.num_free * bs - num_rows))
-        request = Request("speculation-cost", [0] * (context + num_rows), SamplingParams(), frozenset())
-        request.block_ids = self.allocator.allocate(-(-(context + num_rows) // bs))
-        request.num_computed_tokens = context
+        block_ids = self.allocator.allocate(-(-(context + num_rows) // bs))
         try:
-            sched = SchedulerOutput([ScheduledRequest(request, num_rows, True)], [], num_rows)
-            inputs = build_inputs(sched, bs, self.device, None, self.config.decode_group_min_rows,
-                                  self.model.config.sliding_window)
+            inputs = lay_out([TokenRun([0] * num_rows, context, block_ids, 1)], bs, self.device, None,
+                             self.config.decode_group_min_rows, self.model.config.sliding_window)
             times = []
             with torch.inference_mode():
                 for _ in range(repeats + 1):
@@ -353,7 +327,7 @@ class Engine:
                         torch.cuda.synchronize(self.device)
                     times.append(time.perf_counter() - start)
         finally:
-            self.allocator.free(request.block_ids)
+            self.allocator.free(block_ids)
         return statistics.median(times[1:])
 
     def fail_step(self, error: Exception) -> list[RequestOutput]:
@@ -380,62 +354,43 @@ class Engine:
             raise RuntimeError(f"the block pool is inconsistent after a step fault ({e}): {error!r}") from error
         return outputs
 
-    def _collect(self, sched: SchedulerOutput,
-                 sampled: tuple[TokenBatch, list[Request], list[int | None] | None] | None) -> list[RequestOutput]:
+    def _collect(self, sched: SchedulerOutput, sampled: tuple[TokenBatch, StepRows] | None) -> list[RequestOutput]:
         """Advances the counters of what this step forwarded, then brings one sampled step home:
         this step's, or in deferred mode the previous one's (None on the first step)."""
         self.scheduler.advance(sched)
         return self._resolve(*sampled) if sampled is not None else []
 
-    def _resolve(self, batch: TokenBatch, rows: list[Request], drafts: list[int | None] | None = None) -> list[RequestOutput]:
+    def _resolve(self, batch: TokenBatch, rows: StepRows) -> list[RequestOutput]:
         """One readback through the output stage; the requests it finished leave the engine, and
-        the K/V of drafts it rejected is rolled back."""
-        result = self.output.process(batch, rows, drafts)
+        speculation rolls back what the step rejected."""
+        result = self.output.process(batch, rows)
         for request in result.finished:
             self._retire(request)
-        self._num_accepted = result.num_accepted
-        for request, num_rejected in result.rejected:
-            self.scheduler.rollback(request, num_rejected)
-            state = self._seeded_states.get(request.request_id)
-            if state is not None and num_rejected:
-                # Its rows past the first rejection drew noise for nothing. Drawn again, only the kept
-                # rows', its next token gets the noise it gets without speculation: a seeded request's
-                # tokens never depend on how many drafts the batch left it (max_step_rows, the budget).
-                generator = self._generators[request.request_id]
-                generator.set_state(state)
-                skip_noise(generator, sum(r is request for r in rows) - num_rejected, *self._noise_row)
+        if self.speculation is not None:
+            self.speculation.after_resolve(result, self.scheduler, self._generators)
         return result.outputs
 
-    def _sample(self, logits: torch.Tensor, rows: list[Request], bitmask: torch.Tensor | None = None,
-                drafts: list[int | None] | None = None) -> TokenBatch:
+    def _sample(self, logits: torch.Tensor, rows: StepRows, bitmask: torch.Tensor | None = None) -> TokenBatch:
         """Samples every row's next token, within its grammar where the bitmask says; the tokens
         stay on the device. Logprobs are the model's own, read before the mask. A row verifying a
         draft sees, as its history, the drafts before it on its request's earlier rows."""
-        params = [r.params for r in rows]
-        generators = [self._generators.get(r.request_id) for r in rows] if self._generators else None
+        requests = rows.requests
+        params = [r.params for r in requests]
+        generators = [self._generators.get(r.request_id) for r in requests] if self._generators else None
         histories = None
         if any(p.needs_history for p in params):
-            histories = []
-            for i, r in enumerate(rows):
-                ahead = []  # drafts of this request's earlier rows this step
-                j = i - 1
-                while drafts is not None and j >= 0 and rows[j] is r:
-                    ahead.insert(0, drafts[j])
-                    j -= 1
-                histories.append(RowHistory(r.prompt_token_ids, r.output_token_ids + ahead,
-                                            self.eos_token_ids | set(r.params.stop_token_ids))
-                                 if r.params.needs_history else None)
+            histories = [RowHistory(span.request.prompt_token_ids, span.request.output_token_ids + list(ahead),
+                                    self.eos_token_ids | set(span.request.params.stop_token_ids))
+                         if span.request.params.needs_history else None for span, ahead in rows.drafts_before()]
         masked = apply_bitmask(logits, bitmask) if bitmask is not None else logits
-        self._seeded_states = {r.request_id: g.get_state() for r, g, d in zip(rows, generators, drafts, strict=True)
-                               if g is not None and d is not None and r.params.temperature > 0.0
-                               } if drafts is not None and generators is not None else {}
-        self._noise_row = (masked.shape[-1], masked.dtype)
+        if self.speculation is not None:
+            self.speculation.before_sample(rows, self._generators, (masked.shape[-1], masked.dtype))
         tokens = self.sampler.sample_batch_device(masked, params, generators, self._default_generator, histories)
         if self.deferred:
-            for r in rows:
+            for r in requests:
                 r.num_pending_tokens += 1  # sampled, not yet home: the scheduler may already decode it
         logprobs = packed_logprobs(logits, tokens, params)
-        return TokenBatch(tokens, tuple(r.request_id for r in rows), self.output.readback, logprobs)
+        return TokenBatch(tokens, rows.request_ids, self.output.readback, logprobs)
 
     # ---- convenience -------------------------------------------------------------------------
 
@@ -478,9 +433,10 @@ class Engine:
     def memory(self) -> dict[str, int]:
         """Bytes held by the weights, by form (see prepare.weight_bytes), and by the KV pool."""
         held = weight_bytes(self.model) | {"kv_cache": self.kv.nbytes}
-        if self.draft is not None:
-            held |= {f"draft_{form}": n for form, n in weight_bytes(self.draft.model).items()}
-            held["draft_kv_cache"] = self.draft.kv.nbytes
+        draft = self.speculation.draft if self.speculation is not None else None
+        if draft is not None:
+            held |= {f"draft_{form}": n for form, n in weight_bytes(draft.model).items()}
+            held["draft_kv_cache"] = draft.kv.nbytes
         return held
 
     def check_invariants(self) -> None:

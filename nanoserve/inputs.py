@@ -1,6 +1,8 @@
-"""build_inputs: SchedulerOutput -> ModelInputs. The one place a step's tensors are born."""
+"""build_inputs: SchedulerOutput -> ModelInputs (through TokenRuns). The one place a step's tensors are born."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -10,18 +12,52 @@ from nanoserve.readback import TokenBatch
 from nanoserve.scheduler import SchedulerOutput
 
 
+@dataclass(frozen=True)
+class TokenRun:
+    """One sequence's tokens in a step, as the input builder lays them out: a request's (token_runs),
+    a draft model's, or a timing's."""
+
+    token_ids: list[int]  # the tokens forwarded, drafts included
+    start: int  # the position of the first (its cached context: start tokens)
+    block_ids: list[int]  # the sequence's blocks, covering start + len(token_ids) positions
+    num_sampling: int = 0  # its last rows that sample: 1 + drafts, or 0 (a prompt chunk short of its end)
+    pending: tuple[int, int] | None = None  # (index in token_ids, row of the pending batch): a token not home yet
+
+
+def token_runs(sched: SchedulerOutput, pending: TokenBatch | None = None) -> list[TokenRun]:
+    """The scheduled requests' runs: each forwards its tokens from num_computed_tokens on, its
+    speculative drafts after its last token. A token sampled last step and not yet brought home
+    (deferred output) is found in the pending batch by request id."""
+    runs = []
+    for item in sched.scheduled:
+        request, start = item.request, item.request.num_computed_tokens
+        drafts = item.draft_token_ids
+        known_end = start + item.num_new_tokens - len(drafts)
+        token_ids = request.token_ids[start:known_end]
+        where = None
+        if known_end > len(request.token_ids):  # the last input is the pending token
+            where = (len(token_ids), pending.request_ids.index(request.request_id))
+            token_ids.append(0)
+        runs.append(TokenRun(token_ids + drafts, start, request.block_ids, (1 + len(drafts)) * item.samples, where))
+    return runs
+
+
 def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
                  pending: TokenBatch | None = None, decode_group_min_rows: int | None = 8,
                  sliding_window: int | None = None) -> ModelInputs:
-    """Flattens the scheduled token runs into one batch of T tokens with its attention metadata.
+    """The scheduled step's ModelInputs (token_runs, then lay_out)."""
+    return lay_out(token_runs(sched, pending), block_size, device, pending, decode_group_min_rows, sliding_window)
 
-    Each scheduled request contributes the tokens from num_computed_tokens up to
-    num_computed_tokens + num_new_tokens; its context for attention is everything up to there.
-    A token sampled last step and not yet brought home (deferred output) is copied into
-    input_ids from the pending batch's device tensor (found by request id): its value never visits
-    the host. Speculative drafts follow their request's last token as further query rows, and every
-    one of those rows samples (logits_indices holds them all, in order). With a sliding_window W (the model's config.sliding_window), the metadata also holds
-    the step as windowed layers attend it, where a query at position p sees keys p - W + 1 .. p.
+
+def lay_out(token_runs: list[TokenRun], block_size: int, device: torch.device, pending: TokenBatch | None = None,
+            decode_group_min_rows: int | None = 8, sliding_window: int | None = None) -> ModelInputs:
+    """Flattens the runs into one batch of T tokens with its attention metadata.
+
+    Each run's context for attention is everything up to its last token. A pending token's value is
+    copied into input_ids from the pending batch's device tensor: it never visits the host. Every
+    sampling row is in logits_indices, in order. With a sliding_window W (the model's
+    config.sliding_window), the metadata also holds the step as windowed layers attend it, where a
+    query at position p sees keys p - W + 1 .. p.
     """
     input_ids: list[int] = []
     positions: list[int] = []
@@ -32,21 +68,16 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
     block_tables: list[list[int]] = []
     pending_dst: list[int] = []  # rows of input_ids whose token is still on the device
     pending_src: list[int] = []  # ... and the row of the pending batch that holds it
-    for item in sched.scheduled:
-        request, start = item.request, item.request.num_computed_tokens
-        end = start + item.num_new_tokens
-        drafts = item.draft_token_ids
-        blocks = request.block_ids
-        input_ids.extend(request.token_ids[start:end - len(drafts)])
-        if end - len(drafts) > len(request.token_ids):  # the last input is the pending token
-            pending_dst.append(len(input_ids))
-            pending_src.append(pending.request_ids.index(request.request_id))
-            input_ids.append(0)
-        input_ids.extend(drafts)
+    for run in token_runs:
+        start, blocks = run.start, run.block_ids
+        end = start + len(run.token_ids)
+        if run.pending is not None:
+            pending_dst.append(len(input_ids) + run.pending[0])
+            pending_src.append(run.pending[1])
+        input_ids.extend(run.token_ids)
         positions.extend(range(start, end))
         slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
-        if item.samples:  # the last token's row, and one row per draft: each samples
-            logits_indices.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
+        logits_indices.extend(range(len(input_ids) - run.num_sampling, len(input_ids)))
         query_lens.append(end - start)
         context_lens.append(end)
         block_tables.append(blocks)

@@ -11,12 +11,12 @@ and ``nanoserve.instruments.sync_gates``.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from nanoserve.readback import Readback, TokenBatch, check_in_row_order
 from nanoserve.request import FinishReason, ListView, Request, RequestOutput
 from nanoserve.speculative import observe
+from nanoserve.step_rows import RowSpan, StepRows
 
 
 @dataclass
@@ -25,9 +25,9 @@ class StepOutputs:
 
     outputs: list[RequestOutput]  # one per request still live, in row order
     finished: list[Request]  # requests this step finished: the engine releases their blocks
-    # Speculative decoding: (request, drafts it forwarded that were rejected) for each live request
+    # Speculative decoding: (span, drafts it forwarded that were rejected) for each live request
     # that verified drafts; the engine rolls their K/V back (Scheduler.rollback).
-    rejected: list[tuple[Request, int]] = field(default_factory=list)
+    rejected: list[tuple[RowSpan, int]] = field(default_factory=list)
     num_accepted: int = 0  # drafts kept this step, all requests together (the step profile's count)
 
 
@@ -51,9 +51,8 @@ class OutputProcessor:
         self.readback = readback if readback is not None else Readback()
         self.num_steps = 0  # batches processed that carried at least one row
 
-    def process(self, batch: TokenBatch, requests: Sequence[Request],
-                drafts: Sequence[int | None] | None = None) -> StepOutputs:
-        """Resolves ``batch`` (one transfer) and applies row i's token to ``requests[i]``.
+    def process(self, batch: TokenBatch, rows: StepRows) -> StepOutputs:
+        """Resolves ``batch`` (one transfer) and applies each span's tokens to its request.
 
         A request already finished (stopped or aborted after its token was launched, in the
         deferred loop) gets nothing: its token is overshoot and is dropped. Each live request
@@ -62,27 +61,25 @@ class OutputProcessor:
         its text grows, stop strings are searched in the new text, logprobs are attached.
 
         Speculative decoding gives a request several consecutive rows: one per draft it verified
-        (``drafts[i]``, the draft row i verified) and a last one (``drafts[i]`` None). Its tokens
-        are applied in row order up to and including the first row whose token is not its draft
-        (a rejection: that token is the target's own), or until a stop rule ends the request; the
-        rows after that are dropped. One output per request.
+        and a last one. Its tokens are applied in row order up to and including the first row whose
+        token is not its draft (a rejection: that token is the target's own), or until a stop rule
+        ends the request; the rows after that are dropped. One output per request.
 
         Args:
             batch: the step's tokens; must count on this processor's ``readback``.
-            requests: the requests that own the rows, row 0 first.
-            drafts: per row, the draft it verified or None; None: no row verified one.
+            rows: the step's rows (nanoserve.step_rows): the spans that own them.
 
         Raises:
             ValueError: if ``batch`` counts its journey on a different :class:`Readback`, which
                 would leave this processor's rate reading 0 while the step still synced.
-            RowOrderMismatch: if the batch's rows are not owned by ``requests`` in that order.
+            RowOrderMismatch: if the batch's rows are not owned by ``rows`` in that order.
         """
         if batch.readback is not self.readback:
             raise ValueError(
                 "batch counts its readback on a different Readback than this processor reads: "
                 "build TokenBatch with processor.readback"
             )
-        check_in_row_order(batch, tuple(r.request_id for r in requests))
+        check_in_row_order(batch, rows.request_ids)
         token_ids = batch.resolve()
         if not token_ids:
             return StepOutputs([], [])
@@ -91,28 +88,24 @@ class OutputProcessor:
         logprobs = batch.resolve_logprobs()
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
-        rejected: list[tuple[Request, int]] = []
+        rejected: list[tuple[RowSpan, int]] = []
         total_accepted = 0
-        row = 0
-        while row < len(requests):
-            request, first = requests[row], row
-            while drafts is not None and drafts[row] is not None:
-                row += 1  # the request's rows run to the one that verified no draft
-            row += 1
+        for span in rows.spans:
+            request = span.request
             if request.is_finished:
                 continue
-            num_drafted, num_accepted = row - first - 1, 0
-            for r in range(first, row):
-                done = self._apply(request, token_ids[r], logprobs.get(r), now)
-                kept = r < row - 1 and token_ids[r] == drafts[r]
+            num_accepted, done = 0, False
+            for j, row in enumerate(span.rows):
+                done = self._apply(request, token_ids[row], logprobs.get(row), now)
+                kept = j < len(span.drafts) and token_ids[row] == span.drafts[j]  # it sampled its draft
                 num_accepted += kept
-                if done or (r < row - 1 and not kept):
+                if done or not kept:
                     break
-            if num_drafted:
-                observe(request, num_drafted, num_accepted)
+            if span.drafts:
+                observe(request, len(span.drafts), num_accepted)
                 total_accepted += num_accepted
                 if not done:
-                    rejected.append((request, num_drafted - num_accepted))
+                    rejected.append((span, len(span.drafts) - num_accepted))
             if done:
                 finished.append(request)
             outputs.append(make_output(request))

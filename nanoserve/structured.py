@@ -27,11 +27,15 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nanoserve.params import StructuredOutputs
+
+if TYPE_CHECKING:
+    from nanoserve.step_rows import StepRows
 
 logger = logging.getLogger("nanoserve")
 
@@ -145,29 +149,33 @@ class GrammarCompiler:
     def matcher(self, compiled: Any) -> RequestGrammar:
         return RequestGrammar(_xgrammar().GrammarMatcher(compiled))
 
-    def fill_bitmask(self, grammars: list[RequestGrammar | None],
-                     drafts: list[int | None] | None = None) -> torch.Tensor:
-        """The host bitmask [rows, W] for one step: row r from grammars[r], all ones where None.
-
-        A request verifying speculative drafts has consecutive rows with one grammar: row j's mask
-        is what may follow its drafts 0 .. j-1, so the matcher walks them (drafts[r], the draft row
-        r verifies) and rolls back after the request's last row (drafts[r] None)."""
-        bitmask = torch.full((len(grammars), self.bitmask_width), -1, dtype=torch.int32)  # [rows, W]
-        walked = 0  # drafts the current request's matcher has taken
-        for row, grammar in enumerate(grammars):
-            if grammar is None:
-                continue
-            if not grammar.matcher.is_terminated():  # a row after a draft that ended the grammar: never kept
-                grammar.fill(bitmask, row)
-            draft = drafts[row] if drafts is not None else None
-            if draft is not None:
-                if not grammar.matcher.accept_token(draft):  # never: longest_allowed trimmed the drafts
-                    raise RuntimeError(f"speculative draft {draft} is not allowed by its request's grammar")
-                walked += 1
-            elif walked:
-                grammar.matcher.rollback(walked)
-                walked = 0
+    def fill_bitmask(self, rows: StepRows) -> torch.Tensor:
+        """The host bitmask [rows, W] for one step: each span's rows from its request's grammar, all
+        ones where it has none."""
+        bitmask = torch.full((rows.num_rows, self.bitmask_width), -1, dtype=torch.int32)  # [rows, W]
+        for span in rows.spans:
+            if span.request.grammar is not None:
+                self.fill_span(bitmask, span.first, span.request.grammar, span.drafts)
         return bitmask
+
+    def span_bitmask(self, grammar: RequestGrammar, drafts: Sequence[int] = ()) -> torch.Tensor:
+        """[1 + len(drafts), W]: what the grammar allows after each prefix of `drafts` (fill_span)."""
+        bitmask = torch.full((1 + len(drafts), self.bitmask_width), -1, dtype=torch.int32)
+        self.fill_span(bitmask, 0, grammar, drafts)
+        return bitmask
+
+    @staticmethod
+    def fill_span(bitmask: torch.Tensor, first: int, grammar: RequestGrammar, drafts: Sequence[int]) -> None:
+        """Rows first .. first + len(drafts) of `bitmask`: row first + j is what may follow drafts
+        0 .. j-1, so the matcher walks the drafts, and rolls back after the last row."""
+        for j in range(len(drafts) + 1):
+            if not grammar.matcher.is_terminated():  # a row after a draft that ended the grammar: never kept
+                grammar.fill(bitmask, first + j)
+            if j < len(drafts) and not grammar.matcher.accept_token(drafts[j]):
+                # never: the proposers trim their drafts to what the grammar allows
+                raise RuntimeError(f"speculative draft {drafts[j]} is not allowed by its request's grammar")
+        if drafts:
+            grammar.matcher.rollback(len(drafts))
 
 
 def _compile(compiler: Any, spec: StructuredOutputs) -> Any:

@@ -226,10 +226,11 @@ def process_batch(processor, batch) -> list[tuple[str, int]]:
     100 tokens); returns (request id, the token it received) per output, in row order."""
     from nanoserve.params import SamplingParams
     from nanoserve.request import Request
+    from nanoserve.step_rows import StepRows
 
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     owners = [Request(r, [1], params, frozenset({2}), arrival_time=0.0) for r in batch.request_ids]
-    return [(o.request_id, o.token_ids[-1]) for o in processor.process(batch, owners).outputs]
+    return [(o.request_id, o.token_ids[-1]) for o in processor.process(batch, StepRows.one_each(owners)).outputs]
 
 
 # ---- the real server, as a process ---------------------------------------------------------------------

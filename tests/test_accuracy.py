@@ -26,6 +26,7 @@ from nanoserve.instruments.accuracy import (
     worse_than,
 )
 from nanoserve.model import blockdot
+from nanoserve.model.driver import Driver
 
 QUANTBENCH = Path(__file__).resolve().parents[1] / "data" / "quantbench.txt"
 
@@ -55,8 +56,8 @@ def test_teacher_forced_decode_steps_run_the_models_fused_decode():
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]  # [T, V]
     model = prepared(nanoserve_model_from_hf(hf), dtype="float32", quantization=None, pack_weights=False, fused_decode=True)
-    fused, calls = model.fused_layers, []
-    model.fused_layers = lambda h, inputs, kv: calls.append(h.shape[0]) or fused(h, inputs, kv)
+    one_call, calls = model.drivers[Driver.C_ONE_CALL], []
+    model.drivers[Driver.C_ONE_CALL] = lambda m, h, inputs, kv: calls.append(h.shape[0]) or one_call(m, h, inputs, kv)
     torch.testing.assert_close(teacher_forced_logits(model, ids, chunk=1), expected, atol=1e-4, rtol=1e-4)
     assert calls == [1] * 37
 

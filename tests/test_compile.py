@@ -9,7 +9,7 @@ from conftest import config_of, forms, make_hf_llama, make_tiny_engine, nanoserv
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.model import blockdot
 from nanoserve.model.forms import can_pack
-from nanoserve.model.llama import decoder_layer
+from nanoserve.model.driver import Driver
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ def test_compiled_layer_gives_the_eager_tokens_for_prefill_chunks_and_decodes():
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     eager = make_tiny_engine(max_num_batched_tokens=16).generate(prompts, params)
     engine = make_tiny_engine(max_num_batched_tokens=16, compile=True)
-    assert engine.model.layer_fn is not decoder_layer  # the compiled wrapper is what runs
+    assert set(engine.model.drivers) == {Driver.TORCH_COMPILED}  # the compiled wrapper is what runs
     assert engine.warmup() > 0
     compiled = engine.generate(prompts, params)
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
@@ -37,7 +37,7 @@ def test_a_packed_model_refuses_compile_by_name():
             Engine(panels.model, None, EngineConfig(dtype="float32", quantization=None, compile=True, num_kv_blocks=8))
     # a compiled engine's plan says torch runs its dense matmuls and the compiled layer every step, as they do
     compiled = make_tiny_engine(compile=True)
-    assert compiled.plan.decode == compiled.plan.mixed == "torch-compiled" and compiled.model.layer_fn is not decoder_layer
+    assert compiled.plan.decode == compiled.plan.mixed == "torch-compiled" and set(compiled.model.drivers) == {Driver.TORCH_COMPILED}
     assert forms(compiled.model) == {"torch"} and compiled.model.fused_layers is None
 
 
@@ -51,6 +51,6 @@ def test_two_engines_from_one_loaded_model_do_not_share_a_preparation():
                                               dense_kernel="torch"))
     # nothing to lay out on the exact path: the loaded model itself, its own weights
     assert plain.model.layers is model.layers and model.fused_layers is None
-    assert model.layer_fn is decoder_layer and forms(model) == {"torch"}
-    assert compiled.model.layer_fn is not decoder_layer and forms(compiled.model) == {"torch"}
-    assert forms(packed.model) == {"onednn" if can_pack(torch.float32) else "torch"} and packed.model.layer_fn is decoder_layer
+    assert model.plan is None and set(model.drivers) == {Driver.TORCH} and forms(model) == {"torch"}
+    assert set(compiled.model.drivers) == {Driver.TORCH_COMPILED} and forms(compiled.model) == {"torch"}
+    assert forms(packed.model) == {"onednn" if can_pack(torch.float32) else "torch"} and set(packed.model.drivers) == {Driver.TORCH}

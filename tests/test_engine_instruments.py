@@ -154,10 +154,10 @@ def _instrumented(engine):
     log: list[dict] = []
     sample, collect = engine._sample, engine._collect
 
-    def guarded_sample(logits, rows, bitmask=None, drafts=None):
+    def guarded_sample(logits, rows, bitmask=None):
         with readbacks_counted(forbid=READBACK_ROUTES):
-            batch = sample(logits, rows, bitmask, drafts)
-        log.append({"batch": batch, "owners": tuple(r.request_id for r in rows)})
+            batch = sample(logits, rows, bitmask)
+        log.append({"batch": batch, "owners": rows.request_ids})
         return batch
 
     def counted_collect(sched, sampled):
@@ -202,8 +202,8 @@ def test_the_guard_around_sample_would_catch_a_readback(recorder):
     engine = _engine(recorder)
     original = engine._sample
 
-    def reads_back(logits, rows, bitmask=None, drafts=None):
-        batch = original(logits, rows, bitmask, drafts)
+    def reads_back(logits, rows, bitmask=None):
+        batch = original(logits, rows, bitmask)
         [int(t) for t in batch.tokens]  # one int(tensor) per row
         return batch
 

@@ -68,16 +68,18 @@ def load_engine_weights_into(hf, engine: Engine) -> None:
 
 
 def count_fused_steps(engine: Engine) -> list[int]:
-    """Wraps the engine's fused layers; the list gets each fused step's row count."""
-    fused, rows = engine.model.fused_layers, []
+    """Wraps the C drivers in the model's table; the list gets each step they run's row count."""
+    rows = []
 
-    def counted(h, inputs, kv):
-        out = fused(h, inputs, kv)
-        if out is not None:
+    def counted(run):
+        def step(model, h, inputs, kv):
             rows.append(h.shape[0])
-        return out
+            return run(model, h, inputs, kv)
+        return step
 
-    engine.model.fused_layers = counted
+    drivers = engine.model.drivers
+    for driver in [d for d in drivers if d.in_c]:
+        drivers[driver] = counted(drivers[driver])
     return rows
 
 
@@ -271,7 +273,7 @@ def test_a_dense_model_runs_decode_steps_in_one_call_up_to_its_dtypes_rows(dtype
     # on the dense panels every width runs in one call; on torch's, up to its dtype's rows
     if dense_kernel == "blockdot" or dtype == "float32":
         assert limit == 2**31
-    assert fused.max_rows == limit and engine.plan.decode == "c-one-call"
+    assert engine.plan.decode == "c-one-call"
     assert {planes for forms in fused.forms for _, planes in forms} == {DENSE_BF16 if dtype == "bfloat16" else DENSE_F32}
     # torch's matrices (plain or packed) are read through copies in dense panels, counted in memory(); the
     # model's own panels are read as they are
@@ -304,7 +306,7 @@ def test_a_bf16_model_takes_the_one_call_at_every_width_where_the_probe_times_bf
                                                            dense_kernels_ms=(0.5, 1.0) if bf16_faster else (14.0, 0.3)))
     hf = make_hf_llama(seed=15)
     engine = fused_engine(hf, dtype="bfloat16", quantization=None, dense_kernel="auto")
-    assert engine.model.fused_layers.max_rows == (DENSE_ONE_CALL_ROWS[torch.bfloat16] if bf16_faster else 2**31)
+    assert engine.plan.one_call_rows == (DENSE_ONE_CALL_ROWS[torch.bfloat16] if bf16_faster else 2**31)
     # where bf16 is emulated every dense matrix, the head's too, is read from dense panels, not torch's bf16 matmul
     head = engine.model.lm_head_weight
     assert isinstance(head, blockdot.DensePanels) != bf16_faster
@@ -363,7 +365,7 @@ def test_families_and_layouts_it_cannot_run_are_named():
     why = "the family's ['sandwich_norms', 'attn_logit_softcap', 'activation'] are not in fused_decode.c"
     assert why_not(gemma.model.config, CPU) == why and f"no C decode: {why}" in gemma.plan.reasons
     torch_kernels = fused_engine(make_hf_llama(seed=14), kernels="torch")
-    assert torch_kernels.model.fused_layers.max_rows == 0 and torch_kernels.plan.decode == "c-per-layer"
+    assert torch_kernels.model.fused_layers.forms == [] and torch_kernels.plan.decode == "c-per-layer"
     assert torch_kernels.plan.form_of(0, "qkv").name == "torch-int4"
     off = fused_engine(make_hf_llama(seed=14), fused_decode=False)
     assert off.model.fused_layers is None and isinstance(off.model.layers[0].qkv, QuantLinear)

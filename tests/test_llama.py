@@ -42,7 +42,7 @@ def run_and_capture(engine: Engine, prompts, max_tokens: int | list[int]):
     original = engine._sample
 
     def spy(logits, rows, *args):
-        for row, request in enumerate(rows):
+        for row, request in enumerate(rows.requests):
             captured.setdefault(request.request_id, []).append((request.num_tokens, logits[row].clone()))
         return original(logits, rows, *args)
 

@@ -17,6 +17,7 @@ from nanoserve.output_processor import OutputProcessor
 from nanoserve.params import SamplingParams
 from nanoserve.readback import HostCopy, Readback, RowOrderMismatch, TokenBatch, check_in_row_order
 from nanoserve.request import Request
+from nanoserve.step_rows import StepRows
 
 
 def _batch(ids: list[int], request_ids: tuple[str, ...], readback: Readback | None = None) -> TokenBatch:
@@ -254,7 +255,7 @@ def _request(request_id: str, **params) -> Request:
 
 def _step(processor: OutputProcessor, requests: list[Request], ids: list[int], logprobs=None):
     batch = TokenBatch(torch.tensor(ids), tuple(r.request_id for r in requests), processor.readback, logprobs)
-    return processor.process(batch, requests)
+    return processor.process(batch, StepRows.one_each(requests))
 
 
 def test_a_stop_token_finishes_only_after_min_tokens():

@@ -25,7 +25,8 @@ from test_precision import fake
 from nanoserve import Engine, EngineConfig
 from nanoserve.model import blockdot, precision
 from nanoserve.model.forms import Form, can_pack
-from nanoserve.model.plan import ExecutionPlan, check_laid_out, resolve_plan
+from nanoserve.model.driver import EVERY_WIDTH, Driver
+from nanoserve.model.plan import ExecutionPlan, Route, check_laid_out, resolve_plan
 
 needs_build = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
 
@@ -136,10 +137,13 @@ def test_a_model_that_differs_from_its_plan_is_named():
     assert check_laid_out(model, plan) == []
     wrong = dataclasses.replace(plan, matrices=tuple(
         dataclasses.replace(m, form=Form("dense-panels", "float32")) if (m.layer, m.name) == (1, "down") else m
-        for m in plan.matrices), decode="c-one-call", one_call_rows=7)
+        for m in plan.matrices), routes=(Route(False, 7, Driver.C_ONE_CALL), Route(False, EVERY_WIDTH, Driver.TORCH),
+                                         Route(True, EVERY_WIDTH, Driver.TORCH)))
     problems = check_laid_out(model, wrong)
     assert problems[0].startswith("layer 1 down: runs ") and problems[0].endswith("the plan says dense-panels float32")
-    assert problems[1] == "the plan's decode driver is c-one-call, the model's fused decode is None"
+    assert problems[1] == "the model routes its steps by another table than the plan's"
+    assert problems[2] == "the model's drivers are ['torch'], the plan routes to ['c-one-call', 'torch']"
+    assert problems[3] == "the plan's drivers are ['c-one-call', 'torch'], the model's fused decode is None"
 
 
 def test_the_plan_travels_as_json_to_tensor_parallel_workers(monkeypatch):

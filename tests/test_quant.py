@@ -19,7 +19,6 @@ from nanoserve.model.forms import Dense
 from nanoserve.model.gguf import BlockQuantized
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.llama import ModelInputs
-from nanoserve.model.prepare import is_quantized
 from nanoserve.model.quant import (
     ChannelInt8,
     QuantLinear,
@@ -155,7 +154,7 @@ def test_a_quantized_tiny_model_equals_its_dequantized_float32_twin(quantization
                     fused_decode=False, kv_cache_dtype="float32")
     quantized = prepared(model, dtype="float32", **settings)
     assert all(isinstance(layer.qkv, QuantLinear) for layer in quantized.layers)
-    assert isinstance(model.layers[0].qkv, Dense) and not is_quantized(model)  # the given model unchanged
+    assert isinstance(model.layers[0].qkv, Dense) and not stored_matrices(model)  # the given model unchanged
     tokens = [5, 17, 33, 2, 9, 60, 61, 12]
     torch.testing.assert_close(_logits(quantized, tokens), _logits(_dense_twin(model, quantization), tokens),
                                atol=1e-4, rtol=1e-4)
@@ -179,7 +178,7 @@ def test_a_checkpoints_own_blocks_are_kept_and_run_as_stored():
     from nanoserve.model.llama import LlamaModel
 
     stored = LlamaModel.from_state_dict(LlamaConfig.from_hf_dict(hf.config.to_dict()), tensors, torch.float32, "cpu")
-    assert is_quantized(stored) and isinstance(stored.embed, BlockQuantized)
+    assert stored_matrices(stored) and isinstance(stored.embed, BlockQuantized)
     # a probe that times torch's int4 kernel faster than the dense matmul: the blocks are kept
     kept = prepared(stored, probe=fake(0.2, 14.0, int4_ms=0.01, dense_ms=1.0), dtype="float32", quantization="auto",
                     max_kernel_rows=None, pack_weights=False, kernels="torch", fused_decode=False, kv_cache_dtype="float32")
@@ -188,7 +187,7 @@ def test_a_checkpoints_own_blocks_are_kept_and_run_as_stored():
     tokens = [5, 17, 33, 2, 9, 60]
     torch.testing.assert_close(_logits(kept, tokens), _logits(stored, tokens), atol=1e-4, rtol=1e-4)
     dense = prepared(stored, dtype="float32", quantization=None, pack_weights=False)
-    assert not is_quantized(dense) and isinstance(dense.layers[0].qkv, Dense)
+    assert not stored_matrices(dense) and isinstance(dense.layers[0].qkv, Dense)
     torch.testing.assert_close(_logits(dense, tokens), _logits(stored, tokens), atol=1e-5, rtol=1e-5)
 
 
@@ -198,3 +197,8 @@ def _as_q8_0(w: torch.Tensor) -> BlockQuantized:
     d = groups.abs().amax(-1) / 127
     codes = torch.round(groups / d.unsqueeze(-1)).to(torch.int8).view(N, K)
     return BlockQuantized("Q8_0", codes, d, None)
+
+
+def stored_matrices(model) -> list:
+    """The matmul weights of a model still quantized as stored."""
+    return [w for _, _, w in model.matrices() if w.form.name == "stored"]

@@ -422,14 +422,14 @@ def test_rule_threshold_rises_with_the_steps_rows_as_the_cost_model_says():
 
 def test_the_engine_times_its_steps_for_the_rule_and_returns_the_blocks():
     built = engine(tiny_model(), {"method": "ngram", "num_speculative_tokens": 4})
-    assert built.speculation.needs_calibration is False  # calibrated: overhead_rows is a number now
-    assert built.speculation.overhead_rows >= 0.0
+    assert built.speculation.rule.needs_calibration is False  # calibrated: overhead_rows is a number now
+    assert built.speculation.rule.overhead_rows >= 0.0
     check_pool(built)
     assert built.allocator.num_free == built.allocator.num_blocks
-    assert built.speculation.draft_rows == 0.0  # ngram's proposals cost no forward
+    assert built.speculation.rule.draft_rows == 0.0  # ngram's proposals cost no forward
     hf = tiny_model()
     drafting = engine(hf, draft_spec(hf) | {"min_acceptance": None})
-    assert drafting.speculation.draft_rows > 0.0  # a draft token costs a forward of the draft
+    assert drafting.speculation.rule.draft_rows > 0.0  # a draft token costs a forward of the draft
     assert drafting.allocator.num_free == drafting.allocator.num_blocks
 
 
@@ -998,18 +998,18 @@ def test_longest_allowed_trims_drafts_and_leaves_the_matcher_where_it_was():
     compiler = GrammarCompiler(CharTokenizer(97), 97, frozenset({2}))
     grammar = compiler.matcher(compiler.compile(StructuredOutputs(regex="abc[0-9]")))
     a, b, c, x, seven = ids_of("abcx7")
-    before = compiler.fill_bitmask([grammar])
+    before = compiler.span_bitmask(grammar)
     assert grammar.longest_allowed([a, b, x, c]) == [a, b]
     assert grammar.longest_allowed([b]) == []
     assert grammar.longest_allowed([a, b, c, seven, seven]) == [a, b, c, seven]  # nothing after the end
-    assert torch.equal(compiler.fill_bitmask([grammar]), before)  # no draft was taken
-    # fill_bitmask walks a request's drafts: row j's mask is what may follow drafts 0 .. j-1.
-    masks = compiler.fill_bitmask([grammar] * 3, [a, b, None])
+    assert torch.equal(compiler.span_bitmask(grammar), before)  # no draft was taken
+    # span_bitmask walks a request's drafts: row j's mask is what may follow drafts 0 .. j-1.
+    masks = compiler.span_bitmask(grammar, [a, b])
     assert torch.equal(masks[0], before[0])
     for token, row in ((a, 0), (b, 1), (c, 2)):
         assert masks[row, token // 32] >> (token % 32) & 1, (token, row)
     assert not masks[0, b // 32] >> (b % 32) & 1 and not masks[2, a // 32] >> (a % 32) & 1
-    assert torch.equal(compiler.fill_bitmask([grammar]), before)  # rolled back after the last row
+    assert torch.equal(compiler.span_bitmask(grammar), before)  # rolled back after the last row
 
 
 @needs_build
@@ -1215,14 +1215,14 @@ def keep_every_draft(monkeypatch) -> None:
     """A wrong verifier: the output stage sees each draft row's token replaced by its draft."""
     process = OutputProcessor.process
 
-    def always_accept(self, batch, requests, drafts=None):
-        if drafts is not None:
+    def always_accept(self, batch, rows):
+        if rows.has_drafts:
             tokens = batch.tokens.clone()
-            for row, draft in enumerate(drafts):
-                if draft is not None:
+            for span in rows.spans:
+                for row, draft in zip(span.rows, span.drafts, strict=False):
                     tokens[row] = draft
             batch = TokenBatch(tokens, batch.request_ids, batch.readback, batch.logprobs)
-        return process(self, batch, requests, drafts)
+        return process(self, batch, rows)
 
     monkeypatch.setattr(OutputProcessor, "process", always_accept)
 

@@ -23,6 +23,8 @@ from conftest import (
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.params import StructuredOutputs
+from nanoserve.request import Request
+from nanoserve.step_rows import StepRows
 from nanoserve.structured import apply_bitmask, mask_logits
 
 pytest.importorskip("xgrammar")
@@ -101,7 +103,9 @@ def test_bitmask_is_as_wide_as_the_logits_when_the_tokenizer_is_smaller():
     engine = Engine(nanoserve_model_from_hf(hf), tokenizer,
                     EngineConfig(block_size=4, num_kv_blocks=64, dtype="float32", quantization=None))
     compiled = engine.grammars.compile(StructuredOutputs(regex="[ -~]+"))  # any printable text
-    bitmask = engine.grammars.fill_bitmask([None, engine.grammars.matcher(compiled)])
+    free, constrained = (Request(str(i), [5], SamplingParams(), frozenset()) for i in range(2))
+    constrained.grammar = engine.grammars.matcher(compiled)
+    bitmask = engine.grammars.fill_bitmask(StepRows.one_each([free, constrained]))
     assert bitmask.shape == (2, 4) and bitmask.dtype == torch.int32  # ceil(97 / 32) words per row
     bits = [[(int(bitmask[r, t // 32]) >> (t % 32)) & 1 for t in range(97)] for r in range(2)]
     printable = set(char_ids(tokenizer, "".join(map(chr, range(32, 127)))))

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 # BUILDS, FLAGS, _BASE: re-exported, where the kernel's tests and benchmarks find the builds
 from nanoserve.model.cabi import BASE_FLAGS as _BASE  # noqa: F401
 from nanoserve.model.cabi import BUILDS, FLAGS, Library, load  # noqa: F401
-from nanoserve.model.forms import CForm, Form, Regroup, dense_code, dtype_name
+from nanoserve.model.forms import CForm, Form, FormKind, Regroup, dense_code, dtype_name
 from nanoserve.model.ggml_blocks import parts
 from nanoserve.model.gguf import BLOCK, BlockQuantized
 
@@ -108,7 +108,7 @@ class Panels:
     """A matrix of one of KINDS [N, K] in blockdot's panels: [ceil(N / 16), K / 32, 64 + 256 planes]
     uint8 (blockdot.c's header gives the bytes: 4-bit codes where planes is 1, int8 where 2)."""
 
-    form_name = "blockdot"  # QuantLinear.form's name for a linear on these panels
+    form_name = FormKind.BLOCKDOT  # QuantLinear.form's name for a linear on these panels
     data: torch.Tensor
     planes: int  # 1 (4-bit codes) or 2 (int8 codes, two nibbles' room), | F32_HEADS for float32 heads
     shape: tuple[int, int]  # (N, K)
@@ -197,7 +197,7 @@ class DensePanels:
 
     @property
     def form(self) -> Form:
-        return Form("dense-panels", dtype_name(self.dtype))
+        return Form(FormKind.DENSE_PANELS, dtype_name(self.dtype))
 
     def nbytes_by_kind(self) -> dict[str, int]:
         return {"dense": self.data.nbytes}

@@ -21,18 +21,36 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
-# The names a Form's `name` takes: the dense forms, then the quantized ones.
-DENSE_FORMS = ("torch", "onednn", "dense-panels")
-QUANTIZED_FORMS = ("blockdot", "torch-int4", "torch-int8")
-STORED = "stored"  # a quantized matrix as loaded: dequantized at every call (the reference, never planned)
-FORMS = (*DENSE_FORMS, *QUANTIZED_FORMS, STORED)
-# What a quantized form runs past its kernel_rows: its dense copy, or its panels dequantized for the call.
-WIDE = ("dense copy", "dequantized")
+
+class FormKind(StrEnum):
+    """What a matmul weight is and who runs it (Form.name). A StrEnum: each equals its name as a string."""
+
+    TORCH = "torch"  # a dense matrix, torch's F.linear
+    ONEDNN = "onednn"  # a dense matrix in oneDNN's packed layout
+    DENSE_PANELS = "dense-panels"  # a dense matrix in blockdot's dense panels
+    BLOCKDOT = "blockdot"  # a quantized matrix on blockdot's panels
+    TORCH_INT4 = "torch-int4"  # a quantized matrix on torch's int4 kernel
+    TORCH_INT8 = "torch-int8"  # int8 per channel on torch's int8 kernel
+    STORED = "stored"  # a quantized matrix as loaded: dequantized at every call (the reference, never planned)
+
+    @property
+    def in_c(self) -> bool:
+        """Whether fused_decode.c reads the weight itself (no copy): blockdot's or dense panels."""
+        return self in (FormKind.BLOCKDOT, FormKind.DENSE_PANELS)
+
+    @property
+    def on_torch(self) -> bool:
+        """Whether torch's own kernels run it (what torch.compile traces, and what no batch-invariant plan runs)."""
+        return self in (FormKind.TORCH, FormKind.ONEDNN, FormKind.TORCH_INT4, FormKind.TORCH_INT8)
+
+
+STORED = FormKind.STORED
 
 # fused_decode.c's codes for a matmul's C form (struct fused_layer's *_planes): blockdot's panels are
 # their planes (1: 4-bit codes, 2: int8 codes); dense panels are negative.
@@ -43,13 +61,17 @@ DENSE_F32, DENSE_BF16 = -1, -2
 class Form:
     """What a weight is and how it runs: the unit the execution plan lays out and checks."""
 
-    name: str  # one of FORMS
+    name: FormKind
     dtype: str  # the activations' dtype it computes in: "float32", "bfloat16", "float16"
     kernel_rows: int | None = None  # a quantized form: its kernel up to this many rows (None: every width)
-    wide: str | None = None  # past kernel_rows: one of WIDE; None where the form runs every width
+    wide: str | None = None  # past kernel_rows: "dense copy" or "dequantized" (its panels, per call); None where the form runs every width
     int16_rows: int | None = None  # blockdot: x rounded to int16 per block from this many rows (None: never)
     all_reduced: bool = False  # a tensor-parallel slice whose output is all-reduced
+    in_rank_order: bool = False  # all_reduced: the ranks' partials gathered and added rank 0 first
     stored: str | None = None  # a quantized matrix as loaded (STORED): its kind, "Q4_1" or "int8"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", FormKind(self.name))  # a plan sent as JSON names it as a string
 
     def __str__(self) -> str:
         if self.name == STORED:
@@ -59,7 +81,9 @@ class Form:
             text += f" up to {self.kernel_rows} rows, {self.wide} past"
         if self.int16_rows is not None:
             text += f", x in int16 from {self.int16_rows} row{'s' if self.int16_rows > 1 else ''}"
-        return text + (", all-reduced" if self.all_reduced else "")
+        if self.all_reduced:
+            text += ", all-reduced" + (" in rank order" if self.in_rank_order else "")
+        return text
 
 
 @dataclass(frozen=True)
@@ -121,7 +145,7 @@ class Dense:
 
     @property
     def form(self) -> Form:
-        return Form("torch", dtype_name(self.weight.dtype))
+        return Form(FormKind.TORCH, dtype_name(self.weight.dtype))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -148,7 +172,7 @@ class PackedDense:
 
     @property
     def form(self) -> Form:
-        return Form("onednn", dtype_name(self.weight.dtype))
+        return Form(FormKind.ONEDNN, dtype_name(self.weight.dtype))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")

@@ -76,48 +76,51 @@ def why_not(config: LlamaConfig, device: torch.device) -> str | None:
 
 @dataclass
 class FusedDecode:
-    """Called with a step's h [T, E] float32 (the embedding's rows), it returns h after the last
-    layer (the same tensor, updated in place), or None for a step it does not take."""
+    """What fused_decode.c reads of a laid-out model, and its two entries: `one_call` and
+    `per_layer` each take a step's h [T, E] float32 (the embedding's rows) and return h after the
+    last layer (the same tensor, updated in place). Which steps each runs is the plan's routes'."""
 
     layers: list[LayerWeights]
     shape: FusedShape
     cos: torch.Tensor  # [P, D] float32
     sin: torch.Tensor  # [P, D] float32
     dtype: torch.dtype  # the linears' (and the K/V cache's): float32 or bfloat16
-    max_rows: int  # steps of up to this many rows run in one call; 0: none (some matmul has no form for it)
     kernel: blockdot.Library
     switches: list[tuple[torch.Tensor | None, ...]]  # per layer: qkv_bias, q_norm, k_norm in float32, or None
     windows: list[int]  # per layer: its sliding window W, 0 for none
     # per layer, its MATMULS as the one call reads them (each weight's c_form); empty where there is no one call
     forms: list[list[tuple[torch.Tensor, int]]]
     copy_bytes: int = 0  # the dense panels among them copied from torch's matrices
-    prompts: bool = False  # it also runs steps with a prompt in them, each prompt's token a row (the plan's mixed driver)
     _table: ctypes.Array | None = None  # the layers' structs, for the cache they were built against
     _cache: KVCache | None = None
 
-    def accepts(self, inputs: ModelInputs) -> bool:
-        """Whether a step is one it runs: every step where it takes prompts, else one whose every row
-        is a decoding sequence. (Windowed layers cut their keys themselves from the step's full
-        block tables, which the allocator keeps whole.)"""
-        return self.prompts or not inputs.attn.prefill_runs
-
-    def __call__(self, h: torch.Tensor, inputs: ModelInputs, kv: KVCache) -> torch.Tensor | None:
-        if not self.accepts(inputs):
-            return None
+    def _rows(self, h: torch.Tensor, inputs: ModelInputs, kv: KVCache) -> tuple[tuple[torch.Tensor, ...], tuple]:
+        """The step's rows as the C reads them, checked: the tensors (the caller holds them for the
+        call) and the arguments that point into them. The layers' structs are rebuilt for a new cache."""
         if self._cache is not kv:
             self._table, self._cache = self._layer_table(kv), kv
             self.shape.block_size, self.shape.kv_kind = kv.block_size, KV_KINDS[kv.k.dtype]
-        T = h.shape[0]  # h [T, E] float32, updated in place by the C calls
         tables = _row_tables(inputs)  # [T, nb]
         positions, slots = inputs.positions.contiguous(), inputs.attn.slot_mapping.contiguous()
         _check_rows(h, self.shape.E, positions, slots, tables)
-        rows = (T, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1], self.cos.data_ptr(),
-                self.sin.data_ptr())
-        if h.shape[0] > self.max_rows:
-            return self._per_layer(h, kv, rows)
+        return (tables, positions, slots), (h.shape[0], positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                                            tables.shape[1], self.cos.data_ptr(), self.sin.data_ptr())
+
+    def one_call(self, h: torch.Tensor, inputs: ModelInputs, kv: KVCache) -> torch.Tensor:
+        """Every layer in one C call (Driver.C_ONE_CALL): every matmul read in its C form."""
+        held, rows = self._rows(h, inputs, kv)
         if self.kernel.lib.fused_decode(ctypes.byref(self.shape), self._table, len(self.layers), h.data_ptr(), *rows,
                                         torch.get_num_threads()):
-            raise MemoryError(f"fused_decode: no memory for the scratch of a {T}-row step")
+            raise MemoryError(f"fused_decode: no memory for the scratch of a {h.shape[0]}-row step")
+        del held  # alive until the call has returned
+        return h
+
+    def per_layer(self, h: torch.Tensor, inputs: ModelInputs, kv: KVCache) -> torch.Tensor:
+        """The weights' own linears, the glue between them in three C calls a layer
+        (Driver.C_PER_LAYER, and Driver.C_TENSOR_PARALLEL between a rank's all-reduces)."""
+        held, rows = self._rows(h, inputs, kv)
+        h = self._per_layer(h, kv, rows)
+        del held  # alive until the calls have returned
         return h
 
     def _per_layer(self, h: torch.Tensor, kv: KVCache, rows: tuple) -> torch.Tensor:
@@ -193,15 +196,13 @@ def _row_tables(inputs: ModelInputs) -> torch.Tensor:
     return tables if tables.shape[0] == row_seqs.shape[0] else tables.index_select(0, row_seqs)
 
 
-def fused_decode(model: LlamaModel, max_rows: int, int16_rows: int | None, prompts: bool = False) -> FusedDecode:
-    """The fused decode of a laid-out model (the execution plan decides that it runs): decode steps of
-    up to max_rows rows in one C call (0: none, every matmul's C form read from the weight itself),
-    the wider ones in three C calls a layer between the weights' own linears; blockdot's panels on
-    their int16 path from int16_rows rows (None: never); with `prompts`, the steps with prompts too,
-    as decode steps of their width run (max_rows then every width, or 0: three calls a layer always).
+def fused_decode(model: LlamaModel, one_call: bool, int16_rows: int | None) -> FusedDecode:
+    """What fused_decode.c reads of a laid-out model (the execution plan decides that a C driver
+    runs): with `one_call`, every matmul's C form, read from the weight itself or copied (dense
+    matrices torch runs); blockdot's panels on their int16 path from int16_rows rows (None: never).
 
     Raises:
-        ValueError: max_rows > 0 but some matmul has no form fused_decode.c reads.
+        ValueError: one_call, but some matmul has no form fused_decode.c reads.
     """
     config, shape = model.config, model.shape
     scale = shape.attn_scale if shape.attn_scale is not None else shape.head_dim ** -0.5
@@ -209,7 +210,7 @@ def fused_decode(model: LlamaModel, max_rows: int, int16_rows: int | None, promp
                          config.intermediate_size, 0, 0, int16_rows or 0, shape.eps, scale)  # block_size, kv_kind: from the cache
     cos, sin = rope_table(config, model.cos.shape[0], torch.float32, model.device)
     forms: list[list[CForm]] = []
-    if max_rows > 0:
+    if one_call:
         forms = [[getattr(layer, name).c_form(blockdot.pack_dense) for name in MATMULS] for layer in model.layers]
         missing = [f"layer {i} {name}" for i, layer_forms in enumerate(forms)
                    for name, form in zip(MATMULS, layer_forms, strict=True) if form is None]
@@ -219,5 +220,15 @@ def fused_decode(model: LlamaModel, max_rows: int, int16_rows: int | None, promp
                 for layer in model.layers]
     windows = [config.sliding_window if i in model.sliding_layers else 0 for i in range(config.num_layers)]
     copy_bytes = sum(form.data.nbytes for layer_forms in forms for form in layer_forms if form.copied)
-    return FusedDecode(model.layers, c_shape, cos, sin, model.dtype, max_rows, blockdot.library(), switches, windows,
-                       [[(form.data, form.code) for form in layer_forms] for layer_forms in forms], copy_bytes, prompts)
+    return FusedDecode(model.layers, c_shape, cos, sin, model.dtype, blockdot.library(), switches, windows,
+                       [[(form.data, form.code) for form in layer_forms] for layer_forms in forms], copy_bytes)
+
+
+def run_one_call(model: LlamaModel, h: torch.Tensor, inputs: ModelInputs, kv: KVCache) -> torch.Tensor:
+    """Driver.C_ONE_CALL's entry in a model's table."""
+    return model.fused_layers.one_call(h, inputs, kv)
+
+
+def run_per_layer(model: LlamaModel, h: torch.Tensor, inputs: ModelInputs, kv: KVCache) -> torch.Tensor:
+    """Driver.C_PER_LAYER's and Driver.C_TENSOR_PARALLEL's entry in a model's table."""
+    return model.fused_layers.per_layer(h, inputs, kv)

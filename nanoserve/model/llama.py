@@ -21,16 +21,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from nanoserve.model.attention import AttentionMetadata, paged_attention
 from nanoserve.model.config import LlamaConfig
+from nanoserve.model.driver import Driver
 from nanoserve.model.forms import Weight, as_weight
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.quant import Stored, cat_rows, embedding
 from nanoserve.model.rope import apply_rope, rope_table
+
+if TYPE_CHECKING:
+    from nanoserve.model.plan import ExecutionPlan
 
 
 @dataclass
@@ -110,6 +115,22 @@ def decoder_layer(h: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: 
     return h + out  # [T, E] float32: h + the dtype's output
 
 
+# A step's decoder layers: (model, h [T, E] float32 after the embedding, inputs, kv) -> h after the last layer.
+Step = Callable[["LlamaModel", torch.Tensor, ModelInputs, KVCache], torch.Tensor]
+
+
+def run_layers(model: LlamaModel, h: torch.Tensor, inputs: ModelInputs, kv: KVCache,
+               layer_fn: Callable[..., torch.Tensor] = decoder_layer) -> torch.Tensor:
+    """The torch drivers: every layer through `layer_fn` (decoder_layer, or its compiled graph)."""
+    windowed = inputs.attn.windowed or inputs.attn  # windowed None: no context in this step is longer than the window
+    cos = model.cos[inputs.positions].unsqueeze(1)  # [T, 1, D]
+    sin = model.sin[inputs.positions].unsqueeze(1)  # [T, 1, D]
+    for i, layer in enumerate(model.layers):
+        attn = windowed if i in model.sliding_layers else inputs.attn
+        h = layer_fn(h, layer, cos, sin, kv.k[i], kv.v[i], attn, model.shape)
+    return h
+
+
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape, for every tensor the forward reads."""
     E, I, D = config.hidden_size, config.intermediate_size, config.head_dim
@@ -173,12 +194,13 @@ class LlamaModel:
         self.shape = layer_shape(config, self.dtype)
         self.embed_scale = embedding_scale(config, self.dtype)
         self.sliding_layers = frozenset(config.sliding_layers)  # layers that attend within config.sliding_window
-        self.layer_fn = decoder_layer
         self.lm_head_weight = as_weight(lm_head)  # the head as a weight (nanoserve.model.forms), laid out by prepare_model
-        # A decode step's layers with their glue in C (nanoserve.model.fused_decode), set by
-        # prepare_model where the family allows: h [T, E], inputs, kv -> h after the last layer, or
-        # None for a step it does not take (those run decoder_layer).
-        self.fused_layers: Callable[[torch.Tensor, ModelInputs, KVCache], torch.Tensor | None] | None = None
+        # How steps run (nanoserve.model.prepare sets both): the plan forward asks which driver runs
+        # each step (None: every step on decoder_layer, as loaded), and the table it calls it from.
+        self.plan: ExecutionPlan | None = None
+        self.drivers: dict[Driver, Step] = {Driver.TORCH: run_layers}
+        # What fused_decode.c reads (nanoserve.model.fused_decode.FusedDecode), where a driver is in C.
+        self.fused_layers: Any = None
 
     @classmethod
     def from_state_dict(cls, config: LlamaConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
@@ -239,19 +261,11 @@ class LlamaModel:
         if window is not None and inputs.attn.sliding_window != window:
             raise ValueError(f"layers {sorted(self.sliding_layers)} attend within a sliding window of {window} tokens, "
                              f"but the inputs were built with sliding_window={inputs.attn.sliding_window}")
-        windowed = inputs.attn.windowed or inputs.attn  # None: no context in this step is longer than the window
         h = embedding(inputs.input_ids, self.embed, torch.float32)  # [T, E]
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        fused = None if self.fused_layers is None else self.fused_layers(h, inputs, kv)
-        if fused is not None:
-            h = fused
-        else:
-            cos = self.cos[inputs.positions].unsqueeze(1)  # [T, 1, D]
-            sin = self.sin[inputs.positions].unsqueeze(1)  # [T, 1, D]
-            for i, layer in enumerate(self.layers):
-                attn = windowed if i in self.sliding_layers else inputs.attn
-                h = self.layer_fn(h, layer, cos, sin, kv.k[i], kv.v[i], attn, self.shape)
+        driver = Driver.TORCH if self.plan is None else self.plan.driver(h.shape[0], not inputs.attn.prefill_runs)
+        h = self.drivers[driver](self, h, inputs, kv)
         # Only the rows that sample need the norm and the [E, V] head: the rest of T is prefill.
         h = F.rms_norm(h[inputs.logits_indices], self.norm.shape, self.norm, config.rms_norm_eps).to(self.dtype)  # [R, E]
         logits = self.lm_head_weight(h).float()  # [R, V]

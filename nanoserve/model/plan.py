@@ -1,12 +1,22 @@
 """The execution plan: what runs a step, decided once at start-up.
 
-EngineConfig says what the user chose; nanoserve.model.precision turns its "auto" values into
-choices by a probe of a few milliseconds; `resolve_plan` adds what the model and the engine's shape
-decide (torch.compile, tensor parallelism, whether the family fits the C decode, the exact path)
-and names, for each matmul, the form it runs in (nanoserve.model.forms.Form) and, for each kind
-and width of step, the driver that runs it. `prepare_model` carries the plan out and
-`check_laid_out` holds the laid-out model to it; `ExecutionPlan.render()` is what `nanoserve plan`
-prints. Nothing else chooses how a step runs.
+EngineConfig says what the user chose; `resolve_plan` decides the rest in stages, each a function
+below, each adding its reasons:
+
+0. `refuse`: what no plan runs (the tensor-parallel and speculation rules a config breaks);
+1. whether the batch-invariant plan is taken (`invariance_blockers`);
+2. the precision: nanoserve.model.precision turns the "auto" values into choices by a probe of a few
+   milliseconds;
+3. each matmul's form (nanoserve.model.forms.Form, `_form_of`): every choice that changes a row's
+   arithmetic is a field of a Form (its kernel, rows, int16 rounding, rank-order sum) or of the plan;
+4. the routes (`_routes`): for each kind and width of step, the driver (nanoserve.model.driver.Driver)
+   that runs it.
+
+A draft model of speculative decoding gets a plan of its own, held in `ExecutionPlan.draft`.
+`prepare_model` carries the plan out, building the laid-out model's table of drivers, and
+`check_laid_out` holds the model, draft included, to it; LlamaModel.forward asks the plan which
+driver runs each step and calls it from that table. `ExecutionPlan.render()` is what `nanoserve
+plan` prints. Nothing else chooses how a step runs.
 """
 
 from __future__ import annotations
@@ -19,23 +29,26 @@ from typing import Any
 import torch
 
 from nanoserve.model import blockdot
-from nanoserve.model.forms import C_DTYPES, STORED, Form, can_pack, dtype_name
+from nanoserve.model.driver import EVERY_WIDTH, Driver
+from nanoserve.model.forms import C_DTYPES, STORED, Form, FormKind, can_pack, dtype_name
 from nanoserve.model.fused_decode import DENSE_ONE_CALL_ROWS, why_not
-from nanoserve.model.llama import LlamaModel, decoder_layer
-from nanoserve.model.precision import DTYPES, Probe, resolve
+from nanoserve.model.llama import LlamaModel
+from nanoserve.model.precision import DTYPES, Precision, Probe, resolve
 from nanoserve.model.quant import torch_runs
 
-# Who runs a step's layers.
-DRIVERS = {
-    "c-one-call": "every layer in one C call (fused_decode.c), its matmuls on blockdot's or dense panels",
-    "c-per-layer": "each layer's matmuls as their forms run them, the glue between them in three C calls",
-    "torch": "llama.decoder_layer in torch's ops (the reference)",
-    "torch-compiled": "llama.decoder_layer through torch.compile",
-    "torch-tensor-parallel": "llama.decoder_layer over this rank's slices, o and down all-reduced",
-    "c-tensor-parallel": "each rank's slices on blockdot's or dense panels, the glue between them in three C calls "
-                         "a layer, o and down summed over the ranks in rank order",
-}
-EVERY_WIDTH = 2**31  # one_call_rows where the one call takes decode steps of every width
+DRIVERS = {driver: driver.description for driver in Driver}  # who runs a step's layers (Driver)
+
+
+@dataclass(frozen=True)
+class Route:
+    """One row of the plan's step table: steps of this kind, up to max_rows rows, run on `driver`."""
+
+    with_prompt: bool  # steps with a prompt or a chunk of one; False: decode-only steps
+    max_rows: int  # EVERY_WIDTH: no limit
+    driver: Driver
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "driver", Driver(self.driver))  # a plan sent as JSON names it as a string
 
 
 @dataclass(frozen=True)
@@ -55,10 +68,8 @@ class ExecutionPlan:
     kv_cache_dtype: str
     quantization: str | None  # None (dense), "int8", "int4" or "keep" (the checkpoint's own)
     matrices: tuple[MatrixPlan, ...]
-    decode: str  # the driver (DRIVERS) of decode-only steps of up to one_call_rows rows
-    one_call_rows: int  # 0 where `decode` is not "c-one-call"; EVERY_WIDTH: no limit
-    wide_decode: str  # the driver of decode-only steps wider than one_call_rows
-    mixed: str  # the driver of steps with a prompt or a chunk of one
+    routes: tuple[Route, ...]  # the step table, in the order driver() reads it
+    int16_rows: int | None  # blockdot rounds x to int16 from this many rows, in every matrix and C call (None: never)
     one_call_copies: bool  # the one call reads dense panels copied from matrices torch runs (Engine.memory's fused_copies)
     pack_weights: bool  # dense copies of quantized linears reordered for oneDNN where it takes them
     threads: int
@@ -66,6 +77,7 @@ class ExecutionPlan:
     batch_invariant: tuple[tuple[str, bool, str], ...]  # (choice, whether a row's result is independent of its batch, why)
     reasons: tuple[str, ...]
     probe: Probe | None = None
+    draft: ExecutionPlan | None = None  # the draft model's own plan (speculative decoding's draft_model)
 
     @functools.cached_property
     def _forms(self) -> dict[tuple[int | None, str], Form]:
@@ -74,11 +86,44 @@ class ExecutionPlan:
     def form_of(self, layer: int | None, name: str) -> Form:
         return self._forms[(layer, name)]
 
-    def driver(self, num_rows: int, decode_only: bool) -> str:
-        """Who runs a step of num_rows rows (decode_only: every row one decoding sequence)."""
-        if not decode_only:
-            return self.mixed
-        return self.decode if num_rows <= self.one_call_rows or self.decode != "c-one-call" else self.wide_decode
+    def driver(self, num_rows: int, decode_only: bool) -> Driver:
+        """Who runs a step of num_rows rows (decode_only: every row one decoding sequence): the first
+        route of its kind that takes its width."""
+        with_prompt = not decode_only
+        for route in self.routes:
+            if route.with_prompt == with_prompt and num_rows <= route.max_rows:
+                return route.driver
+        raise ValueError(f"no route takes a {'mixed' if with_prompt else 'decode-only'} step of {num_rows} rows")
+
+    @property
+    def drivers(self) -> frozenset[Driver]:
+        """Every driver a route names: the laid-out model's table holds exactly these."""
+        return frozenset(route.driver for route in self.routes)
+
+    def _of_kind(self, with_prompt: bool) -> list[Route]:
+        return [route for route in self.routes if route.with_prompt == with_prompt]
+
+    @property
+    def decode(self) -> Driver:
+        """The driver of the narrowest decode-only steps."""
+        return self._of_kind(False)[0].driver
+
+    @property
+    def wide_decode(self) -> Driver:
+        """The driver of the widest decode-only steps."""
+        return self._of_kind(False)[-1].driver
+
+    @property
+    def one_call_rows(self) -> int:
+        """The widest decode-only step the one call takes (EVERY_WIDTH: no limit); 0 where decode
+        steps are not on it."""
+        first = self._of_kind(False)[0]
+        return first.max_rows if first.driver == Driver.C_ONE_CALL else 0
+
+    @property
+    def mixed(self) -> Driver:
+        """The driver of steps with a prompt or a chunk of one."""
+        return self._of_kind(True)[0].driver
 
     @property
     def is_batch_invariant(self) -> bool:
@@ -97,8 +142,9 @@ class ExecutionPlan:
     def kernels(self) -> str:
         """Who runs the quantized matmuls' few-row passes: "blockdot", "torch", "blockdot+torch", or ""
         where every matrix is dense."""
-        names = {"blockdot" if m.form.name == "blockdot" else "torch" for m in self.matrices
-                 if m.form.name in ("blockdot", "torch-int4", "torch-int8")}
+        quantized = (FormKind.BLOCKDOT, FormKind.TORCH_INT4, FormKind.TORCH_INT8)
+        names = {"blockdot" if m.form.name == FormKind.BLOCKDOT else "torch" for m in self.matrices
+                 if m.form.name in quantized}
         return "+".join(sorted(names))
 
     def render(self) -> str:
@@ -108,16 +154,15 @@ class ExecutionPlan:
                  "matrices:"]
         lines += [f"  {where:<22} {stored:>8} -> {form}" for where, stored, form in _grouped(self.matrices)]
         lines.append("steps:")
-        if self.decode == "c-one-call":
-            width = "every width" if self.one_call_rows >= EVERY_WIDTH else f"1-{self.one_call_rows} rows"
-            lines.append(f"  decode-only, {width}: {self.decode} ({DRIVERS[self.decode]})")
-            if self.one_call_rows < EVERY_WIDTH:
-                lines.append(f"  decode-only, {self.one_call_rows + 1}+ rows: {self.wide_decode} ({DRIVERS[self.wide_decode]})")
-            if self.one_call_copies:
-                lines.append("  (the one call reads dense panels copied from the matrices torch runs)")
-        else:
-            lines.append(f"  decode-only: {self.decode} ({DRIVERS[self.decode]})")
-        lines.append(f"  with a prompt: {self.mixed} ({DRIVERS[self.mixed]}{', each token a row' if self.mixed.startswith('c-') else ''})")
+        for route in self.routes:
+            kind = self._of_kind(route.with_prompt)
+            lines.append(f"  {'with a prompt' if route.with_prompt else 'decode-only'}{_widths(kind, route)}: "
+                         f"{route.driver} ({route.driver.description}"
+                         f"{', each token a row' if route.with_prompt and route.driver.in_c else ''})")
+        if self.one_call_copies:
+            lines.append("  (the one call reads dense panels copied from the matrices torch runs)")
+        if self.int16_rows is not None:
+            lines.append(f"  (blockdot rounds x to int16 from {self.int16_rows} row{'s' if self.int16_rows > 1 else ''})")
         lines.append(f"batch invariance (a row's result independent of the rows beside it): "
                      f"{'yes' if self.is_batch_invariant else 'no'}")
         lines += [f"  {'yes' if ok else 'no '}  {choice}: {why}" for choice, ok, why in self.batch_invariant]
@@ -125,21 +170,33 @@ class ExecutionPlan:
         lines += [f"  {reason}" for reason in self.reasons]
         if self.probe is not None:
             lines.append(f"probe: {self.probe.describe()}")
+        if self.draft is not None:
+            lines.append("draft model (speculative decoding):")
+            lines += ["  " + line for line in self.draft.render().splitlines()]
         return "\n".join(lines)
 
     def to_message(self) -> dict[str, Any]:
         """The plan as JSON-ready data (tensor-parallel workers lay their shards out by it); the
-        probe's figures stay with rank 0."""
-        return dataclasses.asdict(dataclasses.replace(self, probe=None))
+        probe's figures stay with rank 0, and so does a draft model's plan (rank 0 runs the draft)."""
+        return dataclasses.asdict(dataclasses.replace(self, probe=None, draft=None))
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> ExecutionPlan:
         fields = dict(message)
         fields["matrices"] = tuple(MatrixPlan(m["layer"], m["name"], m["stored"], Form(**m["form"]))
                                    for m in fields["matrices"])
+        fields["routes"] = tuple(Route(**route) for route in fields["routes"])
         fields["batch_invariant"] = tuple(tuple(entry) for entry in fields["batch_invariant"])
         fields["reasons"] = tuple(fields["reasons"])
         return cls(**fields)
+
+
+def _widths(kind: list[Route], route: Route) -> str:
+    """", 1-8 rows" for a route among several of its kind; "" for the only one."""
+    if len(kind) == 1:
+        return ""
+    start = 1 + max([r.max_rows for r in kind if r.max_rows < route.max_rows], default=0)
+    return f", {start}+ rows" if route.max_rows >= EVERY_WIDTH else f", {start}-{route.max_rows} rows"
 
 
 def _grouped(matrices: tuple[MatrixPlan, ...]) -> list[tuple[str, str, Form]]:
@@ -166,9 +223,33 @@ def _stored(form: Form) -> str:
     return form.dtype if form.name == "torch" else form.name
 
 
-def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any = None) -> ExecutionPlan:
+def refuse(config: Any, world_size: int) -> None:
+    """Stage 0: what no plan runs. EngineConfig asks this at construction, and resolve_plan again.
+
+    Raises:
+        ValueError: a choice tensor parallelism or speculative decoding cannot make, named.
+    """
+    if world_size > 1 and config.overrides.kernels == "blockdot":
+        raise ValueError(f"kernels='blockdot' with tensor_parallel_size={world_size}: the ranks run blockdot only on "
+                         "the batch-invariant plan, which batch_invariant='auto' or True takes; use kernels='auto' or "
+                         "'torch'")
+    if world_size > 1 and config.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} with tensor_parallel_size={world_size}: each "
+                         "rank's cache is in its model's dtype; use 'auto'")
+    if world_size > 1 and config.compile:
+        raise ValueError(f"compile=True with tensor_parallel_size={world_size}: the compiled layer would have to "
+                         "trace the all-reduces inside it; use compile=False")
+    if config.speculative_config is not None and config.batch_invariant is False:
+        raise ValueError("speculative_config with batch_invariant=False: verifying k drafts as k + 1 rows gives "
+                         "greedy's tokens only where a row's logits do not depend on the step's width; use "
+                         "batch_invariant='auto' or True")
+
+
+def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any = None,
+                 draft: LlamaModel | None = None) -> ExecutionPlan:
     """The plan for running `model` (as loaded, or laid out by another engine) under `config` (an
-    EngineConfig) on `world_size` tensor-parallel ranks. probe: in place of precision.probe_cpu.
+    EngineConfig) on `world_size` tensor-parallel ranks, with `draft` (a speculative config's draft
+    model, as loaded) planned beside it. probe: in place of precision.probe_cpu.
 
     config.batch_invariant True or "auto" asks for the invariant plan: every step, prompts included,
     in one C call at every width, every matmul on blockdot's panels or dense panels (see
@@ -176,16 +257,34 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
     (the exact path among them), True refuses them.
 
     Raises:
-        ValueError: a choice the config names that cannot run here (precision.resolve's), or
-            batch_invariant=True with a choice no invariant plan can make, named.
+        ValueError: a choice the config names that cannot run here (refuse's, precision.resolve's),
+            batch_invariant=True with a choice no invariant plan can make, or a speculative config
+            whose plan is not batch-invariant, named.
     """
+    refuse(config, world_size)
+    plan = _plan(config, model, world_size, probe)
+    spec = config.speculative_config
+    if spec is not None and not plan.is_batch_invariant:
+        raise ValueError("speculative_config needs the batch-invariant plan (a row's logits the same at any step "
+                         f"width, so verified drafts give greedy's tokens), and this config rules it out: "
+                         f"{'; '.join(c for c, ok, _ in plan.batch_invariant if not ok)}"
+                         + ("; batch_invariant=True runs dtype float32 on dense panels"
+                            if config.dtype == "float32" and config.quantization is None else ""))
+    if draft is not None:
+        own = dataclasses.replace(config, quantization=spec.quantization, speculative_config=None, tensor_parallel_size=1)
+        plan = dataclasses.replace(plan, draft=_plan(own, draft, 1, probe))
+    return plan
+
+
+def _plan(config: Any, model: LlamaModel, world_size: int, probe: Any) -> ExecutionPlan:
+    """Stage 1: the invariant plan where it is asked for and nothing rules it out, else the other."""
     wanted = config.batch_invariant
     blockers = [] if wanted is False else invariance_blockers(config, model, world_size)
     if wanted is True and blockers:
         raise ValueError(f"batch_invariant=True, but {'; '.join(blockers)}; use batch_invariant='auto' or False")
     if wanted is not False and not blockers:
         plan = _resolve(config, model, world_size, probe, True, ())
-        off_c = [m for m in plan.matrices if m.form.name not in ("blockdot", "dense-panels")]
+        off_c = [m for m in plan.matrices if not m.form.name.in_c]
         if not off_c:
             return plan
         blockers = [f"{_where(off_c[0])} stored {off_c[0].stored} runs on {off_c[0].form.name}, outside C"]
@@ -205,7 +304,7 @@ def invariance_blockers(config: Any, model: LlamaModel, world_size: int = 1) -> 
         found.append(f"no C decode: {c_reason}")
     if config.compile:
         found.append("torch.compile runs torch's kernels")
-    if config.batch_invariant == "auto" and config.dtype == "float32" and config.quantization is None:
+    if config.batch_invariant == "auto" and _is_exact(config):
         found.append("the exact path (dtype float32, quantization None) runs torch's ops, whose float32 matmul "
                      "sums a row in another order at 1, 2-3 and 4 or more rows")
     if config.dtype == "float16":
@@ -225,17 +324,22 @@ def invariance_blockers(config: Any, model: LlamaModel, world_size: int = 1) -> 
     return found
 
 
+def _is_exact(config: Any) -> bool:
+    return config.dtype == "float32" and config.quantization is None
+
+
 def _where(m: MatrixPlan) -> str:
     return "the head" if m.layer is None else f"layer {m.layer} {m.name}"
 
 
 def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invariant: bool,
              blockers: tuple[str, ...]) -> ExecutionPlan:
-    """resolve_plan's plan, the invariant one where `invariant` (blockers: why not, where it was asked for)."""
+    """The plan, the invariant one where `invariant` (blockers: why not, where it was asked for):
+    stages 2-4 (the precision, each matrix's form, the routes)."""
     device = torch.device(config.device)
     parallel, compiled = world_size > 1, config.compile
     c_parallel = parallel and invariant  # every rank's layers in C calls between its all-reduces
-    exact = config.dtype == "float32" and config.quantization is None and not invariant
+    exact = _is_exact(config) and not invariant
     overrides = config.overrides
     c_decode = overrides.fused_decode if overrides.fused_decode != "auto" else not exact
     reasons = []
@@ -258,6 +362,8 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
     if c_reason is not None:
         reasons.append(f"no C decode: {c_reason}")
         c_decode = False
+
+    # Stage 2: the precision.
     quantized = any(w.form.name == STORED for _, _, w in model.matrices())
     dense_kernel, kernels = overrides.dense_kernel, overrides.kernels
     max_kernel_rows, dense_copies = overrides.max_kernel_rows, overrides.dense_copies
@@ -272,93 +378,112 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
                         max_kernel_rows=max_kernel_rows, dense_copies=dense_copies,
                         dense_kernel=dense_kernel, kv_cache_dtype=config.kv_cache_dtype, fused_decode=c_decode,
                         chosen_by="the invariant plan's" if invariant else "as configured")
-    reasons += precision.reason.split("; ")
+    reasons += precision.reasons
     dtype = precision.torch_dtype
     if c_decode and dtype not in C_DTYPES:
         reasons.append(f"no C decode: the model computes in {dtype_name(dtype)}")
         c_decode = False
     pack_weights = overrides.pack_weights and not compiled
-    if precision.dense_kernel == "blockdot":
-        dense = Form("dense-panels", precision.dtype)
+
+    # Stage 3: each matrix's form.
+    if precision.dense_kernel == "blockdot" and dtype in C_DTYPES:
+        dense = Form(FormKind.DENSE_PANELS, precision.dtype)
     else:
-        dense = Form("onednn" if pack_weights and can_pack(dtype, device) else "torch", precision.dtype)
-    if dense.name == "dense-panels" and dtype not in C_DTYPES:
-        dense = Form("torch", precision.dtype)
-
+        dense = Form(FormKind.ONEDNN if pack_weights and can_pack(dtype, device) else FormKind.TORCH, precision.dtype)
     unrun: set[str] = set()  # stored kinds no kernel here runs: dequantized at load
-
-    def target(layer: int | None, form: Form) -> Form:
-        if form.name not in (STORED, "torch") and form.dtype == precision.dtype:
-            return form  # laid out by another engine already: kept as it is
-        kind = None
-        if precision.quantization == "keep" and form.name == STORED:
-            kind = form.stored
-        elif precision.quantization == "int8" or (precision.quantization == "int4" and layer is None and not invariant):
-            kind = "int8"  # int4's head in int8 (dense where invariant: int8 per channel runs on torch's kernels only)
-        elif precision.quantization == "int4":
-            kind = "Q4_1"  # nanoserve's int4 is Q4_1's form
-        if kind is None:
-            return dataclasses.replace(dense, all_reduced=form.all_reduced)
-        on_blockdot = precision.kernels == "blockdot" and blockdot.runs(kind) and dtype in blockdot.DTYPES
-        # A kind blockdot does not run stays off torch's kernels where blockdot is this machine's
-        # choice: they are its slower path (precision's probe), slower than the dense matrix on AVX2.
-        on_torch = torch_runs(kind) and (precision.kernels == "torch" or kind == "int8" or blockdot.runs(kind))
-        if not on_blockdot and not on_torch:
-            unrun.add(kind)
-            return dataclasses.replace(dense, all_reduced=form.all_reduced)
-        if kind == "int8":
-            name = "torch-int8"
-        elif on_blockdot:
-            name = "blockdot"
-        else:
-            name = "torch-int4"
-        rows = precision.max_kernel_rows
-        wide = None if rows is None else ("dequantized" if name == "blockdot" and not precision.dense_copies
-                                          else "dense copy")
-        int16_rows = overrides.blockdot_int16_rows if name == "blockdot" else None
-        return Form(name, precision.dtype, rows, wide, int16_rows, form.all_reduced)
-
-    matrices = tuple(MatrixPlan(layer, name, _stored(w.form), target(layer, w.form))
+    int16_rows = overrides.blockdot_int16_rows
+    matrices = tuple(MatrixPlan(layer, name, _stored(w.form),
+                                _form_of(layer, w.form, precision, dense, invariant, int16_rows, unrun))
                      for layer, name, w in model.matrices())
     if unrun:
         kinds = ", ".join(sorted(unrun))
         reasons.append(f"{kinds} dequantized at load to {dense.dtype}: no {precision.kernels} kernel here runs "
                        f"{'them' if len(unrun) > 1 else 'it'}")
-    decode = mixed = wide_decode = "torch-tensor-parallel" if parallel else "torch-compiled" if compiled else "torch"
-    one_call_rows, copies = 0, False
-    if c_parallel:  # fused_decode.c's one call has no place for an all-reduce
-        decode = wide_decode = mixed = "c-tensor-parallel"
-    elif invariant:
-        decode = wide_decode = mixed = "c-one-call"
-        one_call_rows = EVERY_WIDTH
-    elif c_decode:
-        layer_forms = [m.form for m in matrices if m.layer is not None]
-        on_torch = [f for f in layer_forms if f.name in ("torch", "onednn")]
-        if all(f.name in ("blockdot", "dense-panels") for f in layer_forms if f not in on_torch):
-            decode, wide_decode = "c-one-call", "c-per-layer"
-            dense_rows = DENSE_ONE_CALL_ROWS | {torch.bfloat16: precision.bf16_one_call_rows}
-            one_call_rows = min([dense_rows[dtype]] * bool(on_torch) + [EVERY_WIDTH]
-                                + [f.kernel_rows for f in layer_forms if f.kernel_rows is not None])
-            copies = bool(on_torch)
-        else:
-            decode = wide_decode = "c-per-layer"
+    on_blockdot = any(m.form.name == FormKind.BLOCKDOT for m in matrices)
+
+    # Stage 4: the routes.
+    routes, copies = _routes(matrices, precision, parallel, compiled, invariant, c_decode)
+    exact_run = routes == _one_driver(Driver.TORCH) and all(
+        m.form.name in (FormKind.TORCH, FormKind.ONEDNN) and m.form.dtype == "float32" for m in matrices)
     return ExecutionPlan(str(device), precision.dtype, precision.kv_cache_dtype, precision.quantization, matrices,
-                         decode, one_call_rows, wide_decode, mixed, copies, pack_weights, torch.get_num_threads(),
-                         decode == mixed == "torch" and all(m.form.name in ("torch", "onednn") and m.form.dtype == "float32"
-                                                            for m in matrices),
-                         _batch_invariance(matrices, decode, one_call_rows, wide_decode, mixed, blockers),
-                         tuple(reasons), precision.probe)
+                         routes, int16_rows if on_blockdot else None, copies, pack_weights, torch.get_num_threads(),
+                         exact_run, _batch_invariance(matrices, routes, blockers), tuple(reasons), precision.probe)
 
 
-def _batch_invariance(matrices: tuple[MatrixPlan, ...], decode: str, one_call_rows: int, wide_decode: str,
-                      mixed: str, blockers: tuple[str, ...] = ()) -> tuple[tuple[str, bool, str], ...]:
+def _form_of(layer: int | None, form: Form, precision: Precision, dense: Form, invariant: bool,
+             int16_rows: int | None, unrun: set[str]) -> Form:
+    """Stage 3 for one matrix as loaded (`form`): the form it runs in (`unrun` gets a stored kind no
+    kernel here runs, dequantized to `dense`)."""
+    if form.name not in (STORED, FormKind.TORCH) and form.dtype == precision.dtype:
+        return form  # laid out by another engine already: kept as it is
+    dtype = precision.torch_dtype
+    tensor_parallel = {"all_reduced": form.all_reduced, "in_rank_order": form.all_reduced and invariant}
+    kind = None
+    if precision.quantization == "keep" and form.name == STORED:
+        kind = form.stored
+    elif precision.quantization == "int8" or (precision.quantization == "int4" and layer is None and not invariant):
+        kind = "int8"  # int4's head in int8 (dense where invariant: int8 per channel runs on torch's kernels only)
+    elif precision.quantization == "int4":
+        kind = "Q4_1"  # nanoserve's int4 is Q4_1's form
+    if kind is None:
+        return dataclasses.replace(dense, **tensor_parallel)
+    on_blockdot = precision.kernels == "blockdot" and blockdot.runs(kind) and dtype in blockdot.DTYPES
+    # A kind blockdot does not run stays off torch's kernels where blockdot is this machine's
+    # choice: they are its slower path (precision's probe), slower than the dense matrix on AVX2.
+    on_torch = torch_runs(kind) and (precision.kernels == "torch" or kind == "int8" or blockdot.runs(kind))
+    if not on_blockdot and not on_torch:
+        unrun.add(kind)
+        return dataclasses.replace(dense, **tensor_parallel)
+    if kind == "int8":
+        name = FormKind.TORCH_INT8
+    elif on_blockdot:
+        name = FormKind.BLOCKDOT
+    else:
+        name = FormKind.TORCH_INT4
+    rows = precision.max_kernel_rows
+    wide = None if rows is None else ("dequantized" if name == FormKind.BLOCKDOT and not precision.dense_copies
+                                      else "dense copy")
+    return Form(name, precision.dtype, rows, wide, int16_rows if name == FormKind.BLOCKDOT else None,
+                **tensor_parallel)
+
+
+def _one_driver(driver: Driver) -> tuple[Route, ...]:
+    return Route(False, EVERY_WIDTH, driver), Route(True, EVERY_WIDTH, driver)
+
+
+def _routes(matrices: tuple[MatrixPlan, ...], precision: Precision, parallel: bool, compiled: bool, invariant: bool,
+            c_decode: bool) -> tuple[tuple[Route, ...], bool]:
+    """Stage 4: the step table, and whether the one call reads dense copies of matrices torch runs."""
+    if parallel and invariant:  # fused_decode.c's one call has no place for an all-reduce
+        return _one_driver(Driver.C_TENSOR_PARALLEL), False
+    if invariant:
+        return _one_driver(Driver.C_ONE_CALL), False
+    torch_driver = (Driver.TORCH_TENSOR_PARALLEL if parallel else Driver.TORCH_COMPILED if compiled else Driver.TORCH)
+    with_prompt = Route(True, EVERY_WIDTH, torch_driver)
+    if not c_decode:
+        return (Route(False, EVERY_WIDTH, torch_driver), with_prompt), False
+    layer_forms = [m.form for m in matrices if m.layer is not None]
+    on_torch = [f for f in layer_forms if f.name in (FormKind.TORCH, FormKind.ONEDNN)]
+    if not all(f.name.in_c for f in layer_forms if f not in on_torch):
+        return (Route(False, EVERY_WIDTH, Driver.C_PER_LAYER), with_prompt), False
+    dense_rows = DENSE_ONE_CALL_ROWS | {torch.bfloat16: precision.bf16_one_call_rows}
+    one_call_rows = min([dense_rows[precision.torch_dtype]] * bool(on_torch) + [EVERY_WIDTH]
+                        + [f.kernel_rows for f in layer_forms if f.kernel_rows is not None])
+    if one_call_rows >= EVERY_WIDTH:
+        return (Route(False, EVERY_WIDTH, Driver.C_ONE_CALL), with_prompt), bool(on_torch)
+    return (Route(False, one_call_rows, Driver.C_ONE_CALL), Route(False, EVERY_WIDTH, Driver.C_PER_LAYER),
+            with_prompt), bool(on_torch)
+
+
+def _batch_invariance(matrices: tuple[MatrixPlan, ...], routes: tuple[Route, ...],
+                      blockers: tuple[str, ...] = ()) -> tuple[tuple[str, bool, str], ...]:
     """Which of the plan's choices leave a row's result independent of the rows beside it (the other
     rows of its step, its place among them, the step's width, where its prompt was cut into chunks).
     Only what holds by construction is a yes; tests/test_batch_invariance.py holds the plan to it."""
     forms = {m.form for m in matrices}
     entries = []
-    one_call = decode == mixed == wide_decode == "c-one-call" and one_call_rows >= EVERY_WIDTH
-    per_layer = decode == mixed == wide_decode == "c-tensor-parallel"
+    one_call = routes == _one_driver(Driver.C_ONE_CALL)
+    per_layer = routes == _one_driver(Driver.C_TENSOR_PARALLEL)
     if one_call:
         entries.append(("every step in one C call at every width, prompts too", True,
                         "a prompt's token is a row like a decode's: its K/V written to the cache, then its query "
@@ -381,19 +506,21 @@ def _batch_invariance(matrices: tuple[MatrixPlan, ...], decode: str, one_call_ro
         entries.append((f"x rounded to int16 from {rows} row{'s' if rows > 1 else ''}", rows == 1,
                         "each row is rounded on its own at every width" if rows == 1
                         else f"a row is rounded only in steps of {rows} rows or more"))
-    if any(f.name in ("torch", "onednn", "torch-int4", "torch-int8") for f in forms):
+    if any(f.name.on_torch for f in forms):
         entries.append(("torch's matmuls", False, "oneDNN and MKL block a matmul by its row count: in float32 a row "
                         "sums in another order at 1, 2-3 and 4 or more rows"))
-    if any(f.name in ("blockdot", "dense-panels") and f.kernel_rows is None for f in forms):
+    if any(f.name.in_c and f.kernel_rows is None for f in forms):
         entries.append(("blockdot's panels and dense panels", True,
                         "a row's sums run in one order whatever tile or call it is in (tests/test_blockdot.py)"))
-    if decode == "c-one-call" and one_call_rows < EVERY_WIDTH:
-        entries.append((f"decode steps: {decode} up to {one_call_rows} rows, {wide_decode} past", False,
-                        "the two compute the glue in a different order"))
-    if decode != mixed:
-        entries.append((f"decode-only steps on {decode}, steps with a prompt on {mixed}", False,
+    decode = [r for r in routes if not r.with_prompt]
+    mixed = next(r.driver for r in routes if r.with_prompt)
+    if len(decode) > 1:
+        entries.append((f"decode steps: {decode[0].driver} up to {decode[0].max_rows} rows, {decode[-1].driver} past",
+                        False, "the two compute the glue in a different order"))
+    if decode[0].driver != mixed:
+        entries.append((f"decode-only steps on {decode[0].driver}, steps with a prompt on {mixed}", False,
                         "a decoding row's arithmetic depends on whether a prompt shares its step"))
-    if mixed.startswith("torch"):
+    if not mixed.in_c:
         entries.append(("prompts on torch's attention", False,
                         "a prompt's token attends the new keys as computed and the cached ones read back, so "
                         "where its prompt was cut into chunks changes its sums"))
@@ -401,24 +528,38 @@ def _batch_invariance(matrices: tuple[MatrixPlan, ...], decode: str, one_call_ro
     return tuple(entries)
 
 
-def check_laid_out(model: LlamaModel, plan: ExecutionPlan) -> list[str]:
-    """How a laid-out model differs from its plan (empty: it runs what the plan says): each matmul's
-    form, the dtype, and the drivers the model carries."""
+def check_laid_out(model: LlamaModel, plan: ExecutionPlan, draft: LlamaModel | None = None) -> list[str]:
+    """How a laid-out model (and the draft model beside it, where the plan has one) differs from its
+    plan (empty: it runs what the plan says): each matmul's form (its kernel, rows, int16 rounding,
+    rank-order sum), the dtype, the plan the model dispatches by, its table of drivers, and what
+    fused_decode.c reads."""
     problems = [f"{'head' if layer is None else f'layer {layer} {name}'}: runs {w.form}, the plan says "
                 f"{plan.form_of(layer, name)}"
                 for layer, name, w in model.matrices() if w.form != plan.form_of(layer, name)]
     if model.dtype != plan.torch_dtype:
         problems.append(f"the model computes in {model.dtype}, the plan says {plan.dtype}")
+    if model.plan is None or model.plan.routes != plan.routes:
+        problems.append("the model routes its steps by another table than the plan's")
+    if set(model.drivers) != plan.drivers:
+        problems.append(f"the model's drivers are {_names(model.drivers)}, the plan routes to {_names(plan.drivers)}")
     fused = model.fused_layers
-    compiled = model.layer_fn is not decoder_layer
-    if plan.decode.startswith("c-") != (fused is not None):
-        problems.append(f"the plan's decode driver is {plan.decode}, the model's fused decode is {fused}")
-    elif fused is not None and fused.max_rows != plan.one_call_rows:
-        problems.append(f"the one call takes up to {fused.max_rows} rows, the plan says {plan.one_call_rows}")
-    elif fused is not None and fused.prompts != plan.mixed.startswith("c-"):
-        problems.append(f"the fused decode {'takes' if fused.prompts else 'leaves'} steps with a prompt, the plan's mixed "
-                        f"driver is {plan.mixed}")
-    if (plan.mixed == "torch-compiled") != compiled:
-        problems.append(f"the plan's mixed driver is {plan.mixed}, the model's layer is {model.layer_fn}")
+    in_c = any(driver.in_c for driver in plan.drivers)
+    if in_c != (fused is not None):
+        problems.append(f"the plan's drivers are {_names(plan.drivers)}, the model's fused decode is {fused}")
+    elif fused is not None:
+        if bool(fused.forms) != (Driver.C_ONE_CALL in plan.drivers):
+            problems.append(f"the fused decode {'reads' if fused.forms else 'has no'} C forms for the one call, the "
+                            f"plan's drivers are {_names(plan.drivers)}")
+        if fused.shape.int16_rows != (plan.int16_rows or 0):
+            problems.append(f"fused_decode.c rounds x to int16 from {fused.shape.int16_rows} rows (0: never), the "
+                            f"plan says {plan.int16_rows}")
+    if (plan.draft is None) != (draft is None):
+        problems.append("the plan has a draft model's plan and no draft model is given" if draft is None
+                        else "a draft model is given and the plan has no plan for it")
+    elif draft is not None:
+        problems += [f"draft model: {problem}" for problem in check_laid_out(draft, plan.draft)]
     return problems
 
+
+def _names(drivers: Any) -> list[str]:
+    return sorted(str(driver) for driver in drivers)

@@ -126,7 +126,7 @@ class Precision:
 
     dtype: str  # "float32", "bfloat16" or "float16"
     quantization: str | None  # None, "int8", "int4" or "keep" (the checkpoint's own)
-    reason: str
+    reasons: tuple[str, ...]  # one for each choice, as the plan prints them
     probe: Probe | None = None
     kernels: str = "torch"  # who runs quantized linears at few rows: "torch" or "blockdot"
     max_kernel_rows: int | None = DEFAULT_KERNEL_ROWS  # quantized kernels up to this many rows, the dense matrix above
@@ -146,6 +146,10 @@ class Precision:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.reasons)
 
 
 def _best_ms(a: Callable[[], object], b: Callable[[], object], rounds: int = 7) -> tuple[float, float]:
@@ -431,5 +435,5 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {['auto', *DTYPES]}")
     else:
         reasons.append(f"kv cache {kv_cache_dtype}: as configured")
-    return Precision(dtype, quantization, "; ".join(reasons), figures, chosen, max_kernel_rows, bf16_one_call_rows,
+    return Precision(dtype, quantization, tuple(reasons), figures, chosen, max_kernel_rows, bf16_one_call_rows,
                      dense_copies, dense_kernel, kv_cache_dtype)

@@ -9,45 +9,64 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import torch
 
 from nanoserve.model import blockdot
-from nanoserve.model.forms import QUANTIZED_FORMS, STORED, Dense, Form, Weight, as_weight, pack
-from nanoserve.model.fused_decode import fused_decode
-from nanoserve.model.llama import MATMULS, LayerWeights, LlamaModel, decoder_layer, embedding_scale
-from nanoserve.model.plan import ExecutionPlan
+from nanoserve.model.driver import Driver
+from nanoserve.model.forms import STORED, Dense, Form, FormKind, Weight, as_weight, pack
+from nanoserve.model.fused_decode import fused_decode, run_one_call, run_per_layer
+from nanoserve.model.llama import (
+    MATMULS,
+    LayerWeights,
+    LlamaModel,
+    Step,
+    decoder_layer,
+    embedding_scale,
+    run_layers,
+)
+from nanoserve.model.plan import ExecutionPlan, check_laid_out
 from nanoserve.model.precision import DTYPES
 from nanoserve.model.quant import quant_linear, quantize_int4, quantize_int8
 from nanoserve.model.rope import rope_table
 
+# The one table of drivers: what each Driver a plan routes steps to calls. The compiled one's graph
+# is built for each model (prepare_model).
+STEPS: dict[Driver, Step] = {
+    Driver.C_ONE_CALL: run_one_call,
+    Driver.C_PER_LAYER: run_per_layer,
+    Driver.C_TENSOR_PARALLEL: run_per_layer,
+    Driver.TORCH: run_layers,
+    Driver.TORCH_TENSOR_PARALLEL: run_layers,
+}
 
-def _laid_out_weight(w: Weight, form: Form, pack_weights: bool, in_rank_order: bool = False) -> Weight:
+
+def _laid_out_weight(w: Weight, form: Form, pack_weights: bool) -> Weight:
     """`w` in `form`: itself where it is in that form already, else built from its dense matrix or
-    its stored quantized one. in_rank_order: a tensor-parallel slice's partials summed in rank order
-    (the batch-invariant plan's)."""
-    if form.all_reduced:  # a tensor-parallel slice: its matrix laid out, its all-reduce kept
-        if w.form == form and w.in_rank_order == in_rank_order:
-            return w
-        inner = _laid_out_weight(w.inner, dataclasses.replace(form, all_reduced=False), pack_weights)
-        return w.with_inner(inner, in_rank_order)
+    its stored quantized one (a tensor-parallel slice keeps its all-reduce, summed as the form says)."""
     if w.form == form:
         return w
+    if form.all_reduced:  # a tensor-parallel slice: its matrix laid out, its all-reduce kept
+        inner = _laid_out_weight(w.inner, dataclasses.replace(form, all_reduced=False, in_rank_order=False),
+                                 pack_weights)
+        return w.with_inner(inner, form.in_rank_order)
     dtype = DTYPES[form.dtype]
-    if form.name == "torch":
+    if form.name == FormKind.TORCH:
         return Dense(w.dequantize(dtype))
-    if form.name == "onednn":
+    if form.name == FormKind.ONEDNN:
         return pack(w.dequantize(dtype))
-    if form.name == "dense-panels":
+    if form.name == FormKind.DENSE_PANELS:
         return blockdot.pack_dense(w.dequantize(dtype))
-    if form.name not in QUANTIZED_FORMS:
-        raise ValueError(f"no weight is laid out as {form}")
-    if form.name == "torch-int8":
+    if form.name == FormKind.TORCH_INT8:
         stored = w if w.form.stored == "int8" else quantize_int8(w.dequantize())
-    else:
+    elif form.name in (FormKind.BLOCKDOT, FormKind.TORCH_INT4):
         stored = w if w.form.name == STORED and w.form.stored != "int8" else quantize_int4(w.dequantize())
-    return quant_linear(stored, dtype, form.kernel_rows, pack_weights, "blockdot" if form.name == "blockdot" else "torch",
-                        form.int16_rows, form.wide == "dense copy")
+    else:
+        raise ValueError(f"no weight is laid out as {form}")
+    return quant_linear(stored, dtype, form.kernel_rows, pack_weights,
+                        "blockdot" if form.name == FormKind.BLOCKDOT else "torch", form.int16_rows,
+                        form.wide == "dense copy")
 
 
 def laid_out(model: LlamaModel, plan: ExecutionPlan) -> LlamaModel:
@@ -58,13 +77,13 @@ def laid_out(model: LlamaModel, plan: ExecutionPlan) -> LlamaModel:
     Raises:
         ValueError: a model already compiled.
     """
-    if model.layer_fn is not decoder_layer:
+    if Driver.TORCH_COMPILED in model.drivers:
         raise ValueError("lay a model out before compiling it: the compiled graph reads plain tensors")
     dtype = plan.torch_dtype
 
     def layer_of(i: int, layer: LayerWeights) -> LayerWeights:
-        weights = {name: _laid_out_weight(getattr(layer, name), plan.form_of(i, name), plan.pack_weights,
-                                          plan.is_batch_invariant) for name in MATMULS}
+        weights = {name: _laid_out_weight(getattr(layer, name), plan.form_of(i, name), plan.pack_weights)
+                   for name in MATMULS}
         biases = {name: getattr(layer, name).to(dtype) for name in ("qkv_bias", "o_bias") if getattr(layer, name) is not None}
         return dataclasses.replace(layer, **weights, **biases)
 
@@ -75,7 +94,6 @@ def laid_out(model: LlamaModel, plan: ExecutionPlan) -> LlamaModel:
     if unchanged:
         return model
     prepared = copy.copy(model)
-    prepared.fused_layers = None  # built over the given model's layers; prepare_model builds one for these
     prepared.layers = layers
     prepared.embed = model.embed.to(dtype) if isinstance(model.embed, torch.Tensor) else model.embed
     prepared.lm_head = prepared.embed if model.lm_head is model.embed else model.lm_head
@@ -88,43 +106,38 @@ def laid_out(model: LlamaModel, plan: ExecutionPlan) -> LlamaModel:
     return prepared
 
 
-def compiled(model: LlamaModel) -> LlamaModel:
-    """A model whose decoder layer runs through torch.compile (one graph shared by all layers,
-    dynamic in T, B and L); the first steps of each new shape kind pay the compile.
+def compiled_layers(model: LlamaModel) -> Step:
+    """Driver.TORCH_COMPILED's entry for a laid-out model: its decoder layer through torch.compile
+    (one graph shared by all layers, dynamic in T, B and L); the first steps of each new shape kind
+    pay the compile.
 
     Raises:
         ValueError: a matrix in a form the compiled graph cannot trace (oneDNN-packed, blockdot's).
     """
-    traced = ("torch", "torch-int4", "torch-int8", STORED)
+    traced = (FormKind.TORCH, FormKind.TORCH_INT4, FormKind.TORCH_INT8, STORED)
     untraceable = sorted({str(w.form) for _, _, w in model.matrices() if w.form.name not in traced})
     if untraceable:
-        raise ValueError(f"torch.compile traces torch's own forms {list(traced)}; this model has {untraceable}: "
-                         "build the engine from the loaded model with compile=True")
-    if model.layer_fn is not decoder_layer:
-        return model
-    prepared = copy.copy(model)
-    prepared.fused_layers = None  # the compiled layer runs every step
-    prepared.layer_fn = torch.compile(decoder_layer, dynamic=True)
-    return prepared
-
-
-def is_quantized(model: LlamaModel) -> bool:
-    """Whether any matmul weight of a loaded model is a quantized matrix as stored."""
-    return any(w.form.name == STORED for _, _, w in model.matrices())
+        raise ValueError(f"torch.compile traces torch's own forms {[str(t) for t in traced]}; this model has "
+                         f"{untraceable}: build the engine from the loaded model with compile=True")
+    return functools.partial(run_layers, layer_fn=torch.compile(decoder_layer, dynamic=True))
 
 
 def prepare_model(model: LlamaModel, plan: ExecutionPlan) -> LlamaModel:
-    """The model an engine runs: `model` laid out as `plan` says (each matmul in its form, the
-    dtype), compiled where the plan's mixed driver is, with the fused decode where its decode driver
-    is C; `model` itself when nothing changes. check_laid_out holds the result to the plan."""
+    """The model an engine runs: a copy of `model` laid out as `plan` says (each matmul in its form,
+    the dtype), dispatching its steps by the plan, with its table of drivers (STEPS' entries for the
+    drivers the plan routes to) and, where a driver is in C, what fused_decode.c reads; `model`
+    itself where it is laid out so already. check_laid_out holds the result to the plan."""
     prepared = laid_out(model, plan)
-    if plan.mixed == "torch-compiled":
-        return compiled(prepared)
-    fused = (fused_decode(prepared, plan.one_call_rows, plan.form_of(0, "qkv").int16_rows, plan.mixed.startswith("c-"))
-             if plan.decode.startswith("c-") else None)
-    if fused is not None or prepared.fused_layers is not None:  # a given model's own is not this engine's
-        prepared = copy.copy(prepared) if prepared is model else prepared
-        prepared.fused_layers = fused
+    if prepared is model and not check_laid_out(model, plan):
+        return model
+    prepared = copy.copy(prepared) if prepared is model else prepared  # the given model's plan and table stay its own
+    table = dict(STEPS)
+    if Driver.TORCH_COMPILED in plan.drivers:
+        table[Driver.TORCH_COMPILED] = compiled_layers(prepared)
+    prepared.plan = plan
+    prepared.drivers = {driver: table[driver] for driver in plan.drivers}
+    in_c = any(driver.in_c for driver in plan.drivers)
+    prepared.fused_layers = fused_decode(prepared, Driver.C_ONE_CALL in plan.drivers, plan.int16_rows) if in_c else None
     return prepared
 
 

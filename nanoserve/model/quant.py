@@ -41,7 +41,18 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.model import blockdot
-from nanoserve.model.forms import STORED, CForm, Dense, Form, Regroup, Weight, can_pack, dtype_name, pack
+from nanoserve.model.forms import (
+    STORED,
+    CForm,
+    Dense,
+    Form,
+    FormKind,
+    Regroup,
+    Weight,
+    can_pack,
+    dtype_name,
+    pack,
+)
 from nanoserve.model.ggml_blocks import BLOCK_TYPES, parts
 from nanoserve.model.gguf import BLOCK, BlockQuantized
 
@@ -148,7 +159,7 @@ def cat_rows(matrices: list[torch.Tensor | Stored]) -> torch.Tensor | Stored:
 class Int4Pass:
     """One _weight_int4pack_mm_for_cpu call: w = (q - 8) s + z per group of 32."""
 
-    form_name = "torch-int4"
+    form_name = FormKind.TORCH_INT4
     packed: torch.Tensor  # [Np, K / 2] uint8, the kernel's layout; Np: N rounded up to 16 (zero rows)
     scales_and_zeros: torch.Tensor  # [K / 32, Np, 2] in the activations' dtype
     num_rows: int  # N
@@ -166,7 +177,7 @@ class Int4Pass:
 class Int8Pass:
     """One _weight_int8pack_mm call: w = s[n] q."""
 
-    form_name = "torch-int8"
+    form_name = FormKind.TORCH_INT8
 
     codes: torch.Tensor  # [N, K] int8
     scales: torch.Tensor  # [N] in the activations' dtype
@@ -290,11 +301,18 @@ def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pac
     """The kernel form of a stored quantized matrix, its kernels taking up to max_kernel_rows rows
     (None: every row count) and the dense matrix more: a dense copy held for the model's life, or,
     where dense_copy is False and the matrix runs on blockdot, its panels dequantized per call.
-    kernels "blockdot" runs the matrices blockdot supports on it (the rest, and "torch", on torch's
-    kernels), on its int16 path from int16_rows rows (None: never)."""
+    kernels: "blockdot" (on its int16 path from int16_rows rows; None: never) or "torch". Who runs
+    which matrix is the execution plan's choice (nanoserve.model.plan): nothing falls back here.
+
+    Raises:
+        ValueError: an unknown kernels, or kernels "blockdot" for a matrix blockdot does not run in `dtype`.
+    """
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r} is not one of {KERNELS}")
-    on_blockdot = kernels == "blockdot" and blockdot.supports(w, dtype)
+    on_blockdot = kernels == "blockdot"
+    if on_blockdot and not blockdot.supports(w, dtype):
+        raise ValueError(f"kernels='blockdot' for a {w.form.stored} matrix with {dtype} activations, which blockdot "
+                         "does not run")
     passes = [blockdot.pack(w, int16_rows=int16_rows)] if on_blockdot else kernel_passes(w, dtype)
     dense = None
     if max_kernel_rows is not None and (dense_copy or not on_blockdot):

@@ -157,7 +157,7 @@ class AllReduced:
 
     @property
     def form(self) -> Form:
-        return dataclasses.replace(self.inner.form, all_reduced=True)
+        return dataclasses.replace(self.inner.form, all_reduced=True, in_rank_order=self.in_rank_order)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.inner.dequantize(dtype)  # this rank's columns
