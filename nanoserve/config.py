@@ -33,17 +33,19 @@ class PlanOverrides:
     # (precision.resolve). Linears on torch's kernels always keep theirs.
     dense_copies: bool | str = "auto"
     # Who runs those few-row passes on a CPU: "torch" (its weight-only kernels), "blockdot"
-    # (nanoserve's own, nanoserve/model/blockdot.c, compiled at first use: GGUF's Q4_0, Q4_1 and Q8_0
-    # and nanoserve's int4 with fp16 scales, read exactly), or "auto": blockdot unless the start-up
-    # probe times torch's int4 kernel 1.3x faster at one row (precision.BLOCKDOT_MARGIN).
-    # Tensor-parallel ranks use torch's.
+    # (nanoserve's own, nanoserve/model/blockdot.c, compiled at first use: twelve GGUF kinds and
+    # nanoserve's int4, read exactly as stored; docs/cpu-kernels.md lists them), or "auto": blockdot
+    # unless the start-up probe times torch's int4 kernel 1.3x faster at one row
+    # (precision.BLOCKDOT_MARGIN). Tensor-parallel ranks run blockdot on the batch-invariant plan and
+    # torch's kernels off it.
     kernels: str = "auto"
     # Who runs the dense matmuls (float32 or bf16 matrices) on a CPU: "torch" (F.linear, on
     # oneDNN's packed matrices; the one-call decode reads a copy of each in blockdot's dense panels),
     # "blockdot" (the matrices themselves regrouped once into blockdot's dense panels, 16 output rows
     # a panel, k-major, and run there at every width: one copy of each), or "auto": blockdot where
     # the start-up probe times its dense panels no slower than torch's matmul at 64 rows
-    # (precision.DENSE_ROWS). Tensor-parallel ranks use torch's.
+    # (precision.DENSE_ROWS). Tensor-parallel ranks run dense panels on the batch-invariant plan and
+    # torch's matmuls off it.
     dense_kernel: str = "auto"
     # From this many rows of a step, blockdot rounds each block of 32 activations to int16 against
     # its largest value and sums in integers (AVX-512 VNNI's vpdpwssd, or vpmaddwd): 1.1-1.5x the

@@ -22,7 +22,7 @@ from nanoserve.draft import DraftModel, load_draft
 from nanoserve.inputs import TokenRun, build_inputs, lay_out
 from nanoserve.model.kv_cache import KVCache, bytes_per_block
 from nanoserve.model.llama import LlamaModel
-from nanoserve.model.plan import check_laid_out, resolve_plan
+from nanoserve.model.plan import check_laid_out, resolve_plan, with_draft
 from nanoserve.model.precision import DTYPES
 from nanoserve.model.prepare import prepare_model, weight_bytes
 from nanoserve.output_processor import OutputProcessor, make_output
@@ -81,13 +81,15 @@ class Engine:
         self.max_model_len = config.max_model_len or num_positions
         if self.max_model_len > num_positions:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {num_positions} positions")
-        # method "draft_model": the draft as stored, checked against the target; the plan lays it out.
-        draft = (load_draft(spec.model, self.device, model, tokenizer, self.max_model_len)
-                 if spec is not None and spec.method == "draft_model" else None)
         # How every step runs is decided once (dtype and quantization "auto" by a probe), the model
         # (and a draft model) laid out as the plan says (a new model: the one given is left as it
-        # was) and held to it.
-        self.plan = resolve_plan(config, model, world_size, draft=draft)
+        # was) and held to it. The draft (method "draft_model") is loaded once the target's plan
+        # allows speculation, and checked against the target.
+        self.plan = resolve_plan(config, model, world_size)
+        draft = (load_draft(spec.model, self.device, model, tokenizer, self.max_model_len)
+                 if spec is not None and spec.method == "draft_model" else None)
+        if draft is not None:
+            self.plan = with_draft(self.plan, config, draft)
         # Speculation reads each step's tokens to propose the next step's drafts: nothing is deferred.
         self.deferred = config.deferred_output and spec is None
         logger.info("nanoserve: execution plan\n%s", self.plan.render())

@@ -45,7 +45,7 @@ class SpeculativeConfig:
     prompt_lookup_max / prompt_lookup_min: the longest and shortest suffix of the request's tokens
     that ngram looks up earlier in them (either alone sets both; neither: 5 and 5, vLLM's default).
     overhead_rows: what a step costs before its rows, in rows (a / b for a step of R rows costing
-    a + b R), or "auto": timed at start-up (Engine.speculation_cost). A request proposes while its
+    a + b R), or "auto": timed at start-up (Engine.forward_seconds). A request proposes while its
     recent acceptance (accepted / drafted, halved toward each new verification's) is at least
     R / (R + overhead_rows), R the step's rows so far; below that its drafts would cost more than the
     tokens they save (SpeculationRule). It probes again every `probe_every` steps.

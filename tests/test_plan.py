@@ -24,9 +24,10 @@ from test_precision import fake
 
 from nanoserve import Engine, EngineConfig
 from nanoserve.model import blockdot, precision
-from nanoserve.model.forms import Form, can_pack
 from nanoserve.model.driver import EVERY_WIDTH, Driver
-from nanoserve.model.plan import ExecutionPlan, Route, check_laid_out, resolve_plan
+from nanoserve.model.forms import Dense, Form, can_pack
+from nanoserve.model.plan import STEPS, ExecutionPlan, Route, check_laid_out, resolve_plan
+from nanoserve.model.shard import AllReduced, CollectiveStats
 
 needs_build = pytest.mark.skipif(blockdot.library() is None, reason=f"blockdot not built here: {blockdot.failure()}")
 
@@ -160,3 +161,73 @@ def test_render_groups_layers_and_names_every_step():
     assert "torch-int4 float32 up to 8 rows, dense copy past" in text and "torch-int8 float32" in text
     assert "decode-only: c-per-layer" in text and "with a prompt: torch" in text
     assert "no   quantized kernels up to 8 rows, dense copy past" in text
+
+
+@needs_build
+def test_check_laid_out_names_every_arithmetic_choice_changed_behind_the_plans_back():
+    # An engine on the invariant plan with a draft model beside it: int4 on blockdot's panels, x in
+    # int16 from one row, every step in one C call. Each change below alters a row's arithmetic
+    # without the plan knowing; each must be named.
+    from test_speculative import draft_spec
+
+    hf = make_hf_llama(seed=28)
+    engine = Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size),
+                    config_of(dtype="float32", quantization="int4", batch_invariant=True, block_size=4,
+                              num_kv_blocks=64, speculative_config=draft_spec(hf)))
+    model, plan, draft = engine.model, engine.plan, engine.speculation.draft.model
+    assert plan.int16_rows == 1 and plan.draft is not None and plan.draft.is_batch_invariant
+    assert check_laid_out(model, plan, draft) == []
+    assert check_laid_out(model, plan) == ["the plan has a draft model's plan and no draft model is given"]
+    assert "draft model (speculative decoding):" in plan.render()
+
+    def altered(m, name, weight):
+        """A copy of model m whose layer 0 `name` is `weight`."""
+        copy = type(m).__new__(type(m))
+        copy.__dict__ = dict(m.__dict__)
+        copy.layers = [dataclasses.replace(m.layers[0], **{name: weight}), *m.layers[1:]]
+        return copy
+
+    qkv = model.layers[0].qkv
+    # one matrix's int16 rounding
+    rounded = dataclasses.replace(qkv, passes=[dataclasses.replace(qkv.passes[0], int16_rows=4)])
+    problems = check_laid_out(altered(model, "qkv", rounded), plan, draft)
+    assert problems == ["layer 0 qkv: runs blockdot float32, x in int16 from 4 rows, the plan says blockdot float32, "
+                        "x in int16 from 1 row"]
+    # the one call's own int16 threshold
+    shape = model.fused_layers.shape
+    try:
+        shape.int16_rows = 0
+        assert check_laid_out(model, plan, draft) == [
+            "fused_decode.c rounds x to int16 from 0 rows (0: never), the plan says 1"]
+    finally:
+        shape.int16_rows = 1
+    # the dispatch table: an entry swapped for another driver's
+    swapped = type(model).__new__(type(model))
+    swapped.__dict__ = dict(model.__dict__) | {"drivers": {Driver.C_ONE_CALL: STEPS[Driver.C_PER_LAYER]}}
+    assert check_laid_out(swapped, plan, draft) == ["the model's table calls run_per_layer for c-one-call, "
+                                                    "not run_one_call"]
+    # the draft model's own matrix
+    down = draft.layers[0].down
+    assert check_laid_out(model, plan, altered(draft, "down", Dense(down.dequantize()))) == [
+        f"draft model: layer 0 down: runs torch float32, the plan says {down.form}"]
+    # the dtype
+    cast = type(model).__new__(type(model))
+    cast.__dict__ = dict(model.__dict__) | {"dtype": torch.bfloat16}
+    assert check_laid_out(cast, plan, draft) == ["the model computes in torch.bfloat16, the plan says float32"]
+
+
+def test_a_tensor_parallel_slice_summed_out_of_rank_order_is_named():
+    # The rank-order sum is a field of the form: a slice whose all-reduce sums in ring order where the
+    # plan says rank order (or the other way round) is named, as any other form.
+    model = prepared(nanoserve_model_from_hf(make_hf_llama(seed=29)), dtype="float32", quantization=None)
+    plan = model.plan
+    o = model.layers[1].o
+    in_order = dataclasses.replace(o.form, all_reduced=True, in_rank_order=True)
+    sliced_plan = dataclasses.replace(plan, matrices=tuple(
+        dataclasses.replace(m, form=in_order) if (m.layer, m.name) == (1, "o") else m for m in plan.matrices))
+    sliced = type(model).__new__(type(model))
+    sliced.__dict__ = dict(model.__dict__) | {"layers": list(model.layers)}
+    for in_rank_order, expected in ((True, []), (False, [f"layer 1 o: runs {o.form}, all-reduced, the plan says "
+                                                          f"{in_order}"])):
+        sliced.layers[1] = dataclasses.replace(model.layers[1], o=AllReduced(o, None, CollectiveStats(), in_rank_order))
+        assert check_laid_out(sliced, sliced_plan) == expected

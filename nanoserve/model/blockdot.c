@@ -69,7 +69,6 @@ static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
 static inline vf vbf16(const uint16_t *p) {  /* 16 bf16 widened exactly */
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline vi viload(const uint32_t *p) { return _mm512_loadu_si512(p); }
 /* the code at bit `shift` of every lane, as a float: a 16-entry table lookup reads an index's low 4 bits */
 static inline vf vcode(vi v, int shift) {
@@ -120,11 +119,6 @@ static inline __m256 bf16x8(const uint16_t *p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 static inline vf vbf16(const uint16_t *p) { return (vf){bf16x8(p), bf16x8(p + 8)}; }
-static inline float vsum(vf x) {
-  float lanes[8];
-  _mm256_storeu_ps(lanes, _mm256_add_ps(x.a, x.b));
-  return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-}
 static inline vf vcode(vi v, int shift) {
   const __m256i m4 = _mm256_set1_epi32(15);
   return (vf){_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v.a, shift), m4)),
@@ -165,7 +159,6 @@ static inline vf vfma(vf x, vf y, vf z) { for (int j = 0; j < 16; j++) z.v[j] +=
 static inline vf vhalf(const uint16_t *p) { vf r; for (int j = 0; j < 16; j++) r.v[j] = f16_to_f32(p[j]); return r; }
 static inline vf vload(const float *p) { vf r; memcpy(r.v, p, sizeof r.v); return r; }
 static inline vf vbf16(const uint16_t *p) { vf r; for (int j = 0; j < 16; j++) r.v[j] = bf16_to_f32(p[j]); return r; }
-static inline float vsum(vf x) { float s = 0; for (int j = 0; j < 16; j++) s += x.v[j]; return s; }
 static inline vi viload(const uint32_t *p) { vi r; memcpy(r.v, p, sizeof r.v); return r; }
 static inline vf vcode(vi v, int shift) { vf r; for (int j = 0; j < 16; j++) r.v[j] = (v.v[j] >> shift) & 15; return r; }
 static inline vf vmul(vf x, vf y) { for (int j = 0; j < 16; j++) x.v[j] *= y.v[j]; return x; }
@@ -190,15 +183,13 @@ static inline vi vdot(vi acc, vi u, int32_t s) {
 }
 #endif
 
-/* A line on its way to L2 (prefetch) or L1 (prefetch_l1). __builtin_prefetch, not _mm_prefetch: gcc 12
+/* A line on its way to L2. __builtin_prefetch, not _mm_prefetch: gcc 12
    leaves no prefetch instruction for the intrinsic inside these loops (notes/blockdot.md, "Why
    blockdot.c is as it is"). */
 #if SIMD
 static inline void prefetch(const void *p) { __builtin_prefetch(p, 0, 2); }
-static inline void prefetch_l1(const void *p) { __builtin_prefetch(p, 0, 3); }
 #else
 static inline void prefetch(const void *p) { (void)p; }
-static inline void prefetch_l1(const void *p) { (void)p; }
 #endif
 
 #define G 32        /* weights per block */

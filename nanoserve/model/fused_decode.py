@@ -1,35 +1,27 @@
-"""A decode step's layers with the glue in C (fused_decode.c): all of it in one call where every
-matmul runs in C (blockdot's panels, or dense panels), or a few calls a layer between torch's linears
-elsewhere.
+"""A step's layers with the glue in C (fused_decode.c), in the two ways the execution plan routes
+steps to (nanoserve.model.plan: which kinds and widths of step go to which):
 
-At one sequence the default model's linears take 8-10 ms a step back to back, but 15 ms when each
-follows ~25 small torch operations of glue (notes/blockdot.md: a call after a gap runs slower).
-For a step whose every row is one decoding sequence:
+- `FusedDecode.one_call` (Driver.C_ONE_CALL): every matmul of every layer in C (blockdot's panels,
+  or dense float32 or bf16 in blockdot's dense panels: the model's own where the engine put its dense
+  matrices there, dense_kernel, else a copy of torch's made once), the whole stack of decoder layers
+  in one C call, inside one OpenMP parallel region, activations in float32;
+- `FusedDecode.per_layer` (Driver.C_PER_LAYER, and Driver.C_TENSOR_PARALLEL between a rank's
+  all-reduces): the model's linears as their forms run them, and between them three C calls a layer
+  in place of ~25 torch operations: rope, the K/V write and attention (fused_attention), the
+  residual add with the next norm (fused_add_norm), and the gate (fused_silu_mul), in the linears'
+  dtype at their edges and float32 inside.
 
-- narrow steps (at most max_rows rows; every matmul of every layer on blockdot's panels, or dense
-  float32 or bf16 in blockdot's dense panels: the model's own where the engine put its dense
-  matrices there (dense_kernel), else a copy of torch's made once): the whole stack of decoder
-  layers in one C call, inside one OpenMP parallel region, activations in float32 (fused_decode.c's
-  fused_decode);
-- wider steps (quantized past max_kernel_rows, where the dense copies are faster; bf16 dense on
-  torch's linears past DENSE_ONE_CALL_ROWS), or weights in other forms (torch's quantized kernels):
-  the model's linears as in
-  decoder_layer, and between them three C calls a layer in place of ~25 torch operations: rope,
-  the K/V write and attention (fused_attention), the residual add with the next norm
-  (fused_add_norm), and the gate (fused_silu_mul), in the linears' dtype at their edges and float32
-  inside.
+Why: at one sequence the default model's linears take 8-10 ms a step back to back, but 15 ms when
+each follows ~25 small torch operations of glue (notes/blockdot.md: a call after a gap runs slower).
 
-Under the batch-invariant plan (EngineConfig.batch_invariant) the one call takes every step at every
-width, prompts and chunks too: each prompt token is a row like a decode's, its K/V written to the
-cache before any row reads, then its query over its own context read back from there, so a row's
-arithmetic does not depend on the step it came in. Tensor-parallel ranks on that plan run every step,
-prompts too, in the three calls a layer, between their matmuls (blockdot's or dense panels) and
-their all-reduces. Elsewhere every step with a prompt or chunk in it runs llama.py's decoder_layer.
-Either way the embedding, the final norm and the head stay in
-llama.py's forward. It applies to the Llama family's switches that SmolLM,
-Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 use (a qkv bias, per-head q/k norms, a sliding window on
-some or all layers, SiLU), the model computing in float32 or bfloat16 on the CPU; Gemma's (sandwich
-norms, GELU, soft-capping) and an o bias keep decoder_layer.
+Either driver takes a step's prompt tokens as rows like a decode's (the batch-invariant plan routes
+every step to them): each row's K/V is written to the cache before any row reads, then its query
+attends its own context read back from there, so a row's arithmetic does not depend on the step it
+came in. The embedding, the final norm and the head stay in llama.py's forward. It applies to the
+Llama family's switches that SmolLM, Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 use (a qkv bias,
+per-head q/k norms, a sliding window on some or all layers, SiLU), the model computing in float32 or
+bfloat16 on the CPU; Gemma's (sandwich norms, GELU, soft-capping) and an o bias keep decoder_layer
+(`why_not`).
 """
 
 from __future__ import annotations
@@ -50,13 +42,10 @@ from nanoserve.model.rope import rope_table
 # fused_decode.c's KV_F32, KV_BF16, KV_F16: the cache dtypes it reads and writes
 KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # A dense model whose matrices torch runs decodes in one call up to this many rows, by its dtype;
-# wider steps take oneDNN's packed linears (one on blockdot's dense panels decodes in one call at
-# every width). Measured (notes/fused_decode.md): in float32 the one call was faster at
-# every width tried (1-16 rows); in bf16 only up to 2 rows on the Xeon, past which oneDNN's bf16
-# (AMX) wins, but up to 8 on the Zen 5 (no AMX: 1.45x at 4 rows, 1.29x at 8, 0.81x at 16). A constant,
-# not probed: a one-thread probe on an in-cache matrix put the Zen 5's crossover at 2-4 rows, run to
-# run, where whole decode steps put it at 8-16. Where the start-up probe times bf16 slower than
-# float32 (an AVX2-only CPU: oneDNN emulates bf16), every width (Precision.bf16_one_call_rows).
+# wider steps take oneDNN's packed linears between the C glue (a model on blockdot's dense panels
+# decodes in one call at every width, and so does bf16 where the start-up probe times bf16 slower
+# than float32: Precision.bf16_one_call_rows). A constant, not probed; the measurements behind it:
+# notes/execution-plan.md, "Why the constants are what they are".
 DENSE_ONE_CALL_ROWS = {torch.float32: 2**31, torch.bfloat16: 2}
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +33,6 @@ from nanoserve.model.forms import Weight, as_weight
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.quant import Stored, cat_rows, embedding
 from nanoserve.model.rope import apply_rope, rope_table
-
-if TYPE_CHECKING:
-    from nanoserve.model.plan import ExecutionPlan
 
 
 @dataclass
@@ -197,7 +194,7 @@ class LlamaModel:
         self.lm_head_weight = as_weight(lm_head)  # the head as a weight (nanoserve.model.forms), laid out by prepare_model
         # How steps run (nanoserve.model.prepare sets both): the plan forward asks which driver runs
         # each step (None: every step on decoder_layer, as loaded), and the table it calls it from.
-        self.plan: ExecutionPlan | None = None
+        self.plan: Any = None  # an ExecutionPlan (nanoserve.model.plan, which imports this module)
         self.drivers: dict[Driver, Step] = {Driver.TORCH: run_layers}
         # What fused_decode.c reads (nanoserve.model.fused_decode.FusedDecode), where a driver is in C.
         self.fused_layers: Any = None

@@ -31,12 +31,21 @@ import torch
 from nanoserve.model import blockdot
 from nanoserve.model.driver import EVERY_WIDTH, Driver
 from nanoserve.model.forms import C_DTYPES, STORED, Form, FormKind, can_pack, dtype_name
-from nanoserve.model.fused_decode import DENSE_ONE_CALL_ROWS, why_not
-from nanoserve.model.llama import LlamaModel
+from nanoserve.model.fused_decode import DENSE_ONE_CALL_ROWS, run_one_call, run_per_layer, why_not
+from nanoserve.model.llama import LlamaModel, Step, run_layers
 from nanoserve.model.precision import DTYPES, Precision, Probe, resolve
 from nanoserve.model.quant import torch_runs
 
 DRIVERS = {driver: driver.description for driver in Driver}  # who runs a step's layers (Driver)
+# The one dispatch table: what each driver calls (LlamaModel.drivers holds the entries of those its
+# plan routes to). The compiled driver's entry holds its own graph, built for each model (prepare_model).
+STEPS: dict[Driver, Step] = {
+    Driver.C_ONE_CALL: run_one_call,
+    Driver.C_PER_LAYER: run_per_layer,
+    Driver.C_TENSOR_PARALLEL: run_per_layer,
+    Driver.TORCH: run_layers,
+    Driver.TORCH_TENSOR_PARALLEL: run_layers,
+}
 
 
 @dataclass(frozen=True)
@@ -172,7 +181,7 @@ class ExecutionPlan:
             lines.append(f"probe: {self.probe.describe()}")
         if self.draft is not None:
             lines.append("draft model (speculative decoding):")
-            lines += ["  " + line for line in self.draft.render().splitlines()]
+            lines += ["  " + line for line in dataclasses.replace(self.draft, probe=None).render().splitlines()]
         return "\n".join(lines)
 
     def to_message(self) -> dict[str, Any]:
@@ -270,10 +279,16 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
                          f"{'; '.join(c for c, ok, _ in plan.batch_invariant if not ok)}"
                          + ("; batch_invariant=True runs dtype float32 on dense panels"
                             if config.dtype == "float32" and config.quantization is None else ""))
-    if draft is not None:
-        own = dataclasses.replace(config, quantization=spec.quantization, speculative_config=None, tensor_parallel_size=1)
-        plan = dataclasses.replace(plan, draft=_plan(own, draft, 1, probe))
-    return plan
+    return plan if draft is None else with_draft(plan, config, draft, probe)
+
+
+def with_draft(plan: ExecutionPlan, config: Any, draft: LlamaModel, probe: Any = None) -> ExecutionPlan:
+    """`plan` with a plan for the speculative config's draft model (as loaded) beside it: resolved
+    from the engine's config as the target's is, but for the speculative config's quantization, in
+    one process."""
+    own = dataclasses.replace(config, quantization=config.speculative_config.quantization, speculative_config=None,
+                              tensor_parallel_size=1)
+    return dataclasses.replace(plan, draft=_plan(own, draft, 1, probe))
 
 
 def _plan(config: Any, model: LlamaModel, world_size: int, probe: Any) -> ExecutionPlan:
@@ -542,6 +557,8 @@ def check_laid_out(model: LlamaModel, plan: ExecutionPlan, draft: LlamaModel | N
         problems.append("the model routes its steps by another table than the plan's")
     if set(model.drivers) != plan.drivers:
         problems.append(f"the model's drivers are {_names(model.drivers)}, the plan routes to {_names(plan.drivers)}")
+    problems += [f"the model's table calls {step.__name__} for {driver}, not {STEPS[driver].__name__}"
+                 for driver, step in model.drivers.items() if driver in STEPS and step is not STEPS[driver]]
     fused = model.fused_layers
     in_c = any(driver.in_c for driver in plan.drivers)
     if in_c != (fused is not None):

@@ -24,29 +24,20 @@ from nanoserve.model import blockdot
 from nanoserve.model.quant import KERNELS, dense_weight, int4_pass, quantize_int4
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The measurements behind these constants: notes/execution-plan.md, "Why the constants are what they are".
 # kernels="auto" keeps blockdot unless torch's int4 kernel times this much faster at one row: blockdot
-# also runs a decode step's layers in one C call (fused_decode), which torch's kernels cannot, and
-# that was worth 1.33x at one slot on a Zen 5 (181.6 against 136.9 tok/s, peerbench --kernels torch
-# blockdot) and 1.42x on a Xeon (notes/fused_decode.md), where the one-row timings alone were within
-# noise of each other on the Zen 5 (blockdot 0.84-1.49x torch's, run to run).
+# also runs a decode step's layers in one C call, which torch's kernels cannot.
 BLOCKDOT_MARGIN = 1.3
 # max_kernel_rows="auto": blockdot's int16 path up to the widest of WIDE_ROWS where it times within
-# WIDE_MARGIN of what the linear runs past it, each narrower one too; DEFAULT_KERNEL_ROWS (the Xeon's
-# crossover against AMX's bf16 dense copies) where it loses at 16. Past it: without dense copies (the
-# default), the panels dequantized for the call and the plain matmul, timed in cache, as they run
-# (the dequantized matrix is written just before it is read; both sides read the same panels); with
-# dense copies, the copy at 16 rows, streamed. The margin, as BLOCKDOT_MARGIN's: within the kernels'
-# rows a decode step runs in one C call. On an AVX2 Zen 3 the probe timed blockdot 0.97x the
-# dequantized matmul at 64 rows, where kernels up to 64 decoded 48 slots in 179.0 ms a step against
-# 256.6 with kernels up to 32, and 64 slots in 240.3 against 283.4; and, without copies, kernels up
-# to 64 decoded 32 slots 1.10x and 48 slots 1.07x faster than copies past 16, 64 slots alike, and
-# prefilled 1.07x faster (three alternating rounds each).
+# WIDE_MARGIN of what the linear runs past it, each narrower one too; DEFAULT_KERNEL_ROWS where it
+# loses at 16. Past it: without dense copies (the default), the panels dequantized for the call and
+# the plain matmul, timed in cache, as they run; with dense copies, the copy at 16 rows, streamed.
 DEFAULT_KERNEL_ROWS = 8
 WIDE_ROWS = (16, 32, 64)
 WIDE_MARGIN = 1.3
 # dense_kernel="auto" times torch's dense matmul against blockdot's dense panels at this many rows:
 # what the choice decides is who runs the steps wider than the one-call decode (prefill chunks, and
-# decode steps past max_rows), which the one-call decode runs on the panels whatever it is.
+# decode steps past the one call's routes), which the one-call decode runs on the panels whatever it is.
 DENSE_ROWS = 64
 STREAM_MIN, STREAM_MAX = 64 * 2**20, 256 * 2**20  # bytes: the streamed timings' working set (stream_bytes)
 

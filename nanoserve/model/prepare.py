@@ -16,7 +16,7 @@ import torch
 from nanoserve.model import blockdot
 from nanoserve.model.driver import Driver
 from nanoserve.model.forms import STORED, Dense, Form, FormKind, Weight, as_weight, pack
-from nanoserve.model.fused_decode import fused_decode, run_one_call, run_per_layer
+from nanoserve.model.fused_decode import fused_decode
 from nanoserve.model.llama import (
     MATMULS,
     LayerWeights,
@@ -26,20 +26,10 @@ from nanoserve.model.llama import (
     embedding_scale,
     run_layers,
 )
-from nanoserve.model.plan import ExecutionPlan, check_laid_out
+from nanoserve.model.plan import STEPS, ExecutionPlan, check_laid_out
 from nanoserve.model.precision import DTYPES
 from nanoserve.model.quant import quant_linear, quantize_int4, quantize_int8
 from nanoserve.model.rope import rope_table
-
-# The one table of drivers: what each Driver a plan routes steps to calls. The compiled one's graph
-# is built for each model (prepare_model).
-STEPS: dict[Driver, Step] = {
-    Driver.C_ONE_CALL: run_one_call,
-    Driver.C_PER_LAYER: run_per_layer,
-    Driver.C_TENSOR_PARALLEL: run_per_layer,
-    Driver.TORCH: run_layers,
-    Driver.TORCH_TENSOR_PARALLEL: run_layers,
-}
 
 
 def _laid_out_weight(w: Weight, form: Form, pack_weights: bool) -> Weight:

@@ -6,9 +6,11 @@ Two forms of a quantized matrix [N, K] (N output rows, K input columns, G = 32 p
   int4 in groups of 32, which is Q4_1's form: w = d q + m, q in 0..15) and `ChannelInt8` (int8 per
   output channel, w = s[n] q). Both dequantize exactly to float32, the reference every test uses;
 - as run: `QuantLinear`, one or two kernel passes summed, in the activations' dtype: torch's
-  kernels (below), or nanoserve's own blockdot (nanoserve.model.blockdot: one pass for Q4_0, Q4_1,
-  Q8_0, Q5_0, Q5_1 and IQ4_NL, fp16 scales exact, x in float32 or rounded to int16 per block) unless the start-up probe
-  times torch's kernel clearly faster (precision.BLOCKDOT_MARGIN).
+  kernels (below), or nanoserve's own blockdot (nanoserve.model.blockdot: one pass over the codes as
+  stored for each of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS, Q6_K, Q3_K and Q2_K,
+  nanoserve's own int4, and rows of several of them in one matrix, the scales exact in fp16 or
+  float32 heads, x in float32 or rounded to int16 per block), as the execution plan chooses:
+  blockdot unless the start-up probe times torch's kernel precision.BLOCKDOT_MARGIN times faster.
 
 The kernels: `_weight_int4pack_mm_for_cpu` reads 4-bit codes in groups of 32 with a scale and a
 zero per group, w = (q - 8) s + z; `_weight_int8pack_mm` reads int8 with one scale per output
@@ -27,10 +29,9 @@ to bf16 (8 bits of mantissa): that rounding, not the mapping, is the only change
 The kernels are shaped for few rows: past `max_kernel_rows` rows a linear multiplies by the dense
 matrix (in the activations' dtype) instead, so prefill and large batches never pay the slow path.
 On blockdot that matrix is the panels dequantized for the call (blockdot.c, bit for bit the stored
-matrix's dequantize(): about 0.1 ns a weight on two Zen 3 cores, a pass over the model's 134 M
-weights in ~15 ms where a 512-row step's matmuls take ~700 ms); on torch's kernels, or where
-asked (dense_copy), a dense copy held for the model's life, which costs memory (4 bytes a
-weight in float32, 2 in bf16): `weight_bytes` counts it.
+matrix's dequantize(): a pass over the weights far cheaper than the wide step's matmuls, measured in
+notes/memory.md); on torch's kernels, or where asked (dense_copy), a dense copy held for the model's
+life, which costs memory (4 bytes a weight in float32, 2 in bf16): `weight_bytes` counts it.
 """
 
 from __future__ import annotations

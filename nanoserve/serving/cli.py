@@ -130,6 +130,10 @@ def plan_main(argv: list[str]) -> None:
     parser.add_argument("--kernels", default="auto", choices=["auto", "torch", "blockdot"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     add_batch_invariant(parser)
+    parser.add_argument("--speculative-config", default=None, type=speculative_config, metavar="JSON",
+                        help="as serve's: with method draft_model the draft model's own plan is printed too")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="the plan of N ranks (the workers are started to lay their shards out, then ended)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
     from nanoserve.config import EngineConfig, PlanOverrides
@@ -144,17 +148,19 @@ def plan_main(argv: list[str]) -> None:
     try:
         config = EngineConfig(dtype=args.dtype, quantization=None if args.quantization == "none" else args.quantization,
                               overrides=PlanOverrides(kernels=args.kernels), kv_cache_dtype=args.kv_cache_dtype,
-                              num_kv_blocks=1, batch_invariant=BATCH_INVARIANT[args.batch_invariant])
+                              num_kv_blocks=8, batch_invariant=BATCH_INVARIANT[args.batch_invariant],
+                              speculative_config=args.speculative_config,
+                              tensor_parallel_size=args.tensor_parallel_size)
     except ValueError as e:
         parser.error(str(e))
-    engine = Engine.from_pretrained(args.model, config)  # it lays the model out and holds it to the plan
-    model = engine.model.config
+    with Engine.from_pretrained(args.model, config) as engine:  # it lays the model out and holds it to the plan
+        model = engine.model.config
+        memory = engine.memory()
     print(f"nanoserve plan: {args.model or 'the embedded default model'} ({model.architecture}, {model.num_layers} "
           f"layers, hidden {model.hidden_size}, vocabulary {model.vocab_size})")
     print(engine.plan.render())
-    memory = engine.memory()
     print("weights: " + ", ".join(f"{kind} {size / 2**20:.1f} MiB" for kind, size in memory.items()
-                                   if size and kind != "kv_cache"))
+                                   if size and not kind.endswith("kv_cache")))
 
 
 def main(argv: list[str] | None = None) -> None:
