@@ -4,12 +4,14 @@ the console script next to this interpreter runs and lists every command."""
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from nanoserve.model import default
 from nanoserve.serving.cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,3 +58,13 @@ def test_the_installed_plan_command_prints_what_the_default_model_runs(tmp_path,
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "batch invariance (a row's result independent of the rows beside it): no" in proc.stdout
     assert "with a prompt: torch" in proc.stdout
+    # a draft model's own plan is printed after the target's: the default model drafting for itself
+    # (min_acceptance fixed: no start-up timing)
+    spec = json.dumps({"method": "draft_model", "model": str(default.gguf_path()), "num_speculative_tokens": 2,
+                       "min_acceptance": 0.0})
+    proc = subprocess.run([str(script), "plan", "--speculative-config", spec], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    target, draft = proc.stdout.split("draft model (speculative decoding):\n")
+    assert "  steps:\n    decode-only: " in draft and "    layers 0-29 qkv            Q4_1 -> " in draft
+    assert "draft_quantized" in draft and "probe:" not in draft  # the probe is printed once, with the target's

@@ -8,8 +8,8 @@ from conftest import config_of, forms, make_hf_llama, make_tiny_engine, nanoserv
 
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.model import blockdot
-from nanoserve.model.forms import can_pack
 from nanoserve.model.driver import Driver
+from nanoserve.model.forms import can_pack
 
 pytestmark = pytest.mark.slow
 
