@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 from nanoserve import Engine, EngineConfig, PlanOverrides, SamplingParams
 from nanoserve.instruments.readback_guard import READBACK_ROUTES, ReadbackHappened, readbacks_counted  # noqa: F401
@@ -26,6 +27,14 @@ from nanoserve.model.config import LlamaConfig
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.plan import check_laid_out, resolve_plan
 from nanoserve.model.prepare import prepare_model
+
+# CI (CI set, as CI runners set it) draws the same examples every run, so a red CI run is reproducible
+# and a green one means the same thing each time; elsewhere hypothesis draws afresh. A test's own
+# @settings overrides only the keys it names (max_examples, deadline, ...), never derandomize here.
+# `pytest --hypothesis-profile=default` runs random examples under CI too.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 TINY = dict(
     vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

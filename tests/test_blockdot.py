@@ -39,10 +39,11 @@ def _cpu_has(flag: str) -> bool:
         return False
 
 
-# The AVX-512 branch on a CPU without AVX-512: its intrinsics emulated by SIMDe's headers, where
-# NANOSERVE_SIMDE names a directory holding simde/ (a checkout of github.com/simd-everywhere/simde).
+# The AVX-512 branch on a CPU without AVX-512: its intrinsics emulated by SIMDe's headers, found in
+# the directory NANOSERVE_SIMDE names (one holding simde/, e.g. a checkout of
+# github.com/simd-everywhere/simde) or else in /usr/include (Debian's libsimde-dev, which .ci/run installs).
 # Built on AVX2 where the CPU has it; the library then holds no AVX-512 instruction, and reports 512.
-SIMDE = os.environ.get("NANOSERVE_SIMDE")
+SIMDE = os.environ.get("NANOSERVE_SIMDE") or ("/usr/include" if Path("/usr/include/simde/x86/avx512.h").is_file() else None)
 PRELUDE = Path(__file__).with_name("simde_avx512.h")
 EMULATED = {"avx512-simde": [], "avx512vnni-simde": ["-DEMULATE_VNNI"]}
 
@@ -54,7 +55,7 @@ def build(name: str) -> blockdot.Library:
     if name == "avx512" and not _cpu_has("avx512bw"):
         pytest.skip("this CPU has no AVX-512 BW")
     if name in EMULATED and not (SIMDE and (Path(SIMDE) / "simde" / "x86" / "avx512.h").exists()):
-        pytest.skip("AVX-512 under emulation needs NANOSERVE_SIMDE=<a directory holding SIMDe's simde/>")
+        pytest.skip("AVX-512 under emulation needs SIMDe: apt-get install libsimde-dev, or NANOSERVE_SIMDE=<a directory holding simde/>")
     flags = blockdot.BUILDS.get(name)
     if flags is None:
         vector = ["-mavx2", "-mfma", "-mf16c"] if _cpu_has("avx2") and _cpu_has("fma") else []

@@ -8,9 +8,10 @@ original checkpoint, token for token; so are Qwen2, Qwen3, Mistral, Gemma and Ge
 the others' refuse the default model's BPE tokenizer under a Qwen or Mistral config), and their
 Q4_K_M files to transformers over the same file where transformers reads that architecture.
 
-The tools come from peerbench's set-up (`python -m benchmarks.peerbench --setup-llamacpp`: the
-llama-cpp-python sdist's llama.cpp, built under .peers/); where they are absent these tests skip and
-say so. tests/test_gguf_types.py holds every type to gguf-py without them.
+The tools come from peerbench's set-up (`python -m benchmarks.peerbench.llamacpp --setup-quantize`, or
+the whole `python -m benchmarks.peerbench --setup-llamacpp`: the pinned llama-cpp-python sdist's
+llama.cpp, built under .peers/ or $NANOSERVE_PEERS); where they are absent these tests skip and say
+so. tests/test_gguf_types.py holds every type to gguf-py without them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import torch
 from conftest import LLAMA3_ROPE, config_of, make_hf_model
 from test_precision import fake
 
+from benchmarks.peerbench.llamacpp import LLAMA_CPP_VERSION, QUANTIZE
+from benchmarks.peerbench.llamacpp import PEERS_DIR as PEERS
 from nanoserve import Engine, EngineConfig, SamplingParams
 from nanoserve.model import blockdot, default
 from nanoserve.model.config import LlamaConfig
@@ -39,24 +42,21 @@ from nanoserve.model.plan import check_laid_out, resolve_plan
 from nanoserve.model.prepare import prepare_model
 
 ROOT = Path(__file__).resolve().parent.parent
-PEERS = ROOT / ".peers"
-QUANTIZE = PEERS / "llama.cpp-build" / "bin" / "llama-quantize"
-VENDORS = sorted(PEERS.glob("llama_cpp_python-*/vendor/llama.cpp"))
+VENDOR = PEERS / f"llama_cpp_python-{LLAMA_CPP_VERSION}" / "vendor" / "llama.cpp"  # the converter and gguf-py
 # The file types a llama.cpp user quantizes to (llama-quantize's names), each a mix of block types.
 FILE_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "Q3_K_M", "Q2_K", "Q4_K_S", "Q5_0", "Q5_1", "IQ4_NL",
               "Q4_0")
 
 needs_tools = pytest.mark.skipif(
-    not (QUANTIZE.is_file() and VENDORS and default.is_available()),
-    reason="llama.cpp's converter and llama-quantize are not built here (python -m benchmarks.peerbench "
-           "--setup-llamacpp) or the default model's tokenizer is not installed")
+    not (QUANTIZE.is_file() and VENDOR.is_dir() and default.is_available()),
+    reason=f"llama.cpp's converter and llama-quantize are not built in {PEERS} (python -m "
+           "benchmarks.peerbench.llamacpp --setup-quantize) or the default model's tokenizer is not installed")
 
 
 def convert(checkpoint: Path, out: Path) -> Path:
     """llama.cpp's convert_hf_to_gguf.py on a saved checkpoint, in float32."""
-    vendor = VENDORS[-1]
-    env = os.environ | {"PYTHONPATH": f"{vendor / 'gguf-py'}{os.pathsep}{PEERS / 'pylib'}"}
-    done = subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "f32",
+    env = os.environ | {"PYTHONPATH": f"{VENDOR / 'gguf-py'}{os.pathsep}{PEERS / 'pylib'}"}
+    done = subprocess.run([sys.executable, str(VENDOR / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "f32",
                            "--outfile", str(out)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return out

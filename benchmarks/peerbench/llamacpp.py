@@ -1,11 +1,17 @@
 """The llama.cpp peers: setting them up once under .peers/ (sdist, f32 GGUF, llama-batched-bench),
-llama-cpp-python as a worker, and llama-batched-bench run and parsed."""
+llama-cpp-python as a worker, and llama-batched-bench run and parsed; and the smaller set-up the
+tests need (`python -m benchmarks.peerbench.llamacpp --setup-quantize`: the sdist's converter and
+llama-quantize only).
+
+.peers/ is $NANOSERVE_PEERS where that is set (CI keeps it outside the clone, so a build outlives it).
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -16,7 +22,8 @@ from typing import Any
 from benchmarks.peerbench.launcher import ROOT, run_child
 from benchmarks.peerbench.measured import LLAMA_BATCHED, LLAMA_PY, Measured, error_text, log
 
-PEERS_DIR = ROOT / ".peers"  # listed in .git/info/exclude: sdist, GGUF and llama.cpp build live here
+# listed in .git/info/exclude: sdist, GGUF and llama.cpp build live here
+PEERS_DIR = Path(os.environ.get("NANOSERVE_PEERS") or ROOT / ".peers")
 GGUF_NAME = "smollm2-135m-f32.gguf"
 BATCHED_BENCH = PEERS_DIR / "llama.cpp-build" / "bin" / "llama-batched-bench"
 IK_BATCHED_BENCH = PEERS_DIR / "ik_llama.cpp-build" / "bin" / "llama-batched-bench"
@@ -25,7 +32,10 @@ IK_LLAMA_CPP_REPO = "https://github.com/ikawrakow/ik_llama.cpp"
 # tile instruction (SIGILL at ldtilecfg), while torch's oneDNN ran AMX in the same sandbox. The notes
 # say so beside every llama.cpp figure from such a machine.
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-LLAMA_CPP_SDIST = "llama-cpp-python"
+# The release whose vendored llama.cpp the notes' figures and tests/test_llamacpp_files.py were made with.
+LLAMA_CPP_VERSION = "0.3.36"
+LLAMA_CPP_SDIST = f"llama-cpp-python=={LLAMA_CPP_VERSION}"
+QUANTIZE = PEERS_DIR / "llama.cpp-build" / "bin" / "llama-quantize"
 
 
 def has_module(name: str) -> bool:
@@ -124,21 +134,10 @@ def setup_llamacpp(python: str = sys.executable) -> None:
     """
     from nanoserve.model.default import default_model_dir
 
-    PEERS_DIR.mkdir(exist_ok=True)
-    sdists = sorted(PEERS_DIR.glob("llama_cpp_python-*.tar.gz"))
-    if not sdists:
-        subprocess.run([python, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", LLAMA_CPP_SDIST,
-                        "-d", str(PEERS_DIR)], check=True)
-        sdists = sorted(PEERS_DIR.glob("llama_cpp_python-*.tar.gz"))
-    src = PEERS_DIR / sdists[-1].name.removesuffix(".tar.gz")
-    if not src.is_dir():
-        subprocess.run(["tar", "xzf", str(sdists[-1]), "-C", str(PEERS_DIR)], check=True)
-    vendor = src / "vendor" / "llama.cpp"
+    sdist, vendor = fetch_sdist(python)
     gguf = PEERS_DIR / GGUF_NAME
     if not gguf.is_file():
-        pylib = PEERS_DIR / "pylib"  # sentencepiece for the converter, kept out of the venv
-        if not (pylib / "sentencepiece").is_dir():
-            subprocess.run([python, "-m", "pip", "install", "-q", "--target", str(pylib), "sentencepiece"], check=True)
+        pylib = install_pylib(python)
         env = os.environ | {"PYTHONPATH": f"{vendor / 'gguf-py'}{os.pathsep}{pylib}"}
         subprocess.run([python, str(vendor / "convert_hf_to_gguf.py"), str(default_model_dir()), "--outtype", "f32",
                         "--outfile", str(gguf)], check=True, env=env)
@@ -146,18 +145,67 @@ def setup_llamacpp(python: str = sys.executable) -> None:
         build_batched_bench(vendor, BATCHED_BENCH.parent.parent, ["llama-quantize"])
     print(f"GGUF: {gguf}\nllama-batched-bench: {BATCHED_BENCH}")
     print("llama-cpp-python (optional, compiles llama.cpp for minutes): "
-          f"CMAKE_ARGS=-DGGML_NATIVE=ON {python} -m pip install {sdists[-1]}")
+          f"CMAKE_ARGS=-DGGML_NATIVE=ON {python} -m pip install {sdist}")
+
+
+def setup_quantize(python: str = sys.executable) -> None:
+    """Once: what tests/test_llamacpp_files.py needs under PEERS_DIR: the sdist unpacked (its
+    convert_hf_to_gguf.py and gguf-py), pylib with sentencepiece, and llama-quantize alone.
+
+    Built for any x86-64 (GGML_NATIVE=OFF), not for this CPU: CI keeps the build in a cache that may
+    outlive the machine, and what llama-quantize writes comes from ggml's scalar reference code either way.
+    """
+    _, vendor = fetch_sdist(python)
+    install_pylib(python)
+    if not QUANTIZE.is_file():
+        build_targets(vendor, QUANTIZE.parent.parent, ["llama-quantize"], ["-DGGML_NATIVE=OFF"])
+    print(f"llama.cpp converter: {vendor / 'convert_hf_to_gguf.py'}\nllama-quantize: {QUANTIZE}")
+
+
+def fetch_sdist(python: str = sys.executable) -> tuple[Path, Path]:
+    """The pinned llama-cpp-python sdist, downloaded and unpacked in PEERS_DIR once; returns the
+    tarball and its vendored llama.cpp tree."""
+    PEERS_DIR.mkdir(parents=True, exist_ok=True)
+    name = f"llama_cpp_python-{LLAMA_CPP_VERSION}"
+    sdist = PEERS_DIR / f"{name}.tar.gz"
+    if not sdist.is_file():
+        subprocess.run([python, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", LLAMA_CPP_SDIST,
+                        "-d", str(PEERS_DIR)], check=True)
+    if not (PEERS_DIR / name).is_dir():  # unpacked aside and renamed, so a cut-off unpack is not taken for one
+        unpacking = PEERS_DIR / f"{name}.unpacking"
+        shutil.rmtree(unpacking, ignore_errors=True)
+        unpacking.mkdir()
+        subprocess.run(["tar", "xzf", str(sdist), "-C", str(unpacking)], check=True)
+        (unpacking / name).rename(PEERS_DIR / name)
+        unpacking.rmdir()
+    return sdist, PEERS_DIR / name / "vendor" / "llama.cpp"
+
+
+def install_pylib(python: str = sys.executable) -> Path:
+    """PEERS_DIR/pylib with sentencepiece, for the converter, kept out of the venv; returns it."""
+    pylib = PEERS_DIR / "pylib"
+    if not (pylib / "sentencepiece").is_dir():  # installed aside and renamed, as the sdist is unpacked
+        installing = PEERS_DIR / "pylib.installing"
+        shutil.rmtree(installing, ignore_errors=True)
+        subprocess.run([python, "-m", "pip", "install", "-q", "--target", str(installing), "sentencepiece"], check=True)
+        shutil.rmtree(pylib, ignore_errors=True)
+        installing.rename(pylib)
+    return pylib
 
 
 def build_batched_bench(src: Path, build: Path, extra_targets: Sequence[str] = (), cmake_args: Sequence[str] = ()) -> None:
-    """Configure and build llama-batched-bench (and `extra_targets`) from the llama.cpp tree `src`."""
+    """Configure and build llama-batched-bench (and `extra_targets`) from the llama.cpp tree `src`, for this CPU."""
+    build_targets(src, build, ["llama-batched-bench", *extra_targets], ["-DGGML_NATIVE=ON", *cmake_args])
+
+
+def build_targets(src: Path, build: Path, targets: Sequence[str], cmake_args: Sequence[str] = ()) -> None:
+    """Configure (Release, no AMX tiles, no curl, tests or server) and build `targets` from the llama.cpp tree `src`."""
     start = time.perf_counter()
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
                     f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}", "-DLLAMA_CURL=OFF",
                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", *cmake_args], check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-batched-bench", *extra_targets,
-                    "-j", str(os.cpu_count())], check=True)
-    print(f"built {build / 'bin' / 'llama-batched-bench'} in {time.perf_counter() - start:.0f} s")
+    subprocess.run(["cmake", "--build", str(build), "--target", *targets, "-j", str(os.cpu_count())], check=True)
+    print(f"built {', '.join(targets)} in {build / 'bin'} in {time.perf_counter() - start:.0f} s")
 
 
 def setup_ik_llamacpp(source: str = IK_LLAMA_CPP_REPO) -> None:
@@ -176,3 +224,14 @@ def setup_ik_llamacpp(source: str = IK_LLAMA_CPP_REPO) -> None:
         build_batched_bench(src, IK_BATCHED_BENCH.parent.parent, cmake_args=["-DGGML_IQK_FA_ALL_QUANTS=OFF"])
     commit = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     print(f"ik_llama.cpp {commit.stdout.strip()}: {IK_BATCHED_BENCH}")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.peerbench.llamacpp")
+    parser.add_argument("--setup-quantize", action="store_true", required=True,
+                        help="fetch the sdist, install pylib and build llama-quantize under $NANOSERVE_PEERS "
+                             "(default .peers/), what tests/test_llamacpp_files.py needs")
+    parser.parse_args()
+    setup_quantize()
