@@ -362,7 +362,7 @@ def test_a_fault_in_rank_0s_forward_breaks_the_group_at_once_and_is_fatal(tiny_p
         def boom(*args):
             raise RuntimeError("injected into rank 0's layer")
 
-        engine.model.layer_fn = boom
+        engine.model.drivers = dict.fromkeys(engine.model.drivers, boom)
         start = time.monotonic()
         with pytest.raises(WorkerFailure, match="rank 0's own forward raised.*injected into rank 0's layer") as e:
             engine.step()
