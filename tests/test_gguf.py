@@ -168,9 +168,10 @@ SHAPES = {"token_embd": (V, E), "output": (V, E), "output_norm": (E,), "attn_nor
           "ffn_gate": (I, E), "ffn_up": (I, E), "ffn_down": (E, I)}
 
 
-def write_tiny_gguf(path, arch: str = "llama", types: dict | None = None) -> dict[str, np.ndarray]:
+def write_tiny_gguf(path, arch: str = "llama", types: dict | None = None, extra=None) -> dict[str, np.ndarray]:
     """A two-layer Llama GGUF from seeded random float32 weights (layer 1's q/k are F32 rows labelled
-    by their HF row index). Returns the expected float32 value of each HF-named tensor."""
+    by their HF row index); extra(writer) adds metadata of its own. Returns the expected float32
+    value of each HF-named tensor."""
     types = TYPES | (types or {})
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(path, arch)
@@ -180,6 +181,8 @@ def write_tiny_gguf(path, arch: str = "llama", types: dict | None = None) -> dic
                        (writer.add_eos_token_id, 2), (writer.add_bos_token_id, 1), (writer.add_tokenizer_model, "gpt2"),
                        (writer.add_token_list, [f"t{i}" for i in range(V)])]:
         add(value)
+    if extra is not None:
+        extra(writer)
     expected = {}
     for layer in (None, 0, 1):
         for stem, qtype in types.items():

@@ -29,7 +29,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import LLAMA3_ROPE, config_of, make_hf_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_precision import fake
+from test_untrusted_files import gguf_logits, mutated, reader_parts, refused_or_unchanged
 
 from benchmarks.peerbench.llamacpp import LLAMA_CPP_VERSION, QUANTIZE
 from benchmarks.peerbench.llamacpp import PEERS_DIR as PEERS
@@ -128,11 +131,11 @@ def assert_serves_transformers_logits(file: Path, prompt: list[int]) -> None:
     config, tensors = load_gguf(file)
     model = LlamaModel.from_state_dict(config, tensors, torch.float32, "cpu")
     want = torch.log_softmax(expected.double(), -1).topk(5)
-    for settings in ({"dtype": "float32", "quantization": None}, {}):
-        engine = Engine(model, None, EngineConfig(block_size=16, num_kv_blocks=16, **settings))
+    for chosen in ({"dtype": "float32", "quantization": None}, {}):
+        engine = Engine(model, None, EngineConfig(block_size=16, num_kv_blocks=16, **chosen))
         (out,) = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=20))
         top = sorted(out.logprobs[0].items(), key=lambda kv: -kv[1])[:5]
-        if settings:
+        if chosen:
             assert [t for t, _ in top] == want.indices.tolist()
             for (_, got), logprob in zip(top, want.values.tolist(), strict=True):
                 assert abs(got - logprob) < 1e-4
@@ -277,3 +280,21 @@ def test_a_quantized_file_serves_text_through_from_pretrained(tiny_files, file_t
                                                                           ignore_eos=True))
     assert len(out.token_ids) == 4 and out.text == engine.tokenizer.decode(out.token_ids)
     assert engine.allocator.num_free == 32  # every block back in the pool
+
+
+_ORIGINAL: dict[Path, tuple[torch.Tensor, list]] = {}  # a file's logits and header numbers, found once
+
+
+@needs_tools
+@settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_mutated_converter_file_is_refused_or_harmless(tiny_files, tmp_path, data):
+    # tests/test_untrusted_files.py's header fuzz, over a file llama.cpp's own tools wrote
+    file = tiny_files["Q4_K_M"]
+    raw = file.read_bytes()
+    if file not in _ORIGINAL:
+        _ORIGINAL[file] = gguf_logits(file), reader_parts(raw, tmp_path / "original.gguf")
+    original, parts = _ORIGINAL[file]
+    what, offset, dtype = data.draw(st.sampled_from(parts), label="field")
+    (tmp_path / "bad.gguf").write_bytes(mutated(raw, offset, dtype, data.draw(st.integers(0, 99), label="value")))
+    refused_or_unchanged(tmp_path / "bad.gguf", original)

@@ -16,6 +16,7 @@ architecture's name:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,13 @@ REFUSED_ARCHITECTURES = {
 MODEL_TYPES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "gemma": GEMMA, "gemma2": GEMMA2}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# What a checkpoint may claim (a file is untrusted input): each count's range, far past any released
+# model's, so that no size computed from them is absurd before anything is allocated.
+LIMITS = {
+    "vocab_size": 2**24, "hidden_size": 2**20, "intermediate_size": 2**22, "num_layers": 2**12,
+    "num_heads": 2**12, "num_kv_heads": 2**12, "head_dim": 2**12, "max_position_embeddings": 2**24,
+}
+MAX_PARAMS = 2**42  # the parameters the counts imply, all together
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,29 @@ class LlamaConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        """Checks every number a checkpoint's config (or a GGUF's metadata) claims, before anything
+        is allocated by it.
+
+        Raises:
+            ValueError: naming the field, the value and the limit.
+        """
+        for name, high in LIMITS.items():
+            _check_count(name, getattr(self, name), high)
+        if self.num_params > MAX_PARAMS:
+            raise ValueError(f"the config implies {self.num_params} parameters, over the {MAX_PARAMS} nanoserve reads")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even: rope rotates pairs of a head's dimensions")
+        _check_positive("rms_norm_eps", self.rms_norm_eps, below=1.0)
+        _check_positive("rope_theta", self.rope_theta)
+        for key, value in (self.rope_scaling or {}).items():
+            if key not in ("rope_type", "type") and isinstance(value, int | float) and not isinstance(value, bool):
+                _check_positive(f"rope_scaling[{key!r}]", value)
+        for i, value in enumerate(self.rope_freq_factors or ()):
+            _check_positive(f"rope_freq_factors[{i}]", value)
+        for name, value in [("eos_token_id", t) for t in self.eos_token_ids] + [("bos_token_id", self.bos_token_id)]:
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value < self.vocab_size):
+                raise ValueError(f"{name}={value!r} is not a token id below vocab_size={self.vocab_size}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
@@ -93,8 +124,8 @@ class LlamaConfig:
             raise ValueError(f"sliding_layers={self.sliding_layers} name layers outside 0 .. {self.num_layers - 1}")
         for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name}={value} must be None or > 0")
+            if value is not None:
+                _check_positive(name, value)
 
     @property
     def num_params(self) -> int:
@@ -113,8 +144,18 @@ class LlamaConfig:
         Raises:
             ValueError: for an architecture, activation, bias, rope scaling or attention nanoserve does
                 not run, naming the value (and, for an architecture close to a supported one, the feature
-                the forward lacks).
+                the forward lacks); a count or number outside its limits (__post_init__); a value
+                missing or of the wrong type.
         """
+        if not isinstance(d, dict):
+            raise ValueError(f"a config is a JSON object, not {type(d).__name__}")
+        try:
+            return cls._from_hf_dict(d)
+        except (TypeError, KeyError, AttributeError, OverflowError) as e:  # a value of the wrong type, or missing
+            raise ValueError(f"config: a value nanoserve reads is missing or of the wrong type ({e!r})") from None
+
+    @classmethod
+    def _from_hf_dict(cls, d: dict[str, Any]) -> LlamaConfig:
         archs = d.get("architectures") or []
         model_type = d.get("model_type")
         if not archs and model_type in MODEL_TYPES:
@@ -134,6 +175,16 @@ class LlamaConfig:
             raise ValueError("mlp_bias=True is not supported")
         if d.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention=True is not supported: nanoserve's attention is causal")
+        for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
+                    "use_bidirectional_attention"):
+            if d.get(key) is not None and not isinstance(d[key], bool):
+                raise ValueError(f"{key}={d[key]!r} must be true or false")
+        for key, name in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+                          ("intermediate_size", "intermediate_size"), ("num_hidden_layers", "num_layers"),
+                          ("num_attention_heads", "num_heads")):
+            if key not in d:
+                raise ValueError(f"config has no {key!r}")
+            _check_count(key, d[key], LIMITS[name])
         num_heads = d["num_attention_heads"]
         num_layers = d["num_hidden_layers"]
         window, sliding_layers = _sliding_window(d, arch, num_layers)
@@ -172,6 +223,49 @@ class LlamaConfig:
             sliding_layers=sliding_layers,
             rope_freq_factors=tuple(d["rope_freq_factors"]) if d.get("rope_freq_factors") else None,
         )
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape, for every tensor the forward reads."""
+    E, I, D = config.hidden_size, config.intermediate_size, config.head_dim
+    H, Hkv = config.num_heads, config.num_kv_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, E), "model.norm.weight": (E,)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (E,),
+            p + "self_attn.q_proj.weight": (H * D, E),
+            p + "self_attn.k_proj.weight": (Hkv * D, E),
+            p + "self_attn.v_proj.weight": (Hkv * D, E),
+            p + "self_attn.o_proj.weight": (E, H * D),
+            p + "post_attention_layernorm.weight": (E,),
+            p + "mlp.gate_proj.weight": (I, E),
+            p + "mlp.up_proj.weight": (I, E),
+            p + "mlp.down_proj.weight": (E, I),
+        }
+        if config.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (H * D,), p + "self_attn.k_proj.bias": (Hkv * D,),
+                       p + "self_attn.v_proj.bias": (Hkv * D,)}
+        if config.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (E,)
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
+        if config.sandwich_norms:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (E,), p + "post_feedforward_layernorm.weight": (E,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, E)
+    return shapes
+
+
+def _check_count(name: str, value: Any, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+        raise ValueError(f"{name}={value!r} must be an integer from 1 to {high}")
+
+
+def _check_positive(name: str, value: Any, below: float = math.inf) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < below:
+        limit = "a finite number > 0" if below == math.inf else f"a number > 0 and < {below}"
+        raise ValueError(f"{name}={value!r} must be {limit}")
 
 
 # head_dim when config.json leaves it out: transformers' defaults for the families that set their own.
@@ -218,6 +312,7 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     # transformers 5 moved rope_theta and rope_scaling into rope_parameters.
     rope = dict(d.get("rope_parameters") or {})
     theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+    _check_positive("rope_theta", theta)
     scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling is not None:
         scaling = dict(scaling)

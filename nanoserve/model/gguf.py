@@ -12,6 +12,7 @@ data is memory-mapped and copied once, into the codes or the dense tensor.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nanoserve.model.config import LlamaConfig
+from nanoserve.model.config import LlamaConfig, expected_shapes
 from nanoserve.model.forms import STORED, Form, Regroup
 from nanoserve.model.ggml_blocks import BLOCK_TYPES, BY_ID, parts, unpack_rows
 
@@ -144,7 +145,7 @@ class GGUFFile:
         """A served tensor's stored items, read-only: [N, K / weights a block * bytes a block] uint8
         for a block type (ggml_blocks.BLOCK_TYPES), else `shape` in its own dtype."""
         tensor = self.tensors[name]
-        rows, cols = int(np.prod(tensor.shape[:-1])), tensor.shape[-1]
+        rows, cols = math.prod(tensor.shape[:-1]), tensor.shape[-1]
         block = BY_ID.get(tensor.type_id)
         if block is not None:
             if cols % block.weights:
@@ -177,68 +178,136 @@ class GGUFFile:
 
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+MAX_ARRAY_DEPTH = 2  # arrays of arrays (llama.cpp's merges are strings; nothing nests deeper)
+MAX_ALIGNMENT = 2**20
 
 
 def read_gguf_file(path: str | Path) -> GGUFFile:
-    """Parses the header of GGUF version 2 or 3 (little-endian) and maps the file.
+    """Parses the header of GGUF version 2 or 3 (little-endian), checks it as untrusted input and
+    maps the file.
+
+    Every length and count is checked against the bytes left before it is used; tensor names and
+    keys are unique; a tensor has 1 to MAX_DIMS dimensions of at least 1; `general.alignment` is a
+    power of two; each tensor of a type nanoserve reads starts where the one before it ends, padded
+    to the alignment, as llama.cpp's writer lays them out and its reader requires, and its bytes lie
+    inside the file (a type nanoserve does not read is refused by check_types).
 
     Raises:
-        ValueError: for a file that is not GGUF, a version other than 2 or 3, or a header cut short.
+        ValueError: for a file that is not GGUF, a version other than 2 or 3, or a header that
+            breaks any of the above, naming the file, the field, the value and the limit.
     """
     file = find_gguf(path)
-    mapped = np.memmap(file, dtype=np.uint8, mode="r")
+    mapped = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else np.zeros(0, np.uint8)
     buf = memoryview(mapped)
+    size = len(buf)
     pos = 0
 
-    def take(fmt: str) -> Any:
+    def need(nbytes: int, what: str) -> None:
+        if nbytes > size - pos:
+            raise ValueError(f"{file} ends inside its header: {what} needs {nbytes} bytes at byte {pos}, the file "
+                             f"ends at byte {size}")
+
+    def take(fmt: str, what: str = "a number") -> Any:
         nonlocal pos
+        need(struct.calcsize(fmt), what)
         (value,) = struct.unpack_from(fmt, buf, pos)
         pos += struct.calcsize(fmt)
         return value
 
-    def take_string() -> str:
+    def take_string(what: str) -> str:
         nonlocal pos
-        n = take("<Q")
+        n = take("<Q", f"the length of {what}")
+        need(n, what)
         pos += n
         return bytes(buf[pos - n:pos]).decode("utf-8", errors="replace")
 
-    def take_value(value_type: int) -> Any:
+    def take_value(value_type: int, key: str, depth: int = 0) -> Any:
         nonlocal pos
         if value_type == STRING:
-            return take_string()
+            return take_string(f"the value of {key!r}")
         if value_type in SCALARS:
-            return take(SCALARS[value_type])
+            return take(SCALARS[value_type], f"the value of {key!r}")
         if value_type != ARRAY:
-            raise ValueError(f"{file}: metadata value type {value_type} is not a GGUF type (0..12)")
-        item_type, count = take("<I"), take("<Q")
+            raise ValueError(f"{file}: metadata {key!r} has value type {value_type}, not a GGUF type (0..12)")
+        if depth >= MAX_ARRAY_DEPTH:
+            raise ValueError(f"{file}: metadata {key!r} nests arrays deeper than {MAX_ARRAY_DEPTH}")
+        item_type, count = take("<I", f"the item type of {key!r}"), take("<Q", f"the length of {key!r}")
         if item_type in SCALARS:  # numbers in one read
+            itemsize = struct.calcsize(SCALARS[item_type])
+            need(count * itemsize, f"{count} items of {key!r}")
             items = np.frombuffer(buf, SCALARS[item_type], count, pos)
             pos += items.nbytes
             return items.tolist()
-        return [take_value(item_type) for _ in range(count)]
+        need(count * 8, f"{count} items of {key!r}")  # a string or an array takes 8 bytes at least
+        return [take_value(item_type, key, depth + 1) for _ in range(count)]
 
+    need(4, "the magic")
     if bytes(buf[:4]) != b"GGUF":
         raise ValueError(f"{file} is not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF')")
-    version = take("<4xI")
+    pos = 4
+    version = take("<I", "the version")
     if version not in (2, 3):
         raise ValueError(f"{file} is GGUF version {version}: nanoserve reads versions 2 and 3 (little-endian)")
-    num_tensors, num_keys = take("<Q"), take("<Q")
-    metadata, infos = {}, []
-    try:
-        for _ in range(num_keys):
-            key = take_string()
-            metadata[key] = take_value(take("<I"))
-        for _ in range(num_tensors):
-            name = take_string()
-            dims = [take("<Q") for _ in range(take("<I"))]  # ne0 (K) first
-            infos.append((name, take("<I"), tuple(reversed(dims)), take("<Q")))
-    except struct.error as e:
-        raise ValueError(f"{file} ends inside its header ({len(metadata)} of {num_keys} keys, "
-                         f"{len(infos)} of {num_tensors} tensors read)") from e
+    num_tensors, num_keys = take("<Q", "the tensor count"), take("<Q", "the key count")
+    metadata, infos = {}, {}
+    for _ in range(num_keys):
+        key = take_string("a metadata key")
+        if key in metadata:
+            raise ValueError(f"{file}: metadata key {key!r} appears twice")
+        metadata[key] = take_value(take("<I", f"the value type of {key!r}"), key)
+    for _ in range(num_tensors):
+        name = take_string("a tensor name")
+        if name in infos:
+            raise ValueError(f"{file}: tensor {name!r} appears twice")
+        num_dims = take("<I", f"the dimension count of {name!r}")
+        if not 1 <= num_dims <= MAX_DIMS:
+            raise ValueError(f"{file}: tensor {name!r} has {num_dims} dimensions; GGUF's are 1 to {MAX_DIMS}")
+        dims = [take("<Q", f"a dimension of {name!r}") for _ in range(num_dims)]  # ne0 (K) first
+        if not all(dims) or math.prod(dims) >= 2**48:
+            raise ValueError(f"{file}: tensor {name!r} has dimensions {dims}: each must be >= 1, their product "
+                             f"below 2**48")
+        infos[name] = (take("<I", f"the type of {name!r}"), tuple(reversed(dims)), take("<Q", f"the offset of {name!r}"))
     alignment = metadata.get("general.alignment", 32)
+    if (not isinstance(alignment, int) or isinstance(alignment, bool) or not 1 <= alignment <= MAX_ALIGNMENT
+            or alignment & (alignment - 1)):
+        raise ValueError(f"{file}: general.alignment={alignment!r} must be a power of two from 1 to {MAX_ALIGNMENT}")
     data_start = -(-pos // alignment) * alignment
-    tensors = {name: GGUFTensor(name, type_id, shape, data_start + offset) for name, type_id, shape, offset in infos}
+    tensors = {name: GGUFTensor(name, type_id, shape, data_start + offset) for name, (type_id, shape, offset) in infos.items()}
+    expected = 0  # where the next tensor's data starts, relative to data_start
+    for name, (type_id, shape, offset) in infos.items():
+        try:
+            nbytes = _nbytes(type_id, shape)
+        except ValueError as e:
+            raise ValueError(f"{file}: tensor {name!r} is {e}") from None
+        if nbytes is None:
+            break  # a type nanoserve does not read: check_types names it
+        if offset != expected:
+            raise ValueError(f"{file}: tensor {name!r} has data offset {offset}; the tensors before it end at "
+                             f"{expected} (offsets follow one another, each padded to general.alignment={alignment})")
+        if data_start + offset + nbytes > size:
+            raise ValueError(f"{file}: tensor {name!r} needs {nbytes} bytes at byte {data_start + offset}; the file "
+                             f"ends at byte {size} (truncated?)")
+        expected = -(-(offset + nbytes) // alignment) * alignment
     return GGUFFile(metadata, tensors, mapped)
+
+
+def _nbytes(type_id: int, shape: tuple[int, ...]) -> int | None:
+    """The bytes a tensor of a type nanoserve reads takes (None: a type it does not read).
+
+    Raises:
+        ValueError: a block type whose rows are not whole blocks.
+    """
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    block = BY_ID.get(type_id)
+    if block is not None:
+        if cols % block.weights:
+            raise ValueError(f"{block.name} with rows of {cols} weights, not a whole number of its "
+                             f"{block.weights}-weight blocks")
+        return rows * (cols // block.weights) * block.nbytes
+    if type_id in DENSE_TYPES:
+        return rows * cols * DENSE_TYPES[type_id][2]
+    return None
 
 
 @dataclass(frozen=True)
@@ -327,7 +396,19 @@ def architecture_of(parsed: GGUFFile) -> tuple[str, GGUFArchitecture]:
 
 
 def config_from_gguf(parsed: GGUFFile) -> LlamaConfig:
-    """The LlamaConfig of a parsed file (read_gguf_config's work, without re-reading the header)."""
+    """The LlamaConfig of a parsed file (read_gguf_config's work, without re-reading the header).
+
+    Raises:
+        ValueError: metadata nanoserve does not run, outside its limits (LlamaConfig's checks), or of
+            the wrong type, naming the key.
+    """
+    try:
+        return _config_from_gguf(parsed)
+    except (TypeError, KeyError, AttributeError, ZeroDivisionError, OverflowError) as e:
+        raise ValueError(f"GGUF metadata nanoserve reads is missing or of the wrong type ({e!r})") from None
+
+
+def _config_from_gguf(parsed: GGUFFile) -> LlamaConfig:
     arch, spec = architecture_of(parsed)
     meta = parsed.metadata
 
@@ -339,6 +420,19 @@ def config_from_gguf(parsed: GGUFFile) -> LlamaConfig:
     if isinstance(num_kv_heads, list):
         raise ValueError(f"{arch}.attention.head_count_kv={num_kv_heads} varies by layer: not supported")
     tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is not None and (not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens)):
+        raise ValueError("tokenizer.ggml.tokens must be a list of strings")
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        if key in meta and (not isinstance(meta[key], list) or tokens is None or len(meta[key]) != len(tokens)):
+            raise ValueError(f"{key} must be a list as long as tokenizer.ggml.tokens ({len(tokens or ())} entries)")
+    for key, value in meta.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id") and tokens is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < len(tokens)):
+            raise ValueError(f"{key}={value!r} is not a token id below the {len(tokens)} tokens")
+    key_length, value_length = arch_key("attention.key_length"), arch_key("attention.value_length")
+    if value_length is not None and value_length != key_length:
+        raise ValueError(f"{arch}.attention.value_length={value_length!r} differs from attention.key_length="
+                         f"{key_length!r}: nanoserve's heads have one width")
     d = {
         "architectures": [spec.hf_architecture],
         "vocab_size": len(tokens) if tokens is not None else arch_key("vocab_size"),
@@ -364,7 +458,39 @@ def config_from_gguf(parsed: GGUFFile) -> LlamaConfig:
                            "num_attention_heads") if d[k] is None]
     if missing:
         raise ValueError(f"GGUF metadata gives no value for {missing} (architecture {arch!r})")
-    return LlamaConfig.from_hf_dict(d)
+    config = LlamaConfig.from_hf_dict(d)
+    rotated = arch_key("rope.dimension_count")
+    if rotated is not None and rotated != config.head_dim:
+        raise ValueError(f"{arch}.rope.dimension_count={rotated!r}: nanoserve rotates whole heads of "
+                         f"head_dim={config.head_dim}")
+    return config
+
+
+def check_tensor_infos(parsed: GGUFFile, config: LlamaConfig, names: dict[str, str]) -> None:
+    """Holds the file's tensor directory to what the config implies, before any tensor is read: each
+    tensor one the model reads, in the shape it reads, and none missing.
+
+    Raises:
+        ValueError: naming the tensor, its shape and the expected one.
+    """
+    expected = expected_shapes(config)
+    found = set()
+    for gguf_name, tensor in parsed.tensors.items():
+        if gguf_name == ROPE_FREQS:
+            want = (config.head_dim // 2,)
+        else:
+            name = hf_name(gguf_name, names)
+            if name not in expected:
+                raise ValueError(f"GGUF tensor {gguf_name!r} ({name}) is not one a {config.architecture} with this "
+                                 "config reads")
+            found.add(name)
+            want = expected[name]
+        if tensor.shape != want:
+            raise ValueError(f"GGUF tensor {gguf_name!r} has shape {list(tensor.shape)}, expected "
+                             f"{list(want)} (the config's)")
+    missing = sorted(expected.keys() - found)
+    if missing:
+        raise ValueError(f"GGUF file lacks {len(missing)} tensor(s) the config implies: {missing[:4]}")
 
 
 def gemma2_keys(arch_key, d: dict[str, Any]) -> dict[str, Any]:
@@ -471,6 +597,7 @@ def load_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor | B
     parsed.check_types()
     config = config_from_gguf(parsed)
     _, spec = architecture_of(parsed)
+    check_tensor_infos(parsed, config, spec.names)
     tensors: dict[str, torch.Tensor | BlockQuantized] = {}
     for gguf_name in parsed.tensors:
         if gguf_name == ROPE_FREQS:
@@ -496,7 +623,11 @@ def load_gguf_tokenizer(path: str | Path, cache: Path | None = None):
     saved = (cache or cache_dir().parent) / f"tokenizer-{key}"
     if (saved / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(saved)
-    tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    except Exception as e:  # transformers' reading of untrusted metadata: whatever it raised, named
+        raise ValueError(f"{file}: transformers could not build a tokenizer from its tokenizer.ggml.* metadata "
+                         f"({e!r})") from None
     built = None
     try:
         saved.parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.model.attention import AttentionMetadata, paged_attention
-from nanoserve.model.config import LlamaConfig
+from nanoserve.model.config import LlamaConfig, expected_shapes
 from nanoserve.model.driver import Driver
 from nanoserve.model.forms import Weight, as_weight
 from nanoserve.model.kv_cache import KVCache
@@ -126,38 +126,6 @@ def run_layers(model: LlamaModel, h: torch.Tensor, inputs: ModelInputs, kv: KVCa
         attn = windowed if i in model.sliding_layers else inputs.attn
         h = layer_fn(h, layer, cos, sin, kv.k[i], kv.v[i], attn, model.shape)
     return h
-
-
-def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape, for every tensor the forward reads."""
-    E, I, D = config.hidden_size, config.intermediate_size, config.head_dim
-    H, Hkv = config.num_heads, config.num_kv_heads
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, E), "model.norm.weight": (E,)}
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (E,),
-            p + "self_attn.q_proj.weight": (H * D, E),
-            p + "self_attn.k_proj.weight": (Hkv * D, E),
-            p + "self_attn.v_proj.weight": (Hkv * D, E),
-            p + "self_attn.o_proj.weight": (E, H * D),
-            p + "post_attention_layernorm.weight": (E,),
-            p + "mlp.gate_proj.weight": (I, E),
-            p + "mlp.up_proj.weight": (I, E),
-            p + "mlp.down_proj.weight": (E, I),
-        }
-        if config.qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (H * D,), p + "self_attn.k_proj.bias": (Hkv * D,),
-                       p + "self_attn.v_proj.bias": (Hkv * D,)}
-        if config.o_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (E,)
-        if config.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
-        if config.sandwich_norms:
-            shapes |= {p + "pre_feedforward_layernorm.weight": (E,), p + "post_feedforward_layernorm.weight": (E,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, E)
-    return shapes
 
 
 def layer_shape(config: LlamaConfig, dtype: torch.dtype) -> LayerShape:

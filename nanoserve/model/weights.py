@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from nanoserve.model.config import LlamaConfig
+from nanoserve.model.config import LlamaConfig, expected_shapes
 from nanoserve.model.llama import LlamaModel
 
 
@@ -26,20 +26,39 @@ def load_config(path: str | Path) -> LlamaConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found: a checkpoint directory needs config.json")
-    d = json.loads(config_file.read_text())
+    d = _read_json(config_file)
     gen_file = path / "generation_config.json"
     if gen_file.is_file():
-        gen = json.loads(gen_file.read_text())
-        if gen.get("eos_token_id") is not None:
+        gen = _read_json(gen_file)
+        if isinstance(gen, dict) and gen.get("eos_token_id") is not None:
             d["eos_token_id"] = gen["eos_token_id"]
-    return LlamaConfig.from_hf_dict(d)
+    try:
+        return LlamaConfig.from_hf_dict(d)
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from None
+
+
+def _read_json(file: Path) -> Any:
+    """A JSON file's value.
+
+    Raises:
+        ValueError: naming the file, where it is not UTF-8 JSON.
+    """
+    try:
+        return json.loads(file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{file} is not JSON: {e}") from None
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        value = _read_json(index)
+        weight_map = value.get("weight_map") if isinstance(value, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v and v.endswith(".safetensors")
+                                                       for v in weight_map.values()):
+            raise ValueError(f"{index}: weight_map must map tensor names to .safetensors files in {path}")
         return [path / name for name in sorted(set(weight_map.values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -47,19 +66,37 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+def load_tensors(path: str | Path, shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's safetensors files. shapes: the tensors the model reads and their
+    shapes (expected_shapes), held to the files' headers before any tensor is read; tensors the
+    model does not read are left unread.
+
+    Raises:
+        ValueError: a file whose header safetensors refuses, or a tensor of another shape than the
+            config implies, named.
+    """
     tensors: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                tensors[name] = f.get_tensor(name)
-    return tensors
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names = [name for name in f.keys() if shapes is None or name in shapes]  # noqa: SIM118
+                for name in names if shapes is not None else ():
+                    got = tuple(f.get_slice(name).get_shape())
+                    if got != shapes[name]:
+                        raise ValueError(f"{file}: tensor {name!r} has shape {list(got)}, expected "
+                                         f"{list(shapes[name])} (the config's)")
+                for name in names:
+                    tensors[name] = f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file} is not a safetensors file nanoserve reads: {e}") from None
+    return tensors  # one the config implies and no file holds: LlamaModel.from_state_dict names it
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,
                max_positions: int | None = None) -> LlamaModel:
     config = load_config(path)
-    return LlamaModel.from_state_dict(config, load_tensors(path), dtype, device, max_positions)
+    return LlamaModel.from_state_dict(config, load_tensors(path, expected_shapes(config)), dtype, device,
+                                      max_positions)
 
 
 def checkpoint_source(path: str | Path | None) -> tuple[Path, bool]:

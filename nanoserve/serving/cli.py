@@ -98,7 +98,13 @@ def serve_main(argv: list[str]) -> None:
         import torch
 
         torch.set_num_threads(args.num_threads)  # process start-up: the one place a torch global is set
-    serve(args.model, args.host, args.port, config, args.served_model_name, args.log_level, server_config)
+    from nanoserve.engine import Engine
+
+    try:  # a model file nanoserve refuses (malformed, or asking what it does not run): one line, status 2
+        engine = Engine.from_pretrained(args.model, config)
+    except (ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"nanoserve serve: error: {str(e).splitlines()[0] if str(e) else repr(e)}\n")
+    serve(args.model, args.host, args.port, config, args.served_model_name, args.log_level, server_config, engine)
 
 
 BATCH_INVARIANT = {"auto": "auto", "true": True, "false": False}
