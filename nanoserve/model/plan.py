@@ -294,27 +294,28 @@ def with_draft(plan: ExecutionPlan, config: Any, draft: LlamaModel, probe: Any =
 def _plan(config: Any, model: LlamaModel, world_size: int, probe: Any) -> ExecutionPlan:
     """Stage 1: the invariant plan where it is asked for and nothing rules it out, else the other."""
     wanted = config.batch_invariant
-    blockers = [] if wanted is False else invariance_blockers(config, model, world_size)
+    c_reason = why_not(model.config, torch.device(config.device))  # why fused_decode.c cannot run it (None: it can)
+    blockers = [] if wanted is False else invariance_blockers(config, c_reason)
     if wanted is True and blockers:
         raise ValueError(f"batch_invariant=True, but {'; '.join(blockers)}; use batch_invariant='auto' or False")
     if wanted is not False and not blockers:
-        plan = _resolve(config, model, world_size, probe, True, ())
+        plan = _resolve(config, model, world_size, probe, True, (), c_reason)
         off_c = [m for m in plan.matrices if not m.form.name.in_c]
         if not off_c:
             return plan
         blockers = [f"{_where(off_c[0])} stored {off_c[0].stored} runs on {off_c[0].form.name}, outside C"]
         if wanted is True:
             raise ValueError(f"batch_invariant=True, but {blockers[0]}; use batch_invariant='auto' or False")
-    return _resolve(config, model, world_size, probe, False, tuple(blockers))
+    return _resolve(config, model, world_size, probe, False, tuple(blockers), c_reason)
 
 
-def invariance_blockers(config: Any, model: LlamaModel, world_size: int = 1) -> list[str]:
+def invariance_blockers(config: Any, c_reason: str | None) -> list[str]:
     """The config's choices that rule the batch-invariant plan out, each said as the reason (empty:
-    none does). The exact path is one only where batch_invariant is "auto": asked for by True, its
-    float32 runs on dense panels instead of torch's ops."""
-    device, overrides = torch.device(config.device), config.overrides
+    none does); c_reason: why fused_decode.c cannot run the model (fused_decode.why_not), or None.
+    The exact path is one only where batch_invariant is "auto": asked for by True, its float32 runs
+    on dense panels instead of torch's ops."""
+    overrides = config.overrides
     found = []
-    c_reason = why_not(model.config, device)
     if c_reason is not None:
         found.append(f"no C decode: {c_reason}")
     if config.compile:
@@ -348,7 +349,7 @@ def _where(m: MatrixPlan) -> str:
 
 
 def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invariant: bool,
-             blockers: tuple[str, ...]) -> ExecutionPlan:
+             blockers: tuple[str, ...], c_reason: str | None) -> ExecutionPlan:
     """The plan, the invariant one where `invariant` (blockers: why not, where it was asked for):
     stages 2-4 (the precision, each matrix's form, the routes)."""
     device = torch.device(config.device)
@@ -373,8 +374,7 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
         c_decode = False
         reasons.append("tensor parallelism: torch's kernels, decoder_layer with all-reduces" if parallel
                        else "torch.compile: torch's kernels, the compiled decoder_layer")
-    c_reason = why_not(model.config, device) if c_decode else None
-    if c_reason is not None:
+    if c_decode and c_reason is not None:
         reasons.append(f"no C decode: {c_reason}")
         c_decode = False
 
