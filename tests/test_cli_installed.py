@@ -68,3 +68,9 @@ def test_the_installed_plan_command_prints_what_the_default_model_runs(tmp_path,
     target, draft = proc.stdout.split("draft model (speculative decoding):\n")
     assert "  steps:\n    decode-only: " in draft and "    layers 0-29 qkv            Q4_1 -> " in draft
     assert "draft_quantized" in draft and "probe:" not in draft  # the probe is printed once, with the target's
+    # two ranks: each rank's o and down summed in rank order, every step on the ranks' C calls
+    proc = subprocess.run([str(script), "plan", "--tensor-parallel-size", "2"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "layers 0-29 o              Q4_1 -> " in proc.stdout and "all-reduced in rank order" in proc.stdout
+    assert "decode-only: c-tensor-parallel" in proc.stdout and "with a prompt: c-tensor-parallel" in proc.stdout
