@@ -49,7 +49,7 @@ def build_inputs(sched: SchedulerOutput, block_size: int, device: torch.device,
     return lay_out(token_runs(sched, pending), block_size, device, pending, decode_group_min_rows, sliding_window)
 
 
-def lay_out(token_runs: list[TokenRun], block_size: int, device: torch.device, pending: TokenBatch | None = None,
+def lay_out(runs: list[TokenRun], block_size: int, device: torch.device, pending: TokenBatch | None = None,
             decode_group_min_rows: int | None = 8, sliding_window: int | None = None) -> ModelInputs:
     """Flattens the runs into one batch of T tokens with its attention metadata.
 
@@ -68,7 +68,7 @@ def lay_out(token_runs: list[TokenRun], block_size: int, device: torch.device, p
     block_tables: list[list[int]] = []
     pending_dst: list[int] = []  # rows of input_ids whose token is still on the device
     pending_src: list[int] = []  # ... and the row of the pending batch that holds it
-    for run in token_runs:
+    for run in runs:
         start, blocks = run.start, run.block_ids
         end = start + len(run.token_ids)
         if run.pending is not None:

@@ -103,8 +103,8 @@ class Speculator:
                 generator.set_state(state)
                 skip_noise(generator, span.num_rows - num_rejected, *self._noise_row)
 
-    def end_step(self, num_steps_tokens: int, decode_only: bool, drafted: bool, seconds: float) -> None:
-        """The rule's measurement: a decode-only step's seconds a token kept, less the draft's catch-up
-        (num_steps_tokens: the step's requests, each a token, and the drafts they kept)."""
+    def end_step(self, num_requests: int, decode_only: bool, drafted: bool, seconds: float) -> None:
+        """The rule's measurement of a decode-only step: its seconds, less the draft's catch-up, over
+        the tokens it kept (a token for each of its num_requests and each draft they kept)."""
         if decode_only:
-            self.rule.observe_step(drafted, num_steps_tokens + self.num_accepted, seconds - self.catch_up_s)
+            self.rule.observe_step(drafted, num_requests + self.num_accepted, seconds - self.catch_up_s)

@@ -80,9 +80,9 @@ def load_tensors(path: str | Path, shapes: dict[str, tuple[int, ...]] | None = N
         try:
             with safe_open(str(file), framework="pt") as f:
                 names = [name for name in f.keys() if shapes is None or name in shapes]  # noqa: SIM118
-                for name in names if shapes is not None else ():
+                for name in names:
                     got = tuple(f.get_slice(name).get_shape())
-                    if got != shapes[name]:
+                    if shapes is not None and got != shapes[name]:
                         raise ValueError(f"{file}: tensor {name!r} has shape {list(got)}, expected "
                                          f"{list(shapes[name])} (the config's)")
                 for name in names:
