@@ -51,6 +51,26 @@ static inline simde__m512i nanoserve_mm512_srai_epi32(simde__m512i a, unsigned i
 }
 #define _mm512_srai_epi32(a, count) nanoserve_mm512_srai_epi32(a, count)
 #endif
+#ifndef _mm512_cvtepu8_epi32
+static inline simde__m512i nanoserve_mm512_cvtepu8_epi32(simde__m128i a) {
+  uint8_t in[16];
+  int32_t out[16];
+  simde_mm_storeu_si128(in, a);
+  for (int i = 0; i < 16; i++) out[i] = in[i];
+  return simde_mm512_loadu_si512(out);
+}
+#define _mm512_cvtepu8_epi32(a) nanoserve_mm512_cvtepu8_epi32(a)
+#endif
+#ifndef _mm512_cvtepi8_epi32
+static inline simde__m512i nanoserve_mm512_cvtepi8_epi32(simde__m128i a) {
+  int8_t in[16];
+  int32_t out[16];
+  simde_mm_storeu_si128(in, a);
+  for (int i = 0; i < 16; i++) out[i] = in[i];
+  return simde_mm512_loadu_si512(out);
+}
+#define _mm512_cvtepi8_epi32(a) nanoserve_mm512_cvtepi8_epi32(a)
+#endif
 /* SIMDe 0.7.4 aliases this one with its masked form's four arguments; the two-argument alias. */
 #undef _mm512_madd_epi16
 #define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)

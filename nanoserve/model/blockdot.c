@@ -501,7 +501,298 @@ static void task(const struct xin *in, int64_t M, int64_t K, int64_t N, const ui
   }
 }
 
-int64_t blockdot_scratch_floats(int64_t M, int64_t K) { return 4 * M * (K / G) + M * K / 2; }
+/* ---- File-bit panels on int8 activations (planes & I8P) ----
+ *
+ * A matrix kept at its file's bits, multiplied in integers against x rounded to int8 per block of 32
+ * (struct xin's x8): each 32-bit lane of a vector holds four codes of its output row as unsigned
+ * bytes, and one multiply-add of four byte pairs into an int32 (vpdpbusd with AVX-512 VNNI or
+ * AVX-VNNI; vpmaddubsw and vpmaddwd without) advances 16 rows by four k against four bytes of x
+ * broadcast. Sums are exact in int32; each block's float scaling runs in one fixed order per row, so
+ * a row's bits do not depend on the rows beside it or on the tile it is in.
+ *
+ * Panels of 16 output rows (as above), per super-block of 256 weights (the K-quants' own unit), in
+ * the bytes I8_TYPES gives:
+ *   Q4_K  float d[16], dmin[16]; uint8 sc[8][16], mn[8][16] (group j's 6-bit scale and min, row by
+ *         row); then 32 octets of 64 bytes: octet 4 j + o holds, in lane n, row n's codes at
+ *         k = 32 j + 8 o + i (low half of byte i) and k + 4 (high half), i = 0..3.
+ *         w = d sc q - dmin mn: 4.75 bits a weight (the file's 4.5).
+ *   Q6_K  float d[16]; int8 sc[16][16] (group g of 16 weights' scale, row by row); the low 4 bits of
+ *         q as Q4_K's octets (32 of them, octet 2 g + h for k = 16 g + 8 h ..); then 16 vectors of
+ *         the high 2 bits: vector g, lane n, byte i, bits 2 s and 2 s + 1: row n's at k = 16 g + 4 s + i.
+ *         w = d sc (q - 32), q in 0..63: 6.625 bits a weight (the file's 6.5625).
+ * d and dmin are float32 (a factor of each group's scale exact with the 6-bit one: blockdot.py's
+ * pack_int8 finds them), so d sc and dmin mn are the stored matrix's scales and mins bit for bit. */
+#define I8P 32                          /* `planes` flag: file-bit panels; the type in bits 8 and up */
+#define I8_TYPE(planes) ((planes) >> 8)
+#define SB 256                          /* weights a super-block */
+enum { I8_Q4_K = 1, I8_Q6_K = 2, I8_TYPES_END };
+struct i8_type {
+  const char *name;
+  int64_t bytes;  /* a panel's super-block */
+};
+static const struct i8_type I8_TYPES[I8_TYPES_END] = {
+    [I8_Q4_K] = {"Q4_K", 2 * P * 4 + 2 * 8 * P + 32 * 64},
+    [I8_Q6_K] = {"Q6_K", P * 4 + 16 * P + 32 * 64 + 16 * 64},
+};
+#define Q4K_SC (2 * P * 4)
+#define Q4K_MN (Q4K_SC + 8 * P)
+#define Q4K_CODES (Q4K_MN + 8 * P)
+#define Q6K_SC (P * 4)
+#define Q6K_LOW (Q6K_SC + 16 * P)
+#define Q6K_HIGH (Q6K_LOW + 32 * 64)
+
+/* A panel's super-block bytes for `planes`, or 0 where planes names no file-bit type. */
+int64_t blockdot_i8_bytes(int planes) {
+  const int t = I8_TYPE(planes);
+  return (planes & I8P) && t > 0 && t < I8_TYPES_END ? I8_TYPES[t].bytes : 0;
+}
+
+#if SIMD == 512
+static inline vi vi_load(const uint8_t *p) { return _mm512_loadu_si512(p); }
+static inline vi vi_mask(vi a, uint32_t m) { return _mm512_and_si512(a, _mm512_set1_epi32((int)m)); }
+static inline vi vi_srl(vi a, int s) { return _mm512_srli_epi32(a, s); }
+static inline vi vi_sll(vi a, int s) { return _mm512_slli_epi32(a, s); }
+static inline vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+static inline vf vu8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline vf vs8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+/* acc + per lane the dot of its four unsigned bytes with the four signed bytes at x */
+static inline vi vdp8(vi acc, vi u, const int8_t *x) {
+  int32_t s;
+  memcpy(&s, x, 4);
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(s));
+#else  /* pairs of products into int16: at most 2 * 63 * 127, no saturation */
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, _mm512_set1_epi32(s)), _mm512_set1_epi16(1)));
+#endif
+}
+#elif SIMD == 256
+static inline vi vi_load(const uint8_t *p) {
+  return (vi){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))};
+}
+static inline vi vi_mask(vi a, uint32_t m) {
+  const __m256i v = _mm256_set1_epi32((int)m);
+  return (vi){_mm256_and_si256(a.a, v), _mm256_and_si256(a.b, v)};
+}
+static inline vi vi_srl(vi a, int s) { return (vi){_mm256_srli_epi32(a.a, s), _mm256_srli_epi32(a.b, s)}; }
+static inline vi vi_sll(vi a, int s) { return (vi){_mm256_slli_epi32(a.a, s), _mm256_slli_epi32(a.b, s)}; }
+static inline vi vi_or(vi a, vi b) { return (vi){_mm256_or_si256(a.a, b.a), _mm256_or_si256(a.b, b.b)}; }
+static inline vf vu8(const uint8_t *p) {
+  const __m128i v = _mm_loadu_si128((const __m128i *)p);
+  return (vf){_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))};
+}
+static inline vf vs8(const uint8_t *p) {
+  const __m128i v = _mm_loadu_si128((const __m128i *)p);
+  return (vf){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
+}
+static inline __m256i dp8x8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+static inline vi vdp8(vi acc, vi u, const int8_t *x) {
+  int32_t s;
+  memcpy(&s, x, 4);
+  const __m256i sv = _mm256_set1_epi32(s);
+  return (vi){dp8x8(acc.a, u.a, sv), dp8x8(acc.b, u.b, sv)};
+}
+#else
+static inline vi vi_load(const uint8_t *p) { vi r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline vi vi_mask(vi a, uint32_t m) { for (int n = 0; n < 16; n++) a.v[n] &= m; return a; }
+static inline vi vi_srl(vi a, int s) { for (int n = 0; n < 16; n++) a.v[n] >>= s; return a; }
+static inline vi vi_sll(vi a, int s) { for (int n = 0; n < 16; n++) a.v[n] <<= s; return a; }
+static inline vi vi_or(vi a, vi b) { for (int n = 0; n < 16; n++) a.v[n] |= b.v[n]; return a; }
+static inline vf vu8(const uint8_t *p) { vf r; for (int n = 0; n < 16; n++) r.v[n] = p[n]; return r; }
+static inline vf vs8(const uint8_t *p) { vf r; for (int n = 0; n < 16; n++) r.v[n] = (int8_t)p[n]; return r; }
+static inline vi vdp8(vi acc, vi u, const int8_t *x) {
+  for (int n = 0; n < 16; n++) {
+    int32_t s = 0;
+    for (int i = 0; i < 4; i++) s += (int32_t)((u.v[n] >> 8 * i) & 255) * x[i];  /* little-endian lanes */
+    acc.v[n] += (uint32_t)s;
+  }
+  return acc;
+}
+#endif
+
+#define LOW4 0x0F0F0F0Fu
+/* Q6_K's high bits of quad s (k = 4 s .. 4 s + 3 of the group) at bits 4 and 5 of each byte */
+static inline vi q6_high(vi h, int s) {
+  const vi at = s == 0 ? vi_sll(h, 4) : s == 1 ? vi_sll(h, 2) : s == 2 ? h : vi_srl(h, 2);
+  return vi_mask(at, 0x30303030u);
+}
+
+/* NP panels (16 NP output rows) against MR rows of x from r0 (NP * MR <= 8), a file-bit type: acc[p * MR + r]. */
+INLINE void tile8(const struct xin *in, int64_t K, const uint8_t *w, const int type, int64_t p0, int64_t r0, const int NP,
+                  const int MR, vf acc[8]) {
+  const int64_t S = K / SB, B = K / G, sb = I8_TYPES[type].bytes;
+  for (int a = 0; a < NP * MR; a++) acc[a] = vzero();
+  for (int64_t s = 0; s < S; s++) {
+    const uint8_t *blk[4];
+    vf d[4], dmin[4];
+    for (int p = 0; p < NP; p++) {
+      blk[p] = w + ((p0 + p) * S + s) * sb;
+      d[p] = vload((const float *)blk[p]);
+      if (type == I8_Q4_K) dmin[p] = vload((const float *)blk[p] + P);
+    }
+    if (type == I8_Q4_K) {
+      for (int j = 0; j < 8; j++) {  /* group j: x's block 8 s + j */
+        const int64_t b = s * 8 + j;
+        vi g[8];
+        for (int a = 0; a < NP * MR; a++) g[a] = vizero();
+        for (int p = 0; p < NP; p++)  /* the next super-block on its way: 38 lines, 5 a group */
+          for (int l = 0; l < 5; l++) prefetch(blk[p] + sb + (5 * j + l) * 64);
+        for (int o = 0; o < 4; o++)
+          for (int p = 0; p < NP; p++) {
+            const vi c = vi_load(blk[p] + Q4K_CODES + (4 * j + o) * 64);
+            const vi lo = vi_mask(c, LOW4), hi = vi_mask(vi_srl(c, 4), LOW4);
+            for (int r = 0; r < MR; r++) {
+              const int8_t *x = in->x8 + (r0 + r) * K + b * G + 8 * o;
+              g[p * MR + r] = vdp8(vdp8(g[p * MR + r], lo, x), hi, x + 4);
+            }
+          }
+        for (int p = 0; p < NP; p++) {
+          const vf ds = vmul(d[p], vu8(blk[p] + Q4K_SC + j * P)), dm = vmul(dmin[p], vu8(blk[p] + Q4K_MN + j * P));
+          for (int r = 0; r < MR; r++) {
+            const int64_t rb = (r0 + r) * B + b;
+            const float xs = (float)(in->x8sum16[2 * rb] + in->x8sum16[2 * rb + 1]);
+            /* w x summed = x8d (d sc sum(q x8) - dmin mn sum(x8)) */
+            const vf t = vfma(ds, vcvt(g[p * MR + r]), vmul(dm, vset1(-xs)));
+            acc[p * MR + r] = vfma(t, vset1(in->x8d[rb]), acc[p * MR + r]);
+          }
+        }
+      }
+    } else {  /* I8_Q6_K */
+      for (int gi = 0; gi < 16; gi++) {  /* group gi of 16 weights: x's block 8 s + gi / 2 */
+        const int64_t b = s * 8 + gi / 2;
+        vi g[8];
+        for (int a = 0; a < NP * MR; a++) g[a] = vizero();
+        for (int p = 0; p < NP; p++)  /* the next super-block: 53 lines, 4 a group */
+          for (int l = 0; l < 4; l++) prefetch(blk[p] + sb + (4 * gi + l) * 64);
+        for (int p = 0; p < NP; p++) {
+          const vi h = vi_load(blk[p] + Q6K_HIGH + gi * 64);
+          for (int half = 0; half < 2; half++) {
+            const vi c = vi_load(blk[p] + Q6K_LOW + (2 * gi + half) * 64);
+            const vi q0 = vi_or(vi_mask(c, LOW4), q6_high(h, 2 * half));
+            const vi q1 = vi_or(vi_mask(vi_srl(c, 4), LOW4), q6_high(h, 2 * half + 1));
+            for (int r = 0; r < MR; r++) {
+              const int8_t *x = in->x8 + (r0 + r) * K + s * SB + 16 * gi + 8 * half;
+              g[p * MR + r] = vdp8(vdp8(g[p * MR + r], q0, x), q1, x + 4);
+            }
+          }
+        }
+        for (int p = 0; p < NP; p++) {
+          const vf dsc = vmul(d[p], vs8(blk[p] + Q6K_SC + gi * P));
+          for (int r = 0; r < MR; r++) {
+            const int64_t rb = (r0 + r) * B + b;
+            /* sum((q - 32) x8) = sum(q x8) - 32 sum(x8), both exact in float (below 2^24) */
+            const vf t = vadd(vcvt(g[p * MR + r]), vset1(-32.0f * (float)in->x8sum16[(r0 + r) * (K / 16) + s * 16 + gi]));
+            acc[p * MR + r] = vfma(vmul(dsc, vset1(in->x8d[rb])), t, acc[p * MR + r]);
+          }
+        }
+      }
+    }
+  }
+}
+
+INLINE void tile8_out(const struct xin *in, int64_t K, int64_t N, const uint8_t *w, const int type, int64_t p0,
+                      int64_t r0, const int NP, const int MR, void *y, int y_bf16) {
+  vf acc[8];
+  tile8(in, K, w, type, p0, r0, NP, MR, acc);
+  for (int p = 0; p < NP; p++)
+    for (int r = 0; r < MR; r++) {
+      float lanes[P];
+      vstore(lanes, acc[p * MR + r]);
+      for (int n = 0; n < P && (p0 + p) * P + n < N; n++) {
+        const int64_t at = (r0 + r) * N + (p0 + p) * P + n;
+        if (y_bf16) ((uint16_t *)y)[at] = f32_to_bf16(lanes[n]);
+        else ((float *)y)[at] = lanes[n];
+      }
+    }
+}
+
+/* Panels [p0, p0 + NP) against every row of x, in tiles of NP panels by up to 8 / NP rows (AVX2, whose
+   vectors are two registers: 4 / NP). Each tile reads its panels' codes once for all its rows. */
+#define I8_TILES(type)                                                                                     \
+  static void task8_##type(const struct xin *in, int64_t M, int64_t K, int64_t N, const uint8_t *w, int64_t p0, \
+                           int NP, void *y, int y_bf16) {                                                  \
+    const int most = (SIMD == 256 ? 4 : 8) / NP;                                                           \
+    for (int64_t r0 = 0; r0 < M;) {                                                                        \
+      const int MR = M - r0 < most ? (int)(M - r0) : most;                                                 \
+      switch (NP * 16 + MR) {                                                                              \
+        case 4 * 16 + 1: tile8_out(in, K, N, w, type, p0, r0, 4, 1, y, y_bf16); break;                     \
+        case 4 * 16 + 2: tile8_out(in, K, N, w, type, p0, r0, 4, 2, y, y_bf16); break;                     \
+        case 2 * 16 + 1: tile8_out(in, K, N, w, type, p0, r0, 2, 1, y, y_bf16); break;                     \
+        case 2 * 16 + 2: tile8_out(in, K, N, w, type, p0, r0, 2, 2, y, y_bf16); break;                     \
+        case 2 * 16 + 3: tile8_out(in, K, N, w, type, p0, r0, 2, 3, y, y_bf16); break;                     \
+        case 2 * 16 + 4: tile8_out(in, K, N, w, type, p0, r0, 2, 4, y, y_bf16); break;                     \
+        case 1 * 16 + 1: tile8_out(in, K, N, w, type, p0, r0, 1, 1, y, y_bf16); break;                     \
+        case 1 * 16 + 2: tile8_out(in, K, N, w, type, p0, r0, 1, 2, y, y_bf16); break;                     \
+        case 1 * 16 + 3: tile8_out(in, K, N, w, type, p0, r0, 1, 3, y, y_bf16); break;                     \
+        case 1 * 16 + 4: tile8_out(in, K, N, w, type, p0, r0, 1, 4, y, y_bf16); break;                     \
+        case 1 * 16 + 5: tile8_out(in, K, N, w, type, p0, r0, 1, 5, y, y_bf16); break;                     \
+        case 1 * 16 + 6: tile8_out(in, K, N, w, type, p0, r0, 1, 6, y, y_bf16); break;                     \
+        case 1 * 16 + 7: tile8_out(in, K, N, w, type, p0, r0, 1, 7, y, y_bf16); break;                     \
+        default: tile8_out(in, K, N, w, type, p0, r0, 1, 8, y, y_bf16); break;                             \
+      }                                                                                                    \
+      r0 += MR;                                                                                            \
+    }                                                                                                      \
+  }
+I8_TILES(I8_Q4_K)
+I8_TILES(I8_Q6_K)
+#undef I8_TILES
+
+static void tasks8(const struct xin *in, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,
+                   int y_bf16) {
+  const int64_t panels = (N + P - 1) / P;
+  const int NP = SIMD == 256 ? (M <= 1 ? 2 : 1) : M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  const int64_t tasks = (panels + NP - 1) / NP;
+  const int type = I8_TYPE(planes);
+  #pragma omp for schedule(static)
+  for (int64_t t = 0; t < tasks; t++) {
+    const int whole = (t + 1) * NP <= panels;  /* the last task's panels one at a time where they run short */
+    for (int64_t p = t * NP; p < (whole ? t * NP + 1 : panels); p++) {
+      if (type == I8_Q4_K) task8_I8_Q4_K(in, M, K, N, w, p, whole ? NP : 1, y, y_bf16);
+      else task8_I8_Q6_K(in, M, K, N, w, p, whole ? NP : 1, y, y_bf16);
+    }
+  }
+}
+
+/* Panel p of file-bit panels dequantized into out [N, K] (float32, or bf16 where bf16): Q4_K's
+   d sc q - dmin mn (d sc q exact in float32, one rounding for the min), Q6_K's (d sc) (q - 32) (one
+   rounding): BlockQuantized.dequantize()'s arithmetic. */
+static void dequantize8_panel(const uint8_t *w, int type, int64_t p, int64_t N, int64_t K, void *out, int bf16) {
+  const int64_t S = K / SB, sb = I8_TYPES[type].bytes;
+  for (int64_t s = 0; s < S; s++) {
+    const uint8_t *blk = w + (p * S + s) * sb;
+    for (int n = 0; n < P && p * P + n < N; n++) {
+      float d, dmin = 0;
+      memcpy(&d, blk + 4 * n, 4);
+      if (type == I8_Q4_K) memcpy(&dmin, blk + 4 * (P + n), 4);
+      float row[SB];
+      for (int k = 0; k < SB; k++) {
+        const int octet = k / 8, i = k % 4, upper = (k / 4) % 2;
+        const uint8_t low = blk[(type == I8_Q4_K ? Q4K_CODES : Q6K_LOW) + octet * 64 + 4 * n + i];
+        const int q4 = upper ? low >> 4 : low & 15;
+        if (type == I8_Q4_K) {
+          const float scale = d * (float)blk[Q4K_SC + (k / 32) * P + n], min = dmin * (float)blk[Q4K_MN + (k / 32) * P + n];
+          row[k] = fmaf(scale, (float)q4, -min);  /* scale q4 exact: one rounding, as mul then add */
+        } else {
+          const int gi = k / 16, quad = (k % 16) / 4;
+          const int high = (blk[Q6K_HIGH + gi * 64 + 4 * n + i] >> 2 * quad) & 3;
+          const float scale = d * (float)(int8_t)blk[Q6K_SC + gi * P + n];
+          row[k] = scale * (float)((q4 | high << 4) - 32);
+        }
+      }
+      void *dst = (char *)out + ((p * P + n) * K + s * SB) * (bf16 ? 2 : 4);
+      if (bf16) for (int k = 0; k < SB; k++) ((uint16_t *)dst)[k] = f32_to_bf16(row[k]);
+      else memcpy(dst, row, sizeof row);
+    }
+  }
+}
+
+/* xsum, xsum16 (2), xd, x8d, x8sum16 (2): 7 floats a block; xq K / 2 a row, x8 K / 4. */
+int64_t blockdot_scratch_floats(int64_t M, int64_t K) { return 7 * M * (K / G) + M * K / 2 + M * K / 4; }
 
 /* blockdot_scratch's buffers: one a thread, found through a pthread key whose destructor frees it
    when the thread exits. */
@@ -562,6 +853,10 @@ void blockdot_inputs(const float *x, int64_t M, int64_t K, int q16, float *scrat
   in->xsum16 = xsum16;
   in->xq = q16 ? (const int32_t *)(xd + M * B) : NULL;
   in->xd = xd;
+  float *x8d = xd + M * B + M * K / 2;
+  in->x8d = x8d;
+  in->x8sum16 = (const int32_t *)(x8d + M * B);
+  in->x8 = (const int8_t *)(x8d + 3 * M * B);
 }
 
 void blockdot_prepare_rows(const struct xin *in, int64_t K, int64_t r0, int64_t r1) {
@@ -587,6 +882,19 @@ void blockdot_prepare_rows(const struct xin *in, int64_t K, int64_t r0, int64_t 
         for (int j = 0; j < G / 2; j++) half += xb[h * G / 2 + j];
         xsum16[(r * B + b) * 2 + h] = half;
       }
+      {  /* x ~ x8d q8, q8 = round(x / x8d) in -127..127 (to nearest even, as below) */
+        const float inv8 = amax > 0 ? 127 / amax : 0, magic = 12582912.0f;
+        ((float *)in->x8d)[r * B + b] = amax / 127;
+        int8_t *q8 = (int8_t *)in->x8 + r * K + b * G;
+        int32_t t8[G];
+        #pragma omp simd
+        for (int j = 0; j < G; j++) t8[j] = (int32_t)((xb[j] * inv8 + magic) - magic);
+        for (int h = 0; h < 2; h++) {
+          int32_t sum8 = 0;
+          for (int j = 0; j < G / 2; j++) sum8 += t8[h * G / 2 + j], q8[h * G / 2 + j] = (int8_t)t8[h * G / 2 + j];
+          ((int32_t *)in->x8sum16)[(r * B + b) * 2 + h] = sum8;
+        }
+      }
       if (!xq) continue;
       /* x ~ xd q, q = round(x / xd) in -32767..32767 (to nearest even: adding and taking away
          1.5 2^23 leaves the integer nearest a float below 2^22, in vector instructions) */
@@ -608,6 +916,10 @@ void blockdot_prepare(const float *x, int64_t M, int64_t K, int q16, float *scra
 
 void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,
                     int y_bf16) {
+  if (planes & I8P) {
+    tasks8(in, M, K, N, w, planes, y, y_bf16);
+    return;
+  }
   const int64_t panels = (N + P - 1) / P;
   /* A task is NP panels (16 NP output rows) against every row of x, in tiles of NP panels by MR
      rows (task, below) with NP * MR <= 8: four panels for one or two rows of x, two for three or
@@ -806,6 +1118,10 @@ void blockdot_dequantize(const uint8_t *w, int planes, int64_t N, int64_t K, voi
   const int64_t B = K / G, panels = (N + P - 1) / P, bb = block_bytes(planes);
   #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t p = 0; p < panels; p++) {
+    if (planes & I8P) {
+      dequantize8_panel(w, I8_TYPE(planes), p, N, K, out, out_bf16);
+      continue;
+    }
     const int heads = planes & (F32_HEADS | G16 | G16M);
     if (CODES(planes) == 1) {
       if (out_bf16) dequantize_panel(w, p, B, bb, N, K, out, 1 | heads, 1);

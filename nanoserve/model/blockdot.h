@@ -17,6 +17,12 @@ struct xin {
   const float *xsum16;  /* per row and 16 weights the sum of x ([M, K / 16]): for G16M's mins */
   const int32_t *xq;
   const float *xd;
+  /* x rounded to int8 per row and block of 32, x ~ x8d q (q = round(127 x / amax), in -127..127), for the
+     file-bit panels (I8P): the codes in x's order ([M, K]), the scales ([M, K / 32]) and each 16 codes'
+     sum ([M, K / 16]). Always filled: a pass over x, against a matmul's pass over w. */
+  const int8_t *x8;
+  const float *x8d;
+  const int32_t *x8sum16;
 };
 
 /* Floats of scratch blockdot_prepare needs for x [M, K]. */

@@ -52,6 +52,12 @@ F32_HEADS = 4  # blockdot.c's flag on `planes`: the heads hold float32 d and m
 G16 = 8  # blockdot.c's flag on `planes` (with F32_HEADS): the heads hold the d of each 16 weights, no m
 G16M = 16  # blockdot.c's flag on `planes` (with G16): the m of each 16 weights after their d
 DTYPES = (torch.float32, torch.bfloat16)  # the activations it takes
+# File-bit panels (blockdot.c's I8P): a K-quant at its file's bits, run on x rounded to int8 per block
+# of 32 and summed in integers. planes = I8P | type << 8; each kind's bytes a panel's super-block of
+# 256 weights (16 rows): Q4_K 4.75 bits a weight (the file's 4.5), Q6_K 6.625 (6.5625).
+I8P = 32
+INT8_KINDS = {"Q4_K": 1, "Q6_K": 2}
+SUPER = 256  # weights a super-block
 
 
 # The process's build, made once (cabi.load); here rather than in cabi so that a test can fake a
@@ -108,7 +114,6 @@ class Panels:
     """A matrix of one of KINDS [N, K] in blockdot's panels: [ceil(N / 16), K / 32, 64 + 256 planes]
     uint8 (blockdot.c's header gives the bytes: 4-bit codes where planes is 1, int8 where 2)."""
 
-    form_name = FormKind.BLOCKDOT  # QuantLinear.form's name for a linear on these panels
     data: torch.Tensor
     planes: int  # 1 (4-bit codes) or 2 (int8 codes, two nibbles' room), | F32_HEADS for float32 heads
     shape: tuple[int, int]  # (N, K)
@@ -120,6 +125,15 @@ class Panels:
         N, K = self.shape
         if K % BLOCK:
             raise ValueError(f"blockdot panels hold matrices whose K is a multiple of {BLOCK}; got K = {K}")
+        if self.planes & I8P:
+            sb = self.kernel.lib.blockdot_i8_bytes(self.planes)
+            expected = [-(-N // PANEL), K // SUPER, sb]
+            if not sb or K % SUPER or list(self.data.shape) != expected or self.data.dtype != torch.uint8 \
+                    or self.data.device.type != "cpu" or not self.data.is_contiguous():
+                raise ValueError(f"file-bit panels (planes {self.planes}) of [{N}, {K}] are a contiguous uint8 tensor "
+                                 f"{expected} on the CPU with K a multiple of {SUPER}; got {self.data.dtype} "
+                                 f"{list(self.data.shape)} on {self.data.device}")
+            return
         if self.planes not in (1, 2, 1 | F32_HEADS, 2 | F32_HEADS, 2 | F32_HEADS | G16, 2 | F32_HEADS | G16 | G16M):
             raise ValueError(f"blockdot panels have 1 plane (4-bit codes) or 2 (int8 codes), | {F32_HEADS} for float32 "
                              f"heads, | {G16} for two scales a block (int8), | {G16M} for two mins too; "
@@ -132,6 +146,11 @@ class Panels:
             raise ValueError(f"blockdot panels of [{N}, {K}] in {self.planes} plane(s) are a contiguous uint8 tensor "
                              f"{expected} on the CPU; got {data.dtype} {list(data.shape)} on {data.device}"
                              f"{'' if data.is_contiguous() else ', not contiguous'}")
+
+    @property
+    def form_name(self) -> FormKind:
+        """QuantLinear.form's name for a linear on these panels."""
+        return FormKind.BLOCKDOT_INT8 if self.planes & I8P else FormKind.BLOCKDOT
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         N, K = self.shape
@@ -334,3 +353,96 @@ def pack(w: BlockQuantized, kernel: Library | None = None, int16_rows: int | Non
     body, planes = (_octets(codes), 1) if w.kind in FOUR_BIT else (_pairs(codes), 2)
     planes |= (F32_HEADS if f32_heads else 0) | (G16 if sixteens else 0) | (G16M if len(heads) == 4 else 0)
     return Panels(torch.cat([*head, body], dim=-1).contiguous(), planes, (N, K), kernel, int16_rows or 0)
+
+
+def _factor(values: torch.Tensor, low: int, high: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """values [R, G] float32 -> d [R] float32 and integers q [R, G] in low..high with d q == values
+    exactly, or None where some row has no such d. A K-quant's group scales are its fp16 d times small
+    integers, so d = (the largest |value|) / c for one c up to max(-low, high) is always found: the
+    file's own d, or another that gives the same products."""
+    R = values.shape[0]
+    amax = values.abs().amax(dim=1)
+    d = torch.zeros(R, dtype=torch.float32)
+    q = torch.zeros(values.shape, dtype=torch.int32)
+    left = torch.nonzero(amax > 0).flatten()  # an all-zero row: d = 0, q = 0
+    for c in range(max(-low, high), 0, -1):
+        for sign in (1, -1):
+            if left.numel() == 0:
+                return d, q
+            cand = sign * amax[left] / c
+            codes = torch.round(values[left] / cand.unsqueeze(1))
+            exact = ((codes >= low) & (codes <= high) & (cand.unsqueeze(1) * codes == values[left])).all(dim=1)
+            done = left[exact]
+            d[done], q[done] = cand[exact], codes[exact].to(torch.int32)
+            left = left[~exact]
+    return (d, q) if left.numel() == 0 else None
+
+
+def can_pack_int8(w: object) -> bool:
+    """Whether a stored matrix has a file-bit form (pack_int8): a K-quant blockdot.c multiplies on
+    int8 activations, K a whole number of super-blocks, on the CPU."""
+    return isinstance(w, BlockQuantized) and w.kind in INT8_KINDS and w.shape[1] % SUPER == 0 \
+        and w.codes.device.type == "cpu"
+
+
+def _panel_bytes(t: torch.Tensor, panels: int) -> torch.Tensor:
+    """Per-row values [Np, S, n] (Np = 16 panels) -> [panels, S, n * 16 * itemsize] uint8, row-minor."""
+    S = t.shape[1]
+    return t.view(panels, PANEL, S, -1).permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(panels, S, -1)
+
+
+def _nibble_octets(low: torch.Tensor, panels: int) -> torch.Tensor:
+    """4-bit values [Np, K] -> [panels, K / 256, 2048] uint8: octet t of a super-block holds, in lane n,
+    row n's values at k = 8 t + i in the low half of byte i and k + 4 in its high half (i = 0..3)."""
+    S = low.shape[1] // SUPER
+    v = low.view(panels, PANEL, S, 32, 2, 4)
+    packed = v[..., 0, :] | (v[..., 1, :] << 4)  # [panels, n, S, t, i]
+    return packed.permute(0, 2, 3, 1, 4).reshape(panels, S, 32 * 64)
+
+
+def pack_int8(w: BlockQuantized, kernel: Library | None = None) -> Panels:
+    """The file-bit form of a Q4_K or Q6_K matrix (blockdot.c's I8P panels, the layout in its comment):
+    its codes at the file's bits, each super-block's d (and dmin) as float32 beside the groups' 6-bit
+    (Q6_K: int8) scales and mins, so that d sc is the stored scale bit for bit (`_factor`). Run on x
+    rounded to int8 per block of 32, summed in integers.
+
+    Raises:
+        ValueError: a matrix can_pack_int8 refuses, scales that are not a factor times small integers
+            (never so in a file llama.cpp wrote), or no build to run it.
+    """
+    kernel = kernel or library()
+    if kernel is None:
+        raise ValueError(f"the blockdot kernel could not be built: {failure()}")
+    if not can_pack_int8(w):
+        raise ValueError(f"file-bit panels hold {tuple(INT8_KINDS)} matrices on the CPU with K a multiple of {SUPER}; "
+                         f"got {getattr(w, 'kind', type(w).__name__)} {list(getattr(w, 'shape', ()))}")
+    N, K = w.shape
+    S, pad = K // SUPER, -N % PANEL
+    panels = (N + pad) // PANEL
+    groups = SUPER // w.group  # 8 (Q4_K) or 16 (Q6_K)
+    factored = [_factor(t.reshape(N * S, groups), 0 if w.kind == "Q4_K" else -128, 63 if w.kind == "Q4_K" else 127)
+                for t in ([w.scales, -w.mins] if w.kind == "Q4_K" else [w.scales])]
+    if any(f is None for f in factored):
+        raise ValueError(f"a {w.kind} matrix [{N}, {K}] whose group scales are not a factor times "
+                         f"{'6-bit' if w.kind == 'Q4_K' else 'int8'} integers in some super-block: not a {w.kind} file's")
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return F.pad(t, (0, 0, 0, 0, 0, pad)) if pad else t
+
+    heads = []
+    for d, q in factored:
+        heads.append(_panel_bytes(rows(d.view(N, S, 1)), panels))
+    codes = rows(w.codes.view(N, S, SUPER))
+    if w.kind == "Q4_K":
+        (_, sc), (_, mn) = factored
+        scale_bytes = [_panel_bytes(rows(t.to(torch.uint8).view(N, S, groups)), panels) for t in (sc, mn)]
+        body = [_nibble_octets(codes.reshape(-1, K), panels)]
+    else:
+        (_, sc), = factored
+        scale_bytes = [_panel_bytes(rows(sc.to(torch.int8).view(N, S, groups)), panels)]
+        q = (codes.to(torch.int16) + 32).to(torch.uint8).reshape(-1, K)  # 0..63
+        high = (q >> 4).view(panels, PANEL, S, 16, 4, 4)  # [panels, n, S, group, quad, i]
+        high = (high[..., 0, :] | high[..., 1, :] << 2 | high[..., 2, :] << 4 | high[..., 3, :] << 6)
+        body = [_nibble_octets(q & 15, panels), high.permute(0, 2, 3, 1, 4).reshape(panels, S, 16 * 64)]
+    data = torch.cat([*heads, *scale_bytes, *body], dim=-1).contiguous()
+    return Panels(data, I8P | INT8_KINDS[w.kind] << 8, (N, K), kernel)

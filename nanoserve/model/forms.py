@@ -35,6 +35,7 @@ class FormKind(StrEnum):
     ONEDNN = "onednn"  # a dense matrix in oneDNN's packed layout
     DENSE_PANELS = "dense-panels"  # a dense matrix in blockdot's dense panels
     BLOCKDOT = "blockdot"  # a quantized matrix on blockdot's panels
+    BLOCKDOT_INT8 = "blockdot-int8"  # a K-quant on blockdot's file-bit panels, x rounded to int8, integer sums
     TORCH_INT4 = "torch-int4"  # a quantized matrix on torch's int4 kernel
     TORCH_INT8 = "torch-int8"  # int8 per channel on torch's int8 kernel
     STORED = "stored"  # a quantized matrix as loaded: dequantized at every call (the reference, never planned)
@@ -42,7 +43,7 @@ class FormKind(StrEnum):
     @property
     def in_c(self) -> bool:
         """Whether fused_decode.c reads the weight itself (no copy): blockdot's or dense panels."""
-        return self in (FormKind.BLOCKDOT, FormKind.DENSE_PANELS)
+        return self in (FormKind.BLOCKDOT, FormKind.BLOCKDOT_INT8, FormKind.DENSE_PANELS)
 
     @property
     def on_torch(self) -> bool:

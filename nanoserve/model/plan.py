@@ -408,7 +408,8 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
     unrun: set[str] = set()  # stored kinds no kernel here runs: dequantized at load
     int16_rows = overrides.blockdot_int16_rows
     matrices = tuple(MatrixPlan(layer, name, _stored(w.form),
-                                _form_of(layer, w.form, precision, dense, invariant, int16_rows, unrun))
+                                _form_of(layer, w.form, precision, dense, invariant, int16_rows,
+                                         overrides.blockdot_int8, unrun))
                      for layer, name, w in model.matrices())
     if unrun:
         kinds = ", ".join(sorted(unrun))
@@ -426,7 +427,7 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
 
 
 def _form_of(layer: int | None, form: Form, precision: Precision, dense: Form, invariant: bool,
-             int16_rows: int | None, unrun: set[str]) -> Form:
+             int16_rows: int | None, int8: bool, unrun: set[str]) -> Form:
     """Stage 3 for one matrix as loaded (`form`): the form it runs in (`unrun` gets a stored kind no
     kernel here runs, dequantized to `dense`)."""
     if form.name not in (STORED, FormKind.TORCH) and form.dtype == precision.dtype:
@@ -451,13 +452,12 @@ def _form_of(layer: int | None, form: Form, precision: Precision, dense: Form, i
         return dataclasses.replace(dense, **tensor_parallel)
     if kind == "int8":
         name = FormKind.TORCH_INT8
-    elif on_blockdot:
-        name = FormKind.BLOCKDOT
+    elif on_blockdot:  # a K-quant at its file's bits on int8 activations where asked, else blockdot's panels
+        name = FormKind.BLOCKDOT_INT8 if int8 and kind in blockdot.INT8_KINDS else FormKind.BLOCKDOT
     else:
         name = FormKind.TORCH_INT4
     rows = precision.max_kernel_rows
-    wide = None if rows is None else ("dequantized" if name == FormKind.BLOCKDOT and not precision.dense_copies
-                                      else "dense copy")
+    wide = None if rows is None else ("dequantized" if name.in_c and not precision.dense_copies else "dense copy")
     return Form(name, precision.dtype, rows, wide, int16_rows if name == FormKind.BLOCKDOT else None,
                 **tensor_parallel)
 
@@ -521,6 +521,9 @@ def _batch_invariance(matrices: tuple[MatrixPlan, ...], routes: tuple[Route, ...
         entries.append((f"x rounded to int16 from {rows} row{'s' if rows > 1 else ''}", rows == 1,
                         "each row is rounded on its own at every width" if rows == 1
                         else f"a row is rounded only in steps of {rows} rows or more"))
+    if any(f.name == FormKind.BLOCKDOT_INT8 for f in forms):
+        entries.append(("K-quants on file-bit panels, x rounded to int8", True,
+                        "each row rounded on its own, its sums exact in int32 and scaled in one order at every width"))
     if any(f.name.on_torch for f in forms):
         entries.append(("torch's matmuls", False, "oneDNN and MKL block a matmul by its row count: in float32 a row "
                         "sums in another order at 1, 2-3 and 4 or more rows"))

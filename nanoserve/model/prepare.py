@@ -50,13 +50,16 @@ def _laid_out_weight(w: Weight, form: Form, pack_weights: bool) -> Weight:
         return blockdot.pack_dense(w.dequantize(dtype))
     if form.name == FormKind.TORCH_INT8:
         stored = w if w.form.stored == "int8" else quantize_int8(w.dequantize())
-    elif form.name in (FormKind.BLOCKDOT, FormKind.TORCH_INT4):
+    elif form.name in (FormKind.BLOCKDOT, FormKind.BLOCKDOT_INT8, FormKind.TORCH_INT4):
         stored = w if w.form.name == STORED and w.form.stored != "int8" else quantize_int4(w.dequantize())
     else:
         raise ValueError(f"no weight is laid out as {form}")
     return quant_linear(stored, dtype, form.kernel_rows, pack_weights,
-                        "blockdot" if form.name == FormKind.BLOCKDOT else "torch", form.int16_rows,
+                        KERNEL_OF.get(form.name, "torch"), form.int16_rows,
                         form.wide == "dense copy")
+
+
+KERNEL_OF = {FormKind.BLOCKDOT: "blockdot", FormKind.BLOCKDOT_INT8: "blockdot-int8"}  # quant_linear's kernels
 
 
 def laid_out(model: LlamaModel, plan: ExecutionPlan) -> LlamaModel:

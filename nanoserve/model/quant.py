@@ -58,7 +58,7 @@ from nanoserve.model.ggml_blocks import BLOCK_TYPES, parts
 from nanoserve.model.gguf import BLOCK, BlockQuantized
 
 GROUP = BLOCK  # 32: the group size of every int4 layout here
-KERNELS = ("torch", "blockdot")  # who runs a quantized linear's few-row passes
+KERNELS = ("torch", "blockdot", "blockdot-int8")  # who runs a quantized linear's few-row passes
 
 
 @dataclass
@@ -302,7 +302,8 @@ def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pac
     """The kernel form of a stored quantized matrix, its kernels taking up to max_kernel_rows rows
     (None: every row count) and the dense matrix more: a dense copy held for the model's life, or,
     where dense_copy is False and the matrix runs on blockdot, its panels dequantized per call.
-    kernels: "blockdot" (on its int16 path from int16_rows rows; None: never) or "torch". Who runs
+    kernels: "blockdot" (on its int16 path from int16_rows rows; None: never), "blockdot-int8" (a
+    K-quant on file-bit panels, x in int8: blockdot.pack_int8) or "torch". Who runs
     which matrix is the execution plan's choice (nanoserve.model.plan): nothing falls back here.
 
     Raises:
@@ -310,11 +311,17 @@ def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pac
     """
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r} is not one of {KERNELS}")
-    on_blockdot = kernels == "blockdot"
+    on_blockdot = kernels.startswith("blockdot")
+    if kernels == "blockdot-int8" and not (blockdot.can_pack_int8(w) and dtype in blockdot.DTYPES):
+        raise ValueError(f"kernels='blockdot-int8' for a {w.form.stored} matrix with {dtype} activations: file-bit "
+                         f"panels hold {tuple(blockdot.INT8_KINDS)} matrices")
     if on_blockdot and not blockdot.supports(w, dtype):
         raise ValueError(f"kernels='blockdot' for a {w.form.stored} matrix with {dtype} activations, which blockdot "
                          "does not run")
-    passes = [blockdot.pack(w, int16_rows=int16_rows)] if on_blockdot else kernel_passes(w, dtype)
+    if kernels == "blockdot-int8":
+        passes = [blockdot.pack_int8(w)]
+    else:
+        passes = [blockdot.pack(w, int16_rows=int16_rows)] if on_blockdot else kernel_passes(w, dtype)
     dense = None
     if max_kernel_rows is not None and (dense_copy or not on_blockdot):
         dense = dense_weight(w.dequantize(dtype), pack)
