@@ -266,10 +266,12 @@ def test_every_matrix_of_a_mixed_file_runs_on_blockdot_as_stored(tiny_files, fil
     plan = resolve_plan(config_of(kernels="blockdot"), model, probe=figures)
     forms = {(i, name): plan.form_of(i, name).name for i in range(config.num_layers) for name in MATMULS}
     kinds = {getattr(layer, name).kind for layer in model.layers for name in MATMULS}
-    # Q4_K and Q6_K matrices at their file's bits on int8 activations, the rest (a stacked mix among
-    # them) on blockdot's panels
-    assert set(forms.values()) == {"blockdot"} | ({"blockdot-int8"} & {"blockdot-int8" for k in kinds
-                                                                     if k in ("Q4_K", "Q6_K")}), (forms, plan.reasons)
+    # Q4_K and Q6_K matrices at their file's bits on int8 activations (Q4_K_M's qkv, q and k in Q4_K
+    # stacked beside a Q6_K v, too), the rest on blockdot's panels
+    file_bits = {(i, name): "blockdot-int8" if blockdot.can_pack_int8(getattr(layer, name)) else "blockdot"
+                 for i, layer in enumerate(model.layers) for name in MATMULS}
+    assert forms == file_bits, (forms, plan.reasons)
+    assert file_type != "Q4_K_M" or set(forms.values()) == {"blockdot-int8"}
     assert any("+" in kind for kind in kinds) or file_type == "Q2_K", kinds  # a stacked mix among them
     assert check_laid_out(prepare_model(model, plan), plan) == []
 

@@ -61,7 +61,8 @@ PAIRS = {
     "q6_k": ("smollm2-135m-q6_k.gguf", "auto", "auto"),
     "iq4_xs": ("smollm2-135m-iq4_xs.gguf", "auto", "auto"),
     "q3_k_m": ("smollm2-135m-q3_k_m.gguf", "auto", "auto"),
-    "1b_q4_k_m": ("1b:Q4_K_M", "auto", "auto"),  # ONE_B below
+    "1b_q4_k_m": ("1b:Q4_K_M", "auto", "auto"),  # SHAPES below
+    "3b_q4_k_m": ("3b:Q4_K_M", "auto", "auto"),
 }
 DEFAULT_PAIRS = ("f32", "bf16", "q8_0", "q4_1")
 
@@ -160,23 +161,26 @@ def read_bandwidth_gbs(threads: int) -> float:
     return float(proc.stdout.strip().splitlines()[-1])
 
 
-# A 1B-class file: random weights in Llama-3.2-1B's shape (the default tokenizer's vocabulary), written
-# by llama.cpp's converter and llama-quantize, where per-layer overheads matter less than bandwidth.
+# 1B- and 3B-class files: random weights in Llama-3.2-1B's and -3B's shapes (the default tokenizer's
+# vocabulary), written by llama.cpp's converter and llama-quantize, where per-layer overheads matter
+# less than bandwidth.
 ONE_B = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
          "head_dim": 64, "intermediate_size": 8192, "tie_word_embeddings": True, "rope_theta": 500000.0,
          "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                           "original_max_position_embeddings": 8192},
          "max_position_embeddings": 131072, "rms_norm_eps": 1e-5}
-ONE_B_F32 = "llama32-1b-shape-random-f32.gguf"
+THREE_B = ONE_B | {"hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24, "head_dim": 128}
+SHAPES = {"1b": ONE_B, "3b": THREE_B}
 
 
-def one_b_file(file_type: str) -> Path:
-    """The 1B-class file in `file_type` (llama-quantize's name), made once under .peers/: the random
-    checkpoint (seeded), its f32 GGUF by convert_hf_to_gguf.py, then llama-quantize."""
-    out = PEERS_DIR / f"llama32-1b-shape-random-{file_type.lower()}.gguf"
+def shaped_file(size: str, file_type: str) -> Path:
+    """The `size`-class file (a key of SHAPES) in `file_type` (llama-quantize's name), made once under
+    .peers/: the random checkpoint (seeded), its f32 GGUF by convert_hf_to_gguf.py (kept: 5 GB for the
+    1B class, 13 GB for the 3B), then llama-quantize."""
+    out = PEERS_DIR / f"llama32-{size}-shape-random-{file_type.lower()}.gguf"
     if out.is_file():
         return out
-    f32 = PEERS_DIR / ONE_B_F32
+    f32 = PEERS_DIR / f"llama32-{size}-shape-random-f32.gguf"
     if not f32.is_file():
         import shutil
 
@@ -185,10 +189,10 @@ def one_b_file(file_type: str) -> Path:
 
         from nanoserve.model.default import default_model_dir
 
-        folder = PEERS_DIR / "llama32-1b-shape-random"
+        folder = PEERS_DIR / f"llama32-{size}-shape-random"
         torch.manual_seed(0)
         source = default_model_dir()
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, bos_token_id=1, eos_token_id=2, **ONE_B))
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, bos_token_id=1, eos_token_id=2, **SHAPES[size]))
         model.save_pretrained(folder)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(source / name, folder / name)
@@ -216,8 +220,9 @@ def gguf_files(names=tuple(PAIRS)) -> dict[str, Path]:
     files = {}
     for name in names:
         file = PAIRS[name][0]
-        if file.startswith("1b:"):
-            files[name] = one_b_file(file[3:])
+        size, _, file_type = file.partition(":")
+        if size in SHAPES:
+            files[name] = shaped_file(size, file_type)
             continue
         path = gguf_path() if file == "shipped" else PEERS_DIR / file
         if not path.is_file():

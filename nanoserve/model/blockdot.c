@@ -526,6 +526,10 @@ static void task(const struct xin *in, int64_t M, int64_t K, int64_t N, const ui
 #define I8_TYPE(planes) ((planes) >> 8)
 #define SB 256                          /* weights a super-block */
 enum { I8_Q4_K = 1, I8_Q6_K = 2, I8_TYPES_END };
+/* Rows of several types stacked (Q4_K_M's q and k in Q4_K beside v in Q6_K): a 64-byte head, int32
+   count and then (panels, type) for each of up to 7 segments, then each segment's panels in turn. */
+#define I8_MIXED 15
+#define I8_SEGMENTS 7
 struct i8_type {
   const char *name;
   int64_t bytes;  /* a panel's super-block */
@@ -545,6 +549,20 @@ static const struct i8_type I8_TYPES[I8_TYPES_END] = {
 int64_t blockdot_i8_bytes(int planes) {
   const int t = I8_TYPE(planes);
   return (planes & I8P) && t > 0 && t < I8_TYPES_END ? I8_TYPES[t].bytes : 0;
+}
+
+/* The bytes of file-bit panels [N, K] whose segments' head is `head` (I8_MIXED), or -1 where the head
+   names no type, more than I8_SEGMENTS segments, or panels that do not add up to N's. */
+int64_t blockdot_i8_mixed_bytes(const int32_t *head, int64_t N, int64_t K) {
+  if (head[0] < 1 || head[0] > I8_SEGMENTS) return -1;
+  int64_t bytes = 64, panels = 0;
+  for (int i = 0; i < head[0]; i++) {
+    const int32_t n = head[1 + 2 * i], t = head[2 + 2 * i];
+    if (n < 1 || t < 1 || t >= I8_TYPES_END) return -1;
+    bytes += n * (K / SB) * I8_TYPES[t].bytes;
+    panels += n;
+  }
+  return panels == (N + P - 1) / P ? bytes : -1;
 }
 
 #if SIMD == 512
@@ -695,8 +713,9 @@ INLINE void tile8(const struct xin *in, int64_t K, const uint8_t *w, const int t
   }
 }
 
-INLINE void tile8_out(const struct xin *in, int64_t K, int64_t N, const uint8_t *w, const int type, int64_t p0,
-                      int64_t r0, const int NP, const int MR, void *y, int y_bf16) {
+/* Outputs n < N of each row of y, rows ldy apart. */
+INLINE void tile8_out(const struct xin *in, int64_t K, int64_t N, int64_t ldy, const uint8_t *w, const int type,
+                      int64_t p0, int64_t r0, const int NP, const int MR, void *y, int y_bf16) {
   vf acc[8];
   tile8(in, K, w, type, p0, r0, NP, MR, acc);
   for (int p = 0; p < NP; p++)
@@ -704,7 +723,7 @@ INLINE void tile8_out(const struct xin *in, int64_t K, int64_t N, const uint8_t 
       float lanes[P];
       vstore(lanes, acc[p * MR + r]);
       for (int n = 0; n < P && (p0 + p) * P + n < N; n++) {
-        const int64_t at = (r0 + r) * N + (p0 + p) * P + n;
+        const int64_t at = (r0 + r) * ldy + (p0 + p) * P + n;
         if (y_bf16) ((uint16_t *)y)[at] = f32_to_bf16(lanes[n]);
         else ((float *)y)[at] = lanes[n];
       }
@@ -714,26 +733,26 @@ INLINE void tile8_out(const struct xin *in, int64_t K, int64_t N, const uint8_t 
 /* Panels [p0, p0 + NP) against every row of x, in tiles of NP panels by up to 8 / NP rows (AVX2, whose
    vectors are two registers: 4 / NP). Each tile reads its panels' codes once for all its rows. */
 #define I8_TILES(type)                                                                                     \
-  static void task8_##type(const struct xin *in, int64_t M, int64_t K, int64_t N, const uint8_t *w, int64_t p0, \
-                           int NP, void *y, int y_bf16) {                                                  \
+  static void task8_##type(const struct xin *in, int64_t M, int64_t K, int64_t N, int64_t ldy, const uint8_t *w, \
+                           int64_t p0, int NP, void *y, int y_bf16) {                                      \
     const int most = (SIMD == 256 ? 4 : 8) / NP;                                                           \
     for (int64_t r0 = 0; r0 < M;) {                                                                        \
       const int MR = M - r0 < most ? (int)(M - r0) : most;                                                 \
       switch (NP * 16 + MR) {                                                                              \
-        case 4 * 16 + 1: tile8_out(in, K, N, w, type, p0, r0, 4, 1, y, y_bf16); break;                     \
-        case 4 * 16 + 2: tile8_out(in, K, N, w, type, p0, r0, 4, 2, y, y_bf16); break;                     \
-        case 2 * 16 + 1: tile8_out(in, K, N, w, type, p0, r0, 2, 1, y, y_bf16); break;                     \
-        case 2 * 16 + 2: tile8_out(in, K, N, w, type, p0, r0, 2, 2, y, y_bf16); break;                     \
-        case 2 * 16 + 3: tile8_out(in, K, N, w, type, p0, r0, 2, 3, y, y_bf16); break;                     \
-        case 2 * 16 + 4: tile8_out(in, K, N, w, type, p0, r0, 2, 4, y, y_bf16); break;                     \
-        case 1 * 16 + 1: tile8_out(in, K, N, w, type, p0, r0, 1, 1, y, y_bf16); break;                     \
-        case 1 * 16 + 2: tile8_out(in, K, N, w, type, p0, r0, 1, 2, y, y_bf16); break;                     \
-        case 1 * 16 + 3: tile8_out(in, K, N, w, type, p0, r0, 1, 3, y, y_bf16); break;                     \
-        case 1 * 16 + 4: tile8_out(in, K, N, w, type, p0, r0, 1, 4, y, y_bf16); break;                     \
-        case 1 * 16 + 5: tile8_out(in, K, N, w, type, p0, r0, 1, 5, y, y_bf16); break;                     \
-        case 1 * 16 + 6: tile8_out(in, K, N, w, type, p0, r0, 1, 6, y, y_bf16); break;                     \
-        case 1 * 16 + 7: tile8_out(in, K, N, w, type, p0, r0, 1, 7, y, y_bf16); break;                     \
-        default: tile8_out(in, K, N, w, type, p0, r0, 1, 8, y, y_bf16); break;                             \
+        case 4 * 16 + 1: tile8_out(in, K, N, ldy, w, type, p0, r0, 4, 1, y, y_bf16); break;                     \
+        case 4 * 16 + 2: tile8_out(in, K, N, ldy, w, type, p0, r0, 4, 2, y, y_bf16); break;                     \
+        case 2 * 16 + 1: tile8_out(in, K, N, ldy, w, type, p0, r0, 2, 1, y, y_bf16); break;                     \
+        case 2 * 16 + 2: tile8_out(in, K, N, ldy, w, type, p0, r0, 2, 2, y, y_bf16); break;                     \
+        case 2 * 16 + 3: tile8_out(in, K, N, ldy, w, type, p0, r0, 2, 3, y, y_bf16); break;                     \
+        case 2 * 16 + 4: tile8_out(in, K, N, ldy, w, type, p0, r0, 2, 4, y, y_bf16); break;                     \
+        case 1 * 16 + 1: tile8_out(in, K, N, ldy, w, type, p0, r0, 1, 1, y, y_bf16); break;                     \
+        case 1 * 16 + 2: tile8_out(in, K, N, ldy, w, type, p0, r0, 1, 2, y, y_bf16); break;                     \
+        case 1 * 16 + 3: tile8_out(in, K, N, ldy, w, type, p0, r0, 1, 3, y, y_bf16); break;                     \
+        case 1 * 16 + 4: tile8_out(in, K, N, ldy, w, type, p0, r0, 1, 4, y, y_bf16); break;                     \
+        case 1 * 16 + 5: tile8_out(in, K, N, ldy, w, type, p0, r0, 1, 5, y, y_bf16); break;                     \
+        case 1 * 16 + 6: tile8_out(in, K, N, ldy, w, type, p0, r0, 1, 6, y, y_bf16); break;                     \
+        case 1 * 16 + 7: tile8_out(in, K, N, ldy, w, type, p0, r0, 1, 7, y, y_bf16); break;                     \
+        default: tile8_out(in, K, N, ldy, w, type, p0, r0, 1, 8, y, y_bf16); break;                             \
       }                                                                                                    \
       r0 += MR;                                                                                            \
     }                                                                                                      \
@@ -742,20 +761,43 @@ I8_TILES(I8_Q4_K)
 I8_TILES(I8_Q6_K)
 #undef I8_TILES
 
-static void tasks8(const struct xin *in, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,
-                   int y_bf16) {
+/* One type's panels w (N rows, rows of y ldy apart) split among the team's threads. */
+static void tasks8_of(const struct xin *in, int64_t M, int64_t K, int64_t N, int64_t ldy, const uint8_t *w, int type,
+                      void *y, int y_bf16) {
   const int64_t panels = (N + P - 1) / P;
   const int NP = SIMD == 256 ? (M <= 1 ? 2 : 1) : M <= 2 ? 4 : M <= 4 ? 2 : 1;
   const int64_t tasks = (panels + NP - 1) / NP;
-  const int type = I8_TYPE(planes);
   #pragma omp for schedule(static)
   for (int64_t t = 0; t < tasks; t++) {
     const int whole = (t + 1) * NP <= panels;  /* the last task's panels one at a time where they run short */
     for (int64_t p = t * NP; p < (whole ? t * NP + 1 : panels); p++) {
-      if (type == I8_Q4_K) task8_I8_Q4_K(in, M, K, N, w, p, whole ? NP : 1, y, y_bf16);
-      else task8_I8_Q6_K(in, M, K, N, w, p, whole ? NP : 1, y, y_bf16);
+      if (type == I8_Q4_K) task8_I8_Q4_K(in, M, K, N, ldy, w, p, whole ? NP : 1, y, y_bf16);
+      else task8_I8_Q6_K(in, M, K, N, ldy, w, p, whole ? NP : 1, y, y_bf16);
     }
   }
+}
+
+/* Calls f(segment's panels, its type, its first row, its rows) for each segment of w (one, unless I8_MIXED). */
+#define FOR_SEGMENTS(w, planes, N, K, BODY)                                                              \
+  do {                                                                                                   \
+    const int32_t *head_ = (const int32_t *)(w);                                                         \
+    const int mixed_ = I8_TYPE(planes) == I8_MIXED, count_ = mixed_ ? head_[0] : 1;                      \
+    const uint8_t *seg_w = mixed_ ? (w) + 64 : (w);                                                      \
+    int64_t seg_n0 = 0;                                                                                  \
+    for (int i_ = 0; i_ < count_; i_++) {                                                                \
+      const int seg_type = mixed_ ? head_[2 + 2 * i_] : I8_TYPE(planes);                                 \
+      const int64_t seg_panels = mixed_ ? head_[1 + 2 * i_] : ((N) + P - 1) / P;                         \
+      const int64_t seg_rows = (N) - seg_n0 < seg_panels * P ? (N) - seg_n0 : seg_panels * P;            \
+      BODY;                                                                                              \
+      seg_w += seg_panels * ((K) / SB) * I8_TYPES[seg_type].bytes;                                       \
+      seg_n0 += seg_panels * P;                                                                          \
+    }                                                                                                    \
+  } while (0)
+
+static void tasks8(const struct xin *in, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,
+                   int y_bf16) {
+  FOR_SEGMENTS(w, planes, N, K,
+               tasks8_of(in, M, K, seg_rows, N, seg_w, seg_type, (char *)y + seg_n0 * (y_bf16 ? 2 : 4), y_bf16));
 }
 
 /* Panel p of file-bit panels dequantized into out [N, K] (float32, or bf16 where bf16): Q4_K's
@@ -1118,8 +1160,12 @@ void blockdot_dequantize(const uint8_t *w, int planes, int64_t N, int64_t K, voi
   const int64_t B = K / G, panels = (N + P - 1) / P, bb = block_bytes(planes);
   #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t p = 0; p < panels; p++) {
-    if (planes & I8P) {
-      dequantize8_panel(w, I8_TYPE(planes), p, N, K, out, out_bf16);
+    if (planes & I8P) {  /* panel p of whichever segment holds it */
+      FOR_SEGMENTS(w, planes, N, K, {
+        if (p >= seg_n0 / P && p < seg_n0 / P + seg_panels)
+          dequantize8_panel(seg_w, seg_type, p - seg_n0 / P, seg_rows, K,
+                            (char *)out + seg_n0 * K * (out_bf16 ? 2 : 4), out_bf16);
+      });
       continue;
     }
     const int heads = planes & (F32_HEADS | G16 | G16M);

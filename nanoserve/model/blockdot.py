@@ -57,6 +57,8 @@ DTYPES = (torch.float32, torch.bfloat16)  # the activations it takes
 # 256 weights (16 rows): Q4_K 4.75 bits a weight (the file's 4.5), Q6_K 6.625 (6.5625).
 I8P = 32
 INT8_KINDS = {"Q4_K": 1, "Q6_K": 2}
+MIXED = 15  # blockdot.c's I8_MIXED: runs of rows of those kinds stacked, each run's panels after a head
+SEGMENTS = 7  # runs a mixed matrix may hold
 SUPER = 256  # weights a super-block
 
 
@@ -126,10 +128,19 @@ class Panels:
         if K % BLOCK:
             raise ValueError(f"blockdot panels hold matrices whose K is a multiple of {BLOCK}; got K = {K}")
         if self.planes & I8P:
+            data = self.data
+            if self.planes >> 8 == MIXED:  # a head of segments, then their panels: one byte string
+                ok = data.dim() == 1 and data.numel() >= 64 and data.dtype == torch.uint8 and not K % SUPER
+                expected = self.kernel.lib.blockdot_i8_mixed_bytes(data.data_ptr(), N, K) if ok else -1
+                if expected != data.numel() or not data.is_contiguous() or data.device.type != "cpu":
+                    raise ValueError(f"mixed file-bit panels of [{N}, {K}]: a head naming segments of known types "
+                                     f"whose panels add up to {-(-N // PANEL)}, then their bytes ({expected}); got "
+                                     f"{data.dtype} {list(data.shape)}")
+                return
             sb = self.kernel.lib.blockdot_i8_bytes(self.planes)
             expected = [-(-N // PANEL), K // SUPER, sb]
-            if not sb or K % SUPER or list(self.data.shape) != expected or self.data.dtype != torch.uint8 \
-                    or self.data.device.type != "cpu" or not self.data.is_contiguous():
+            if not sb or K % SUPER or list(data.shape) != expected or data.dtype != torch.uint8 \
+                    or data.device.type != "cpu" or not data.is_contiguous():
                 raise ValueError(f"file-bit panels (planes {self.planes}) of [{N}, {K}] are a contiguous uint8 tensor "
                                  f"{expected} on the CPU with K a multiple of {SUPER}; got {self.data.dtype} "
                                  f"{list(self.data.shape)} on {self.data.device}")
@@ -380,9 +391,31 @@ def _factor(values: torch.Tensor, low: int, high: int) -> tuple[torch.Tensor, to
 
 def can_pack_int8(w: object) -> bool:
     """Whether a stored matrix has a file-bit form (pack_int8): a K-quant blockdot.c multiplies on
-    int8 activations, K a whole number of super-blocks, on the CPU."""
-    return isinstance(w, BlockQuantized) and w.kind in INT8_KINDS and w.shape[1] % SUPER == 0 \
-        and w.codes.device.type == "cpu"
+    int8 activations, K a whole number of super-blocks, on the CPU; or rows of those kinds stacked
+    (cat_rows) in known runs of whole panels (the last may end short)."""
+    if not (isinstance(w, BlockQuantized) and w.shape[1] % SUPER == 0 and w.codes.device.type == "cpu"):
+        return False
+    if w.kind in INT8_KINDS:
+        return True
+    runs = w.row_kinds or ()
+    return 0 < len(runs) <= SEGMENTS and all(kind in INT8_KINDS for kind, _ in runs) \
+        and all(rows % PANEL == 0 for _, rows in runs[:-1])
+
+
+def _runs(w: BlockQuantized) -> list[BlockQuantized]:
+    """A stacked matrix's runs of rows back in their own kinds: Q4_K's codes 0..15 and its one scale
+    and min a group of 32 (cat_rows gave them to both halves of it), Q6_K's as they are."""
+    out, start = [], 0
+    for kind, rows in w.row_kinds:
+        codes, scales = w.codes[start:start + rows], w.scales[start:start + rows]
+        mins = None if w.mins is None else w.mins[start:start + rows]
+        if kind == "Q4_K":
+            out.append(BlockQuantized(kind, codes.to(torch.uint8), scales[:, 0::2].contiguous(),
+                                      mins[:, 0::2].contiguous()))
+        else:
+            out.append(BlockQuantized(kind, codes.contiguous(), scales.contiguous(), None))
+        start += rows
+    return out
 
 
 def _panel_bytes(t: torch.Tensor, panels: int) -> torch.Tensor:
@@ -414,8 +447,17 @@ def pack_int8(w: BlockQuantized, kernel: Library | None = None) -> Panels:
     if kernel is None:
         raise ValueError(f"the blockdot kernel could not be built: {failure()}")
     if not can_pack_int8(w):
-        raise ValueError(f"file-bit panels hold {tuple(INT8_KINDS)} matrices on the CPU with K a multiple of {SUPER}; "
-                         f"got {getattr(w, 'kind', type(w).__name__)} {list(getattr(w, 'shape', ()))}")
+        raise ValueError(f"file-bit panels hold {tuple(INT8_KINDS)} matrices (or known runs of their rows) on the "
+                         f"CPU with K a multiple of {SUPER}; got {getattr(w, 'kind', type(w).__name__)} "
+                         f"{list(getattr(w, 'shape', ()))}")
+    if w.kind not in INT8_KINDS:  # runs of rows: a head naming each run's panels and type, then theirs
+        runs = [pack_int8(run, kernel) for run in _runs(w)]
+        head = torch.zeros(16, dtype=torch.int32)
+        head[0] = len(runs)
+        for i, run in enumerate(runs):
+            head[1 + 2 * i], head[2 + 2 * i] = run.data.shape[0], run.planes >> 8
+        data = torch.cat([head.view(torch.uint8), *(run.data.flatten() for run in runs)])
+        return Panels(data, I8P | MIXED << 8, w.shape, kernel)
     N, K = w.shape
     S, pad = K // SUPER, -N % PANEL
     panels = (N + pad) // PANEL
@@ -429,9 +471,7 @@ def pack_int8(w: BlockQuantized, kernel: Library | None = None) -> Panels:
     def rows(t: torch.Tensor) -> torch.Tensor:
         return F.pad(t, (0, 0, 0, 0, 0, pad)) if pad else t
 
-    heads = []
-    for d, q in factored:
-        heads.append(_panel_bytes(rows(d.view(N, S, 1)), panels))
+    heads = [_panel_bytes(rows(d.view(N, S, 1)), panels) for d, _ in factored]
     codes = rows(w.codes.view(N, S, SUPER))
     if w.kind == "Q4_K":
         (_, sc), (_, mn) = factored

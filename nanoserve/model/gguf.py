@@ -45,6 +45,9 @@ class BlockQuantized:
     codes: torch.Tensor  # [N, K]: uint8 for ggml_blocks.UNSIGNED kinds (0..15, Q2_K 0..3), int8 for the rest
     scales: torch.Tensor  # [N, K // G] float32: each group's scale, exact
     mins: torch.Tensor | None  # [N, K // G] float32 for kinds with mins (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K), else None
+    # rows of several kinds stacked (quant.cat_rows): each run of rows' own kind and count, in order
+    # (what blockdot.pack_int8 reads them back by); None for one kind, or where the runs are not known
+    row_kinds: tuple[tuple[str, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if any(kind not in BLOCK_TYPES for kind in parts(self.kind)):
@@ -59,6 +62,9 @@ class BlockQuantized:
             raise ValueError(f"{self.kind} {'needs' if BLOCK_TYPES[self.kind].has_mins else 'takes no'} mins")
         if self.kind not in BLOCK_TYPES and self.codes.dtype != torch.int8:
             raise ValueError(f"{self.kind}: rows of several types are held as int8 codes")
+        if self.row_kinds is not None and (sum(rows for _, rows in self.row_kinds) != N or any(
+                kind not in parts(self.kind) for kind, _ in self.row_kinds)):
+            raise ValueError(f"{self.kind} [{N}, {K}]: row_kinds {self.row_kinds} do not add up to its rows and kinds")
 
     @property
     def group(self) -> int:

@@ -409,7 +409,7 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
     int16_rows = overrides.blockdot_int16_rows
     matrices = tuple(MatrixPlan(layer, name, _stored(w.form),
                                 _form_of(layer, w.form, precision, dense, invariant, int16_rows,
-                                         overrides.blockdot_int8, unrun))
+                                         overrides.blockdot_int8 and blockdot.can_pack_int8(w), unrun))
                      for layer, name, w in model.matrices())
     if unrun:
         kinds = ", ".join(sorted(unrun))
@@ -429,7 +429,7 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
 def _form_of(layer: int | None, form: Form, precision: Precision, dense: Form, invariant: bool,
              int16_rows: int | None, int8: bool, unrun: set[str]) -> Form:
     """Stage 3 for one matrix as loaded (`form`): the form it runs in (`unrun` gets a stored kind no
-    kernel here runs, dequantized to `dense`)."""
+    kernel here runs, dequantized to `dense`). int8: the matrix has a file-bit form and may take it."""
     if form.name not in (STORED, FormKind.TORCH) and form.dtype == precision.dtype:
         return form  # laid out by another engine already: kept as it is
     dtype = precision.torch_dtype
@@ -452,8 +452,8 @@ def _form_of(layer: int | None, form: Form, precision: Precision, dense: Form, i
         return dataclasses.replace(dense, **tensor_parallel)
     if kind == "int8":
         name = FormKind.TORCH_INT8
-    elif on_blockdot:  # a K-quant at its file's bits on int8 activations where asked, else blockdot's panels
-        name = FormKind.BLOCKDOT_INT8 if int8 and kind in blockdot.INT8_KINDS else FormKind.BLOCKDOT
+    elif on_blockdot:  # a K-quant kept at its file's bits on int8 activations where asked, else blockdot's panels
+        name = FormKind.BLOCKDOT_INT8 if int8 and precision.quantization == "keep" else FormKind.BLOCKDOT
     else:
         name = FormKind.TORCH_INT4
     rows = precision.max_kernel_rows

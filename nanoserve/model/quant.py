@@ -150,7 +150,10 @@ def cat_rows(matrices: list[torch.Tensor | Stored]) -> torch.Tensor | Stored:
         mins = [torch.zeros_like(s) if m.mins is None else m.mins.repeat_interleave(m.group // group, dim=1)
                 for m, s in zip(matrices, scales, strict=True)]
         kind = "+".join(sorted({part for m in matrices for part in parts(m.kind)}))
-        return BlockQuantized(kind, torch.cat(codes), torch.cat(scales), torch.cat(mins) if with_mins else None)
+        runs = [m.row_kinds or ((m.kind, m.shape[0]),) for m in matrices]
+        known = all("+" not in m.kind or m.row_kinds for m in matrices)
+        return BlockQuantized(kind, torch.cat(codes), torch.cat(scales), torch.cat(mins) if with_mins else None,
+                              tuple(run for r in runs for run in r) if known else None)
     if all(isinstance(m, ChannelInt8) for m in matrices):
         return ChannelInt8(torch.cat([m.codes for m in matrices]), torch.cat([m.scales for m in matrices]))
     return torch.cat([m.float() if isinstance(m, torch.Tensor) else m.dequantize() for m in matrices]).contiguous()

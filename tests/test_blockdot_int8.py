@@ -1,0 +1,123 @@
+"""blockdot's file-bit panels (blockdot.pack_int8): Q4_K and Q6_K at their file's bits, x rounded to
+int8 per block of 32 and summed in integers.
+
+References are independent of the kernel: gguf-py's dequantize for the weights, and x rounded by
+hand here (numpy: q = round-half-even(127 x / amax) per block of 32, x ~ amax / 127 q), so the
+kernel's output must equal that rounded x times the file's matrix up to float32 summation only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize
+
+from nanoserve.model import blockdot
+from nanoserve.model.gguf import BlockQuantized, decode_blocks
+from nanoserve.model.quant import cat_rows
+from tests.test_blockdot import EMULATED, build
+from tests.test_gguf_types import random_blocks
+
+pytestmark = pytest.mark.skipif(blockdot.library() is None, reason=f"no blockdot build here: {blockdot.failure()}")
+FILE_BITS = {"Q4_K": 4.75, "Q6_K": 6.625}  # the panels' bits a weight, from blockdot.c's layout comment
+FILE = {"Q4_K": 144 * 8 / 256, "Q6_K": 210 * 8 / 256}  # the file's: ggml-common.h's block sizes
+
+
+def rounded_x(x: torch.Tensor) -> np.ndarray:
+    """x [M, K] rounded to int8 per block of 32 as the kernel is documented to, in float64."""
+    blocks = x.double().numpy().reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(blocks.astype(np.float32) * inv)  # rint: half to even
+    return (q * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
+
+
+def matrix(kind: str, rows: int, cols: int, seed: int) -> tuple[BlockQuantized, torch.Tensor]:
+    raw = random_blocks(kind, rows, cols, seed=seed, finite=True)
+    reference = torch.from_numpy(dequantize(raw, QT[kind]).reshape(rows, cols).copy())
+    return decode_blocks(raw, kind), reference
+
+
+@pytest.mark.parametrize("kind", list(FILE_BITS))
+@pytest.mark.parametrize("build_name", ["native", "avx512", "avx2", "plain", *EMULATED])
+def test_file_bit_panels_compute_the_file_matrix_times_x_rounded_to_int8(kind, build_name):
+    kernel = build(build_name)
+    w, reference = matrix(kind, rows=40, cols=768, seed=7)  # 40 rows: a panel and a half, its tail padded
+    panels = blockdot.pack_int8(w, kernel)
+    assert panels.form_name == "blockdot-int8"
+    assert torch.equal(panels.dequantize(), reference)  # the codes and scales exactly as the file's
+    assert torch.equal(panels.dequantize(torch.bfloat16), reference.to(torch.bfloat16))
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17):
+        x = torch.randn(rows, 768, generator=gen)
+        x[0, :32] = 0  # an all-zero block: scale 0
+        expected = rounded_x(x) @ reference.double().numpy().T
+        got = panels(x).double().numpy()
+        # only float32 scaling and summation stand between the two: a few ulps of the largest term
+        assert np.abs(got - expected).max() <= 2e-5 * np.abs(expected).max(), (rows, np.abs(got - expected).max())
+
+
+@pytest.mark.parametrize("kind", list(FILE_BITS))
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(kind):
+    w, _ = matrix(kind, rows=80, cols=512, seed=11)
+    panels = blockdot.pack_int8(w)
+    x = torch.randn(21, 512, generator=torch.Generator().manual_seed(5))
+    together = panels(x)
+    for width in (1, 2, 3, 5, 7, 13):
+        apart = torch.cat([panels(x[i:i + width]) for i in range(0, 21, width)])
+        assert torch.equal(apart, together), width
+    assert torch.equal(panels(x.flip(0)), together.flip(0))  # nor on its place among them
+
+
+@pytest.mark.parametrize("kind", list(FILE_BITS))
+def test_the_panels_hold_the_files_bits(kind):
+    w, _ = matrix(kind, rows=64, cols=2048, seed=1)
+    panels = blockdot.pack_int8(w)
+    bits = panels.nbytes * 8 / (64 * 2048)
+    assert bits == FILE_BITS[kind] and bits <= 1.06 * FILE[kind]
+
+
+def test_bf16_activations_are_widened_first():
+    w, _ = matrix("Q4_K", rows=32, cols=256, seed=2)
+    panels = blockdot.pack_int8(w)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    out = panels(x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, panels(x.float()).to(torch.bfloat16))
+
+
+def test_scales_that_are_no_factor_times_small_integers_are_refused():
+    w, _ = matrix("Q4_K", rows=16, cols=256, seed=4)
+    odd = w.scales.clone()
+    odd[0, 0] = odd[0, 1] * (1 + 2 ** -20)  # two groups whose ratio no pair of 6-bit integers gives
+    odd[0, 1] = odd[0, 1] * 63 / 62 * (1 + 2 ** -12)
+    with pytest.raises(ValueError, match="not a factor times 6-bit integers"):
+        blockdot.pack_int8(BlockQuantized("Q4_K", w.codes, odd, w.mins))
+    with pytest.raises(ValueError, match="file-bit panels hold"):
+        blockdot.pack_int8(decode_blocks(random_blocks("Q5_K", 16, 256, finite=True), "Q5_K"))
+
+
+
+@pytest.mark.parametrize("build_name", ["native", "plain"])
+def test_rows_of_both_kinds_stacked_keep_their_own_panels(build_name):
+    # Q4_K_M's qkv: q and k in Q4_K beside v in Q6_K, stacked by cat_rows into int8 codes; each run of
+    # rows back in its own kind's panels, behind a head naming the runs
+    kernel = build(build_name)
+    (q, q_ref), (k, k_ref), (v, v_ref) = (matrix(kind, rows, 512, seed=rows)
+                                          for kind, rows in (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 40)))
+    stacked = cat_rows([q, k, v])
+    assert stacked.kind == "Q4_K+Q6_K" and stacked.row_kinds == (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 40))
+    panels = blockdot.pack_int8(stacked, kernel)
+    reference = torch.cat([q_ref, k_ref, v_ref])
+    assert torch.equal(panels.dequantize(), reference)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(9))
+    expected = rounded_x(x) @ reference.double().numpy().T
+    assert np.abs(panels(x).double().numpy() - expected).max() <= 2e-5 * np.abs(expected).max()
+    bits = panels.nbytes * 8 / (reference.numel() + 16 * 512)  # v's 40 rows fill 48 (a panel's padding)
+    assert bits < (2 * FILE_BITS["Q4_K"] + FILE_BITS["Q6_K"]) / 3 + 0.1
+    # a run of rows that ends inside a panel before another starts has no such form
+    odd = cat_rows([matrix("Q4_K", 24, 512, seed=1)[0], v])
+    assert not blockdot.can_pack_int8(odd)
+    with pytest.raises(ValueError, match="known runs of their rows"):
+        blockdot.pack_int8(odd, kernel)
