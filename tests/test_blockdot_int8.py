@@ -121,3 +121,13 @@ def test_rows_of_both_kinds_stacked_keep_their_own_panels(build_name):
     assert not blockdot.can_pack_int8(odd)
     with pytest.raises(ValueError, match="known runs of their rows"):
         blockdot.pack_int8(odd, kernel)
+
+
+def test_an_embedding_looks_its_rows_up_in_the_panels():
+    w, reference = matrix("Q6_K", rows=50, cols=512, seed=12)  # 50 rows: the last panel's tail padded
+    panels = blockdot.pack_int8(w)
+    ids = torch.tensor([0, 49, 17, 17, 33])
+    assert torch.equal(panels.lookup(ids), reference[ids])
+    assert torch.equal(panels.lookup(ids, torch.bfloat16), reference[ids].to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 50\)"):
+        panels.lookup(torch.tensor([3, 50]))

@@ -800,37 +800,53 @@ static void tasks8(const struct xin *in, int64_t M, int64_t K, int64_t N, const 
                tasks8_of(in, M, K, seg_rows, N, seg_w, seg_type, (char *)y + seg_n0 * (y_bf16 ? 2 : 4), y_bf16));
 }
 
-/* Panel p of file-bit panels dequantized into out [N, K] (float32, or bf16 where bf16): Q4_K's
-   d sc q - dmin mn (d sc q exact in float32, one rounding for the min), Q6_K's (d sc) (q - 32) (one
-   rounding): BlockQuantized.dequantize()'s arithmetic. */
-static void dequantize8_panel(const uint8_t *w, int type, int64_t p, int64_t N, int64_t K, void *out, int bf16) {
+/* Row `lane` of panel p of one type's file-bit panels dequantized into dst [K] (float32, or bf16 where
+   bf16): Q4_K's d sc q - dmin mn (d sc q exact in float32, one rounding for the min), Q6_K's
+   (d sc) (q - 32) (one rounding): BlockQuantized.dequantize()'s arithmetic. */
+static void dequantize8_row(const uint8_t *w, int type, int64_t p, int lane, int64_t K, void *dst, int bf16) {
   const int64_t S = K / SB, sb = I8_TYPES[type].bytes;
   for (int64_t s = 0; s < S; s++) {
     const uint8_t *blk = w + (p * S + s) * sb;
-    for (int n = 0; n < P && p * P + n < N; n++) {
-      float d, dmin = 0;
-      memcpy(&d, blk + 4 * n, 4);
-      if (type == I8_Q4_K) memcpy(&dmin, blk + 4 * (P + n), 4);
-      float row[SB];
-      for (int k = 0; k < SB; k++) {
-        const int octet = k / 8, i = k % 4, upper = (k / 4) % 2;
-        const uint8_t low = blk[(type == I8_Q4_K ? Q4K_CODES : Q6K_LOW) + octet * 64 + 4 * n + i];
-        const int q4 = upper ? low >> 4 : low & 15;
-        if (type == I8_Q4_K) {
-          const float scale = d * (float)blk[Q4K_SC + (k / 32) * P + n], min = dmin * (float)blk[Q4K_MN + (k / 32) * P + n];
-          row[k] = fmaf(scale, (float)q4, -min);  /* scale q4 exact: one rounding, as mul then add */
-        } else {
-          const int gi = k / 16, quad = (k % 16) / 4;
-          const int high = (blk[Q6K_HIGH + gi * 64 + 4 * n + i] >> 2 * quad) & 3;
-          const float scale = d * (float)(int8_t)blk[Q6K_SC + gi * P + n];
-          row[k] = scale * (float)((q4 | high << 4) - 32);
-        }
+    float d, dmin = 0, row[SB];
+    memcpy(&d, blk + 4 * lane, 4);
+    if (type == I8_Q4_K) memcpy(&dmin, blk + 4 * (P + lane), 4);
+    for (int k = 0; k < SB; k++) {
+      const int octet = k / 8, i = k % 4, upper = (k / 4) % 2;
+      const uint8_t low = blk[(type == I8_Q4_K ? Q4K_CODES : Q6K_LOW) + octet * 64 + 4 * lane + i];
+      const int q4 = upper ? low >> 4 : low & 15;
+      if (type == I8_Q4_K) {
+        const float scale = d * (float)blk[Q4K_SC + (k / 32) * P + lane];
+        const float min = dmin * (float)blk[Q4K_MN + (k / 32) * P + lane];
+        row[k] = fmaf(scale, (float)q4, -min);  /* scale q4 exact: one rounding, as mul then add */
+      } else {
+        const int gi = k / 16, quad = (k % 16) / 4;
+        const int high = (blk[Q6K_HIGH + gi * 64 + 4 * lane + i] >> 2 * quad) & 3;
+        row[k] = d * (float)(int8_t)blk[Q6K_SC + gi * P + lane] * (float)((q4 | high << 4) - 32);
       }
-      void *dst = (char *)out + ((p * P + n) * K + s * SB) * (bf16 ? 2 : 4);
-      if (bf16) for (int k = 0; k < SB; k++) ((uint16_t *)dst)[k] = f32_to_bf16(row[k]);
-      else memcpy(dst, row, sizeof row);
     }
+    if (bf16) for (int k = 0; k < SB; k++) ((uint16_t *)dst)[s * SB + k] = f32_to_bf16(row[k]);
+    else memcpy((float *)dst + s * SB, row, sizeof row);
   }
+}
+
+/* Row n of file-bit panels w [N, K] (any segment) into dst. */
+static void dequantize8_any(const uint8_t *w, int planes, int64_t N, int64_t K, int64_t n, void *dst, int bf16) {
+  FOR_SEGMENTS(w, planes, N, K, {
+    if (n >= seg_n0 && n < seg_n0 + seg_rows)
+      dequantize8_row(seg_w, seg_type, (n - seg_n0) / P, (int)((n - seg_n0) % P), K, dst, bf16);
+  });
+}
+
+/* Rows rows[0 .. count - 1] of file-bit panels w [N, K] dequantized into out [count, K] (an embedding's
+   lookup from the tied head's panels); returns -1 where a row is out of range, 0 otherwise. */
+int blockdot_dequantize_rows(const uint8_t *w, int planes, int64_t N, int64_t K, const int64_t *rows, int64_t count,
+                             void *out, int out_bf16) {
+  if (!(planes & I8P)) return -1;
+  for (int64_t i = 0; i < count; i++)
+    if (rows[i] < 0 || rows[i] >= N) return -1;
+  for (int64_t i = 0; i < count; i++)
+    dequantize8_any(w, planes, N, K, rows[i], (char *)out + i * K * (out_bf16 ? 2 : 4), out_bf16);
+  return 0;
 }
 
 /* xsum, xsum16 (2), xd, x8d, x8sum16 (2): 7 floats a block; xq K / 2 a row, x8 K / 4. */
@@ -1160,12 +1176,9 @@ void blockdot_dequantize(const uint8_t *w, int planes, int64_t N, int64_t K, voi
   const int64_t B = K / G, panels = (N + P - 1) / P, bb = block_bytes(planes);
   #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t p = 0; p < panels; p++) {
-    if (planes & I8P) {  /* panel p of whichever segment holds it */
-      FOR_SEGMENTS(w, planes, N, K, {
-        if (p >= seg_n0 / P && p < seg_n0 / P + seg_panels)
-          dequantize8_panel(seg_w, seg_type, p - seg_n0 / P, seg_rows, K,
-                            (char *)out + seg_n0 * K * (out_bf16 ? 2 : 4), out_bf16);
-      });
+    if (planes & I8P) {
+      for (int64_t n = p * P; n < (p + 1) * P && n < N; n++)
+        dequantize8_any(w, planes, N, K, n, (char *)out + n * K * (out_bf16 ? 2 : 4), out_bf16);
       continue;
     }
     const int heads = planes & (F32_HEADS | G16 | G16M);

@@ -190,6 +190,19 @@ class Panels:
                                             int(dtype == torch.bfloat16), torch.get_num_threads())
         return out
 
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ids [T] of the matrix [T, K] in dtype, bit for bit dequantize()'s: an embedding's lookup
+        read from the tied head's file-bit panels (I8P only), so the table is held once."""
+        if not self.planes & I8P or dtype not in DTYPES:
+            raise ValueError(f"lookup reads file-bit panels into {[str(d) for d in DTYPES]}; got planes "
+                             f"{self.planes}, {dtype}")
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), self.shape[1], dtype=dtype)
+        if self.kernel.lib.blockdot_dequantize_rows(self.data.data_ptr(), self.planes, *self.shape, ids.data_ptr(),
+                                                    ids.numel(), out.data_ptr(), int(dtype == torch.bfloat16)):
+            raise ValueError(f"token ids must be in [0, {self.shape[0]}); got {ids.min().item()}..{ids.max().item()}")
+        return out
+
     @property
     def nbytes(self) -> int:
         return self.data.nbytes

@@ -28,7 +28,7 @@ from nanoserve.model.llama import (
 )
 from nanoserve.model.plan import STEPS, ExecutionPlan, check_laid_out
 from nanoserve.model.precision import DTYPES
-from nanoserve.model.quant import quant_linear, quantize_int4, quantize_int8
+from nanoserve.model.quant import QuantLinear, quant_linear, quantize_int4, quantize_int8
 from nanoserve.model.rope import rope_table
 
 
@@ -89,6 +89,8 @@ def laid_out(model: LlamaModel, plan: ExecutionPlan) -> LlamaModel:
     prepared = copy.copy(model)
     prepared.layers = layers
     prepared.embed = model.embed.to(dtype) if isinstance(model.embed, torch.Tensor) else model.embed
+    if model.lm_head is model.embed and isinstance(head, QuantLinear) and head.looks_up:
+        prepared.embed = head  # a tied table on file-bit panels: lookups read the head's rows, held once
     prepared.lm_head = prepared.embed if model.lm_head is model.embed else model.lm_head
     prepared.lm_head_weight = head
     prepared.dtype = dtype

@@ -283,6 +283,15 @@ class QuantLinear:
         eye = torch.eye(self.shape[1], dtype=self.dtype)
         return self(eye).t().to(dtype)  # each column of the identity picks a column of w
 
+    @property
+    def looks_up(self) -> bool:
+        """Whether an embedding can read its rows from this linear (file-bit panels: `lookup`)."""
+        return self.dequantizes and bool(self.passes[0].planes & blockdot.I8P)
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ids [T] of the matrix, as an embedding looks them up (looks_up linears only)."""
+        return self.passes[0].lookup(ids, dtype)
+
     def nbytes_by_kind(self) -> dict[str, int]:
         dense = 0 if self.dense is None else sum(self.dense.nbytes_by_kind().values())
         return {"quantized": sum(p.nbytes for p in self.passes), "dense_copies": dense}
@@ -331,8 +340,10 @@ def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pac
     return QuantLinear(passes, dense, max_kernel_rows, w.shape, dtype)
 
 
-def embedding(ids: torch.Tensor, table: torch.Tensor | Stored, dtype: torch.dtype) -> torch.Tensor:
+def embedding(ids: torch.Tensor, table: torch.Tensor | Stored | QuantLinear, dtype: torch.dtype) -> torch.Tensor:
     """ids [T] -> rows [T, E] in `dtype`; a quantized table dequantizes only the rows it looks up."""
     if isinstance(table, torch.Tensor):
         return F.embedding(ids, table).to(dtype)
+    if isinstance(table, QuantLinear):  # a tied head on file-bit panels: the table held once
+        return table.lookup(ids, dtype)
     return table.rows(ids).dequantize(dtype)
