@@ -192,12 +192,14 @@ def test_the_scratch_is_allocated_once_per_thread_and_grown_only_when_a_call_nee
 
     def calls():  # in a thread of its own, so its scratch starts empty
         seen.append(stats())
-        small(torch.randn(2, 64))  # 80 floats (320 bytes): half again, in 4096-byte pages
+        small(torch.randn(2, 64))  # 28 + 64 + 32 floats (496 bytes): half again, in 4096-byte pages
         seen.append(stats())
         for rows in (1, 2, 2, 1):
             small(torch.randn(rows, 64))
         seen.append(stats())
-        wide(torch.randn(8, 1024).bfloat16())  # 8192 + 1024 + 4096 floats: 53,248 bytes
+        # 8192 (x from bf16) + 7 * 8 * 32 (per-block sums and scales) + 4096 (int16 x) + 2048 (int8 x) floats:
+        # 64,512 bytes, half again is 96,768, in 4096-byte pages 98,304
+        wide(torch.randn(8, 1024).bfloat16())
         seen.append(stats())
         for rows in (8, 3, 8):
             wide(torch.randn(rows, 1024))
@@ -207,7 +209,7 @@ def test_the_scratch_is_allocated_once_per_thread_and_grown_only_when_a_call_nee
     thread = threading.Thread(target=calls)
     thread.start()
     thread.join()
-    assert seen == [(0, 0), (4096, 1), (4096, 1), (81920, 2), (81920, 2)]
+    assert seen == [(0, 0), (4096, 1), (4096, 1), (98304, 2), (98304, 2)]
 
 
 # ---- the build: cache directory, launcher, stale builds ----------------------------------------------

@@ -77,7 +77,8 @@ slots_list = [int(s) for s in sys.argv[10:]]
 torch.set_num_threads(threads)
 config = EngineConfig(dtype=dtype, quantization=None if quantization == "none" else quantization,
                       max_num_seqs=max(slots_list), max_model_len=pp + tg + 8, kv_cache_dtype=kv,
-                      overrides=PlanOverrides(kernels=kernels, fused_decode=fused == "fused"))
+                      overrides=PlanOverrides(kernels=kernels.removesuffix("-int16"), fused_decode=fused == "fused",
+                                              blockdot_int8=not kernels.endswith("-int16")))
 engine = Engine.from_pretrained(gguf, config)
 rates = {slots: decode_rate(engine, slots, tg - 2, pp) for slots in slots_list}
 
@@ -310,8 +311,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--no-transformers", action="store_true",
                         help="leave out transformers generate in float32 and bfloat16 (same weights)")
-    parser.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "torch", "blockdot"],
-                        help="nanoserve's kernels on the quantized files, one run each")
+    parser.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "torch", "blockdot", "blockdot-int16"],
+                        help="nanoserve's kernels on the quantized files, one run each (blockdot-int16: K-quants "
+                             "on blockdot's wider panels, PlanOverrides.blockdot_int8=False)")
     parser.add_argument("--unfused", action="store_true",
                         help="also run each of those with fused_decode=False")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

@@ -149,11 +149,10 @@ class ExecutionPlan:
 
     @property
     def kernels(self) -> str:
-        """Who runs the quantized matmuls' few-row passes: "blockdot", "torch", "blockdot+torch", or ""
-        where every matrix is dense."""
-        quantized = (FormKind.BLOCKDOT, FormKind.TORCH_INT4, FormKind.TORCH_INT8)
-        names = {"blockdot" if m.form.name == FormKind.BLOCKDOT else "torch" for m in self.matrices
-                 if m.form.name in quantized}
+        """Who runs the quantized matmuls' few-row passes: "blockdot", "blockdot-int8" (file-bit panels),
+        "torch", several joined by "+", or "" where every matrix is dense."""
+        quantized = (FormKind.BLOCKDOT, FormKind.BLOCKDOT_INT8, FormKind.TORCH_INT4, FormKind.TORCH_INT8)
+        names = {m.form.name if m.form.name.in_c else "torch" for m in self.matrices if m.form.name in quantized}
         return "+".join(sorted(names))
 
     def render(self) -> str:

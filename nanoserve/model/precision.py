@@ -21,9 +21,12 @@ from pathlib import Path
 import torch
 
 from nanoserve.model import blockdot
-from nanoserve.model.quant import KERNELS, dense_weight, int4_pass, quantize_int4
+from nanoserve.model.quant import dense_weight, int4_pass, quantize_int4
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# What kernels= and dense_kernel= name. blockdot's file-bit panels (quant's "blockdot-int8") are not
+# chosen here: the plan takes them per matrix where PlanOverrides.blockdot_int8 and the matrix allow.
+KERNELS = ("torch", "blockdot")
 # The measurements behind these constants: notes/execution-plan.md, "Why the constants are what they are".
 # kernels="auto" keeps blockdot unless torch's int4 kernel times this much faster at one row: blockdot
 # also runs a decode step's layers in one C call, which torch's kernels cannot.
