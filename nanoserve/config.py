@@ -57,6 +57,11 @@ class PlanOverrides:
     # vpdpbusd, or vpmaddubsw and vpmaddwd), as llama.cpp multiplies them. False: blockdot's wider
     # panels (6 and 10 bits a weight) on the int16 or float32 path above, x rounded 256 times finer.
     blockdot_int8: bool = True
+    # Those file-bit panels on AMX tiles (Sapphire Rapids and later, where Linux grants them) from
+    # the row count the start-up probe times them faster than the vector tiles at
+    # (precision.AMX_ROWS): the same int32 sums and float steps, so no number changes. An int: from
+    # that many rows; False: never; "auto": the probe's choice (never where the CPU has no tiles).
+    blockdot_amx_rows: int | bool | str = "auto"
     # Decode-only steps run their glue in C (nanoserve/model/fused_decode.c) for Llama, Mistral and
     # Qwen2/3 layers: every layer in one call up to the plan's one-call width where every matmul has a
     # C form (blockdot's panels, or dense panels), three calls a layer between the weights' own linears
@@ -67,6 +72,9 @@ class PlanOverrides:
     fused_decode: bool | str = "auto"
 
     def __post_init__(self) -> None:
+        amx = self.blockdot_amx_rows
+        if amx is not False and amx != "auto" and (isinstance(amx, bool) or not isinstance(amx, int) or amx < 1):
+            raise ValueError(f"blockdot_amx_rows={self.blockdot_amx_rows!r} is a row count of at least 1, False or 'auto'")
         if self.kernels not in _KERNELS:
             raise ValueError(f"kernels={self.kernels!r} is not one of {list(_KERNELS)}")
         if self.dense_kernel not in _KERNELS:

@@ -8,6 +8,8 @@ kernel's output must equal that rounded x times the file's matrix up to float32 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -131,3 +133,51 @@ def test_an_embedding_looks_its_rows_up_in_the_panels():
     assert torch.equal(panels.lookup(ids, torch.bfloat16), reference[ids].to(torch.bfloat16))
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 50\)"):
         panels.lookup(torch.tensor([3, 50]))
+
+
+AMX_SKIP = "no AMX tiles here: a CPU with amx_int8 (Sapphire Rapids or later), Linux's permission and a native build " \
+           "are needed, and no emulator runs them"
+
+
+@pytest.mark.skipif(not blockdot.amx(), reason=AMX_SKIP)
+@pytest.mark.parametrize("kind", [*FILE_BITS, "Q4_K+Q6_K"])
+def test_amx_tiles_give_the_vector_tiles_bits_at_every_width(kind):
+    # the tiles are a way to run the same arithmetic, never another result: each row's outputs equal
+    # the vector tiles' bit for bit, whole blocks of 16 rows and the zero-padded last one alike
+    if kind == "Q4_K+Q6_K":
+        w = cat_rows([matrix("Q4_K", 32, 768, seed=1)[0], matrix("Q6_K", 40, 768, seed=2)[0]])
+        reference = w.dequantize()
+    else:
+        w, reference = matrix(kind, rows=40, cols=768, seed=7)
+    vector = blockdot.pack_int8(w)
+    tiles = blockdot.pack_int8(w, amx_rows=1)
+    gen = torch.Generator().manual_seed(8)
+    for rows in (1, 5, 16, 17, 40):
+        x = torch.randn(rows, 768, generator=gen)
+        x[-1, 32:64] = 0  # an all-zero block: scale 0
+        assert torch.equal(tiles(x), vector(x)), rows
+        assert torch.equal(tiles(x.bfloat16()), vector(x.bfloat16())), rows
+    # and the sums are the file's matrix times x rounded, not merely the vector tiles' (independent of both)
+    x = torch.randn(17, 768, generator=gen)
+    expected = rounded_x(x) @ reference.double().numpy().T
+    assert np.abs(tiles(x).double().numpy() - expected).max() <= 2e-5 * np.abs(expected).max()
+
+
+def test_amx_availability_is_what_the_cpu_and_build_say():
+    # the build has tiles only where the compiler targets them (-march=native on a CPU with amx_int8);
+    # where it says it has them, the CPU lists amx_int8
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    if blockdot.amx():
+        assert "amx_int8" in flags.split()
+    assert not blockdot.amx(build("plain"))
+    assert not blockdot.amx(build("avx2"))
+
+
+def test_blockdot_amx_rows_takes_a_row_count_false_or_auto():
+    from nanoserve.config import PlanOverrides
+
+    for ok in ("auto", False, 1, 16):
+        assert PlanOverrides(blockdot_amx_rows=ok).blockdot_amx_rows == ok
+    for bad in (0, -3, True, "16", 2.5):
+        with pytest.raises(ValueError, match="blockdot_amx_rows"):
+            PlanOverrides(blockdot_amx_rows=bad)

@@ -68,8 +68,8 @@ def test_a_mirror_with_two_fields_swapped_is_refused_naming_both_offsets():
     with pytest.raises(OSError) as caught:
         cabi.check_layout(layout, {"fused_shape": swapped_shape()})
     assert str(caught.value) == (
-        "the library's structs are not laid out as their ctypes mirrors: struct fused_shape field eps at offset 64 "
-        "in C, 68 in SwappedShape; struct fused_shape field scale at offset 68 in C, 64 in SwappedShape")
+        "the library's structs are not laid out as their ctypes mirrors: struct fused_shape field eps at offset 72 "
+        "in C, 76 in SwappedShape; struct fused_shape field scale at offset 76 in C, 72 in SwappedShape")
 
 
 def test_a_mirror_with_a_narrower_or_missing_field_is_refused():
@@ -92,10 +92,11 @@ def test_a_mirror_with_a_narrower_or_missing_field_is_refused():
 def test_the_compilers_layout_is_the_mirrors_and_a_wrong_mirror_fails_the_load(monkeypatch):
     layout = cabi.c_layout(blockdot.library().lib)
     assert layout == layout_of(cabi.MIRRORS)
-    assert layout["fused_shape"]["eps"] == (64, 4) and layout["fused_layer"][None] == (0, 128)
+    # nine int64 fields (E .. amx_rows) before eps: 9 * 8 = 72
+    assert layout["fused_shape"]["eps"] == (72, 4) and layout["fused_layer"][None] == (0, 128)
     # the whole way: load refuses the build, and library() reports it as its failure
     monkeypatch.setattr(cabi, "MIRRORS", {**cabi.MIRRORS, "fused_shape": swapped_shape()})
-    with pytest.raises(OSError, match="struct fused_shape field eps at offset 64 in C, 68 in SwappedShape"):
+    with pytest.raises(OSError, match="struct fused_shape field eps at offset 72 in C, 76 in SwappedShape"):
         cabi.load()
     monkeypatch.setattr(blockdot, "_library", None)
     monkeypatch.setattr(blockdot, "_failure", None)

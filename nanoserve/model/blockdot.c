@@ -640,6 +640,22 @@ static inline vi q6_high(vi h, int s) {
   return vi_mask(at, 0x30303030u);
 }
 
+/* One group's exact int32 sums g (16 outputs of one row of x) into that row's float sums, the only
+   float arithmetic of the file-bit panels: tile8 and the AMX tiles both call these, so a row's outputs
+   are the same bits whichever ran it. Q4_K: w x summed = x8d (d sc sum(q x8) - dmin mn sum(x8)), given
+   neg_xs = -sum(x8) over the group (exact in float). */
+static inline vf q4k_step(vf acc, vf ds, vf dm, vi g, float neg_xs, float x8d) {
+  const vf t = vfma(ds, vcvt(g), vmul(dm, vset1(neg_xs)));
+  return vfma(t, vset1(x8d), acc);
+}
+/* Q6_K: sum((q - 32) x8) = sum(q x8) - 32 sum(x8), given neg32 = -32 sum(x8) over the 16 (exact in float). */
+static inline vf q6k_step(vf acc, vf dsc, vi g, float neg32, float x8d) {
+  const vf t = vadd(vcvt(g), vset1(neg32));
+  return vfma(vmul(dsc, vset1(x8d)), t, acc);
+}
+static inline float q4k_neg_xs(const int32_t *x8sum16) { return -(float)(x8sum16[0] + x8sum16[1]); }
+static inline float q6k_neg32(int32_t x8sum) { return -32.0f * (float)x8sum; }
+
 /* NP panels (16 NP output rows) against MR rows of x from r0 (NP * MR <= 8), a file-bit type: acc[p * MR + r]. */
 INLINE void tile8(const struct xin *in, int64_t K, const uint8_t *w, const int type, int64_t p0, int64_t r0, const int NP,
                   const int MR, vf acc[8]) {
@@ -673,10 +689,8 @@ INLINE void tile8(const struct xin *in, int64_t K, const uint8_t *w, const int t
           const vf ds = vmul(d[p], vu8(blk[p] + Q4K_SC + j * P)), dm = vmul(dmin[p], vu8(blk[p] + Q4K_MN + j * P));
           for (int r = 0; r < MR; r++) {
             const int64_t rb = (r0 + r) * B + b;
-            const float xs = (float)(in->x8sum16[2 * rb] + in->x8sum16[2 * rb + 1]);
-            /* w x summed = x8d (d sc sum(q x8) - dmin mn sum(x8)) */
-            const vf t = vfma(ds, vcvt(g[p * MR + r]), vmul(dm, vset1(-xs)));
-            acc[p * MR + r] = vfma(t, vset1(in->x8d[rb]), acc[p * MR + r]);
+            acc[p * MR + r] = q4k_step(acc[p * MR + r], ds, dm, g[p * MR + r], q4k_neg_xs(in->x8sum16 + 2 * rb),
+                                       in->x8d[rb]);
           }
         }
       }
@@ -703,9 +717,8 @@ INLINE void tile8(const struct xin *in, int64_t K, const uint8_t *w, const int t
           const vf dsc = vmul(d[p], vs8(blk[p] + Q6K_SC + gi * P));
           for (int r = 0; r < MR; r++) {
             const int64_t rb = (r0 + r) * B + b;
-            /* sum((q - 32) x8) = sum(q x8) - 32 sum(x8), both exact in float (below 2^24) */
-            const vf t = vadd(vcvt(g[p * MR + r]), vset1(-32.0f * (float)in->x8sum16[(r0 + r) * (K / 16) + s * 16 + gi]));
-            acc[p * MR + r] = vfma(vmul(dsc, vset1(in->x8d[rb])), t, acc[p * MR + r]);
+            acc[p * MR + r] = q6k_step(acc[p * MR + r], dsc, g[p * MR + r],
+                                       q6k_neg32(in->x8sum16[(r0 + r) * (K / 16) + s * 16 + gi]), in->x8d[rb]);
           }
         }
       }
@@ -761,9 +774,206 @@ I8_TILES(I8_Q4_K)
 I8_TILES(I8_Q6_K)
 #undef I8_TILES
 
+/* ---- AMX tiles (Sapphire Rapids and later: builds with __AMX_INT8__, where the kernel grants them) ----
+ *
+ * tile8's sums for 16 rows of x at a time against one panel: TDPBSUD multiplies a tile of x's int8
+ * codes (16 rows by one group's 32 k; 16 k for Q6_K) by a tile of the panel's unsigned codes in VNNI
+ * order (tile row i: the 16 outputs' codes at k = 4 i .. 4 i + 3, which is what an octet's low, then
+ * high, nibbles are: amx_unpack writes them out once per panel and call) into 16 x 16 exact int32
+ * sums, tile8's g. Those are stored to memory and go through the same float steps (q4k_step,
+ * q6k_step) in the same order, so a row's outputs are bit for bit tile8's: which rows take the tiles
+ * (struct xin's amx_rows, the plan's) changes the speed, never a number. Rows past the last whole 16
+ * are copied into a zeroed block of 16, whose extra rows sum to 0 and are not stored. */
+#if SIMD == 512 && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+struct tile_config {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+static int amx_permitted;  /* 0: not asked yet, 1: granted, -1: refused */
+
+int blockdot_amx(void) {  /* asks Linux, once, for the tile registers' state in this process */
+  if (!amx_permitted) amx_permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+  return amx_permitted > 0;
+}
+
+/* kb: a group's k (32, or Q6_K's 16). tmm0 and tmm4 hold x's codes (16 rows of kb bytes), tmm1 and
+   tmm5 the panel's (kb / 4 rows of 64 bytes), tmm2, 3, 6 and 7 two pairs of groups' sums (16 rows of 16 int32). */
+static void amx_configure(int kb) {
+  struct tile_config c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  c.rows[0] = c.rows[4] = 16, c.colsb[0] = c.colsb[4] = (uint16_t)kb;
+  c.rows[1] = c.rows[5] = (uint8_t)(kb / 4), c.colsb[1] = c.colsb[5] = 64;
+  c.rows[2] = c.rows[3] = c.rows[6] = c.rows[7] = 16, c.colsb[2] = c.colsb[3] = c.colsb[6] = c.colsb[7] = 64;
+  _tile_loadconfig(&c);
+}
+
+/* Panel p's codes into u [K / 4][64], row i holding the 16 outputs' codes at k = 4 i .. 4 i + 3 (q in
+   0..15 for Q4_K, 0..63 for Q6_K): octet o of a super-block is k = 8 o .. 8 o + 7, its low nibbles
+   row 2 o and its high ones row 2 o + 1. */
+static void amx_unpack(const uint8_t *w, int type, int64_t p, int64_t K, uint8_t *u) {
+  const int64_t S = K / SB, sb = I8_TYPES[type].bytes;
+  for (int64_t s = 0; s < S; s++) {
+    const uint8_t *blk = w + (p * S + s) * sb;
+    uint8_t *us = u + s * SB * P;
+    for (int o = 0; o < 32; o++) {
+      const vi c = vi_load(blk + (type == I8_Q4_K ? Q4K_CODES : Q6K_LOW) + o * 64);
+      vi lo = vi_mask(c, LOW4), hi = vi_mask(vi_srl(c, 4), LOW4);
+      if (type == I8_Q6_K) {  /* octet o is half o % 2 of group o / 2 */
+        const vi h = vi_load(blk + Q6K_HIGH + (o / 2) * 64);
+        lo = vi_or(lo, q6_high(h, 2 * (o % 2))), hi = vi_or(hi, q6_high(h, 2 * (o % 2) + 1));
+      }
+      _mm512_storeu_si512(us + 2 * o * 64, lo);
+      _mm512_storeu_si512(us + (2 * o + 1) * 64, hi);
+    }
+  }
+}
+
+/* x as the tiles read it, per block of 16 rows (the last one's missing rows zero) and group of 32 k:
+   the 16 rows' codes, 32 bytes each (one A tile: a Q4_K group, or at a stride of 32 two Q6_K groups),
+   then for each row x8d, Q4_K's neg_xs and Q6_K's neg32 of each half, as floats: [M16 / 16][K / 32]
+   blocks of AMX_ROWS_BYTES. Made by each thread for its own panels' use, once a call: a pass over x. */
+#define AMX_ROWS_BYTES (16 * 32 + 4 * 16 * 4)
+static void amx_rows_of(const struct xin *in, int64_t M, int64_t K, uint8_t *xa) {
+  const int64_t B = K / G;
+  for (int64_t r0 = 0; r0 < M; r0 += 16)
+    for (int64_t b = 0; b < B; b++) {
+      uint8_t *blk = xa + (r0 / 16 * B + b) * AMX_ROWS_BYTES;
+      float *f = (float *)(blk + 16 * 32);  /* x8d[16], neg_xs[16], neg32[2][16] */
+      for (int r = 0; r < 16; r++) {
+        const int64_t row = r0 + r, rb = row * B + b;
+        if (row >= M) {
+          memset(blk + 32 * r, 0, 32);
+          f[r] = f[16 + r] = f[32 + r] = f[48 + r] = 0;
+          continue;
+        }
+        memcpy(blk + 32 * r, in->x8 + row * K + b * G, 32);
+        f[r] = in->x8d[rb];
+        f[16 + r] = q4k_neg_xs(in->x8sum16 + 2 * rb);
+        f[32 + r] = q6k_neg32(in->x8sum16[2 * rb]);
+        f[48 + r] = q6k_neg32(in->x8sum16[2 * rb + 1]);
+      }
+    }
+}
+
+/* Two groups' sums (blocks a and a2 of x's rows, kb = 32 k or Q6_K's 16 from each at offset o and o2)
+   against the panel's unpacked codes at k0 and k0 + kb, into tiles C0 and C1 and from there to c [2][16][16]. */
+#define AMX_TWO_GROUPS(a, a2, u, k0, kb, C0, C1, c)                                                       \
+  do {                                                                                                   \
+    _tile_loadd(0, (a), 32);                                                                             \
+    _tile_loadd(1, (u) + (k0) / 4 * 64, 64);                                                             \
+    _tile_loadd(4, (a2), 32);                                                                            \
+    _tile_loadd(5, (u) + ((k0) + (kb)) / 4 * 64, 64);                                                    \
+    _tile_zero(C0);                                                                                      \
+    _tile_zero(C1);                                                                                      \
+    _tile_dpbsud(C0, 0, 1);                                                                              \
+    _tile_dpbsud(C1, 4, 5);                                                                              \
+    _tile_stored(C0, (c), 64);                                                                           \
+    _tile_stored(C1, (c) + 256, 64);                                                                     \
+  } while (0)
+
+/* Groups g and g + 1's sums c [2][16][16] (Q4_K's groups of 32, Q6_K's of 16) into the 16 rows' acc;
+   xa: this block of rows' blocks of x. */
+INLINE void amx_scale(const uint8_t *xa, int64_t K, const uint8_t *w, const int type, int64_t p, int64_t g,
+                      const int32_t *c, vf acc[16]) {
+  const int64_t S = K / SB, per = SB / (type == I8_Q4_K ? 32 : 16), s = g / per;
+  const uint8_t *blk = w + (p * S + s) * I8_TYPES[type].bytes;
+  const vf d = vload((const float *)blk);
+  for (int h = 0; h < 2; h++) {
+    const int j = (int)(g % per) + h;  /* the group in its super-block */
+    if (type == I8_Q4_K) {
+      const float *f = (const float *)(xa + (s * 8 + j) * AMX_ROWS_BYTES + 16 * 32);
+      const vf ds = vmul(d, vu8(blk + Q4K_SC + j * P)), dm = vmul(vload((const float *)blk + P), vu8(blk + Q4K_MN + j * P));
+      for (int r = 0; r < 16; r++)
+        acc[r] = q4k_step(acc[r], ds, dm, vi_load((const uint8_t *)(c + 256 * h + 16 * r)), f[16 + r], f[r]);
+    } else {
+      const float *f = (const float *)(xa + (s * 8 + j / 2) * AMX_ROWS_BYTES + 16 * 32);
+      const vf dsc = vmul(d, vs8(blk + Q6K_SC + j * P));
+      for (int r = 0; r < 16; r++)
+        acc[r] = q6k_step(acc[r], dsc, vi_load((const uint8_t *)(c + 256 * h + 16 * r)), f[32 + 16 * (j % 2) + r], f[r]);
+    }
+  }
+}
+
+/* Group g's A tile: Q4_K's block g, or Q6_K's block g / 2 from its (g % 2)'th 16 bytes. */
+#define AMX_A(xa, type, g) ((xa) + ((type) == I8_Q4_K ? (g) : (g) / 2) * AMX_ROWS_BYTES + ((type) == I8_Q4_K ? 0 : 16 * ((g) % 2)))
+
+/* 16 rows of x (xa) against panel p (its heads in w, its codes unpacked in u): acc[16], in tile8's
+   order. Pipelined by pairs of groups: a pair's sums are multiplied on the tiles and stored while the
+   pair before it is scaled from memory (a tile's store is not ready to read at once). */
+INLINE void amx_block(const uint8_t *xa, int64_t K, const uint8_t *w, const int type, int64_t p, const uint8_t *u,
+                      int32_t *c, vf acc[16]) {
+  const int kb = type == I8_Q4_K ? 32 : 16;
+  const int64_t groups = K / kb;  /* a multiple of 8: K is of 256 */
+  for (int r = 0; r < 16; r++) acc[r] = vzero();
+  for (int64_t g = 0; g < groups; g += 4) {
+    AMX_TWO_GROUPS(AMX_A(xa, type, g), AMX_A(xa, type, g + 1), u, g * kb, kb, 2, 3, c);
+    if (g) amx_scale(xa, K, w, type, p, g - 2, c + 512, acc);
+    AMX_TWO_GROUPS(AMX_A(xa, type, g + 2), AMX_A(xa, type, g + 3), u, (g + 2) * kb, kb, 6, 7, c + 512);
+    amx_scale(xa, K, w, type, p, g, c, acc);
+  }
+  amx_scale(xa, K, w, type, p, groups - 2, c + 512, acc);
+}
+
+/* The thread's buffers for the tiles (NULL where out of memory): a panel's unpacked codes (16 K
+   bytes), two pairs of groups' sums (4 KB), then x's rows (amx_rows_of). */
+static uint8_t *amx_buffers(int64_t bytes);
+
+/* One type's panels against every row of x on the tiles, split among the team's threads by panel. */
+static void amx_tasks_of(const struct xin *in, int64_t M, int64_t K, int64_t N, int64_t ldy, const uint8_t *w,
+                         int type, void *y, int y_bf16) {
+  const int64_t panels = (N + P - 1) / P, blocks = (M + 15) / 16, B = K / G;
+  uint8_t *u = amx_buffers(16 * K + 4096 + blocks * B * AMX_ROWS_BYTES);
+  int32_t *c = (int32_t *)(u + 16 * K);
+  uint8_t *xa = u + 16 * K + 4096;
+  if (u) {
+    amx_rows_of(in, M, K, xa);
+    amx_configure(type == I8_Q4_K ? 32 : 16);
+  }
+  #pragma omp for schedule(static)
+  for (int64_t p = 0; p < panels; p++) {
+    if (!u) {  /* the vector tiles instead: the same bits */
+      if (type == I8_Q4_K) task8_I8_Q4_K(in, M, K, N, ldy, w, p, 1, y, y_bf16);
+      else task8_I8_Q6_K(in, M, K, N, ldy, w, p, 1, y, y_bf16);
+      continue;
+    }
+    amx_unpack(w, type, p, K, u);
+    for (int64_t r0 = 0; r0 < M; r0 += 16) {
+      vf acc[16];
+      if (type == I8_Q4_K) amx_block(xa + r0 / 16 * B * AMX_ROWS_BYTES, K, w, I8_Q4_K, p, u, c, acc);
+      else amx_block(xa + r0 / 16 * B * AMX_ROWS_BYTES, K, w, I8_Q6_K, p, u, c, acc);
+      for (int r = 0; r < 16 && r0 + r < M; r++) {
+        float lanes[P];
+        vstore(lanes, acc[r]);
+        for (int n = 0; n < P && p * P + n < N; n++) {
+          const int64_t at = (r0 + r) * ldy + p * P + n;
+          if (y_bf16) ((uint16_t *)y)[at] = f32_to_bf16(lanes[n]);
+          else ((float *)y)[at] = lanes[n];
+        }
+      }
+    }
+  }
+  if (u) _tile_release();
+}
+#else
+int blockdot_amx(void) { return 0; }
+#endif
+
 /* One type's panels w (N rows, rows of y ldy apart) split among the team's threads. */
 static void tasks8_of(const struct xin *in, int64_t M, int64_t K, int64_t N, int64_t ldy, const uint8_t *w, int type,
                       void *y, int y_bf16) {
+#if AMX
+  if (in->amx_rows > 0 && M >= in->amx_rows) {
+    amx_tasks_of(in, M, K, N, ldy, w, type, y, y_bf16);
+    return;
+  }
+#endif
   const int64_t panels = (N + P - 1) / P;
   const int NP = SIMD == 256 ? (M <= 1 ? 2 : 1) : M <= 2 ? 4 : M <= 4 ? 2 : 1;
   const int64_t tasks = (panels + NP - 1) / NP;
@@ -858,6 +1068,8 @@ struct scratch {
   void *data;
   int64_t bytes;        /* what data holds */
   int64_t allocations;  /* how many times it was (re)allocated: for the tests */
+  void *tiles;          /* the AMX tiles' buffers (amx_buffers), apart: a team's first thread holds x's in data */
+  int64_t tiles_bytes;
 };
 static pthread_key_t scratch_key;
 static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
@@ -865,6 +1077,7 @@ static int scratch_key_made;
 
 static void scratch_release(void *s) {
   free(((struct scratch *)s)->data);
+  free(((struct scratch *)s)->tiles);
   free(s);
 }
 static void scratch_key_make(void) { scratch_key_made = pthread_key_create(&scratch_key, scratch_release) == 0; }
@@ -896,6 +1109,18 @@ void *blockdot_scratch(int64_t bytes) {
   return s->data;
 }
 
+#if AMX
+static uint8_t *amx_buffers(int64_t bytes) {
+  struct scratch *s = thread_scratch();
+  if (!s) return NULL;
+  if (s->tiles && bytes <= s->tiles_bytes) return s->tiles;
+  free(s->tiles);
+  s->tiles = aligned_alloc(64, (size_t)((bytes / 4096 + 1) * 4096));
+  s->tiles_bytes = s->tiles ? (bytes / 4096 + 1) * 4096 : 0;
+  return s->tiles;
+}
+#endif
+
 /* The calling thread's scratch: stats[0] its bytes, stats[1] how many times it was allocated. */
 void blockdot_scratch_stats(int64_t *stats) {
   const struct scratch *s = thread_scratch();
@@ -915,6 +1140,7 @@ void blockdot_inputs(const float *x, int64_t M, int64_t K, int q16, float *scrat
   in->x8d = x8d;
   in->x8sum16 = (const int32_t *)(x8d + M * B);
   in->x8 = (const int8_t *)(x8d + 3 * M * B);
+  in->amx_rows = 0;
 }
 
 void blockdot_prepare_rows(const struct xin *in, int64_t K, int64_t r0, int64_t r1) {
@@ -1198,7 +1424,7 @@ void blockdot_dequantize(const uint8_t *w, int planes, int64_t N, int64_t K, voi
    never) x is rounded to int16 per block of 32 (the int16 path). Returns 0, or -1 when out of memory
    for the activations' float32 copies (the thread's scratch, blockdot_scratch). */
 int blockdot(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,
-             int y_bf16, int nthreads, int64_t int16_rows) {
+             int y_bf16, int nthreads, int64_t int16_rows, int64_t amx_rows) {
   float *scratch = blockdot_scratch(sizeof(float) * ((x_bf16 ? M * K : 0) + blockdot_scratch_floats(M, K)));
   if (!scratch) return -1;
   const float *x32 = x;
@@ -1208,6 +1434,7 @@ int blockdot(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const u
   }
   struct xin in;
   blockdot_prepare(x32, M, K, int16_rows > 0 && M >= int16_rows, scratch + (x_bf16 ? M * K : 0), &in);
+  in.amx_rows = amx_rows > 0 && blockdot_amx() ? amx_rows : 0;
   #pragma omp parallel num_threads(nthreads)
   blockdot_tasks(&in, M, K, N, w, planes, y, y_bf16);
   return 0;

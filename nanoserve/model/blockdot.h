@@ -23,7 +23,13 @@ struct xin {
   const int8_t *x8;
   const float *x8d;
   const int32_t *x8sum16;
+  /* from this many rows the file-bit panels multiply on AMX tiles (0: never; blockdot_amx() granted
+     them), the same sums as the vector tiles: blockdot_inputs sets 0, its caller what its plan says */
+  int64_t amx_rows;
 };
+
+/* Whether this build has AMX tiles and Linux grants them to the process (asked once): 1 or 0. */
+int blockdot_amx(void);
 
 /* Floats of scratch blockdot_prepare needs for x [M, K]. */
 int64_t blockdot_scratch_floats(int64_t M, int64_t K);

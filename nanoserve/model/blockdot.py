@@ -121,6 +121,7 @@ class Panels:
     shape: tuple[int, int]  # (N, K)
     kernel: Library  # the build that runs it
     int16_rows: int = 0  # from this many rows of x on, the int16 path (x rounded to int16 per block); 0: never
+    amx_rows: int = 0  # file-bit panels: from this many rows of x on, AMX tiles (the same sums); 0: never
 
     def __post_init__(self) -> None:
         """blockdot.c reads the panels by their shape alone: checked here, once, for every later call."""
@@ -176,7 +177,8 @@ class Panels:
         y = torch.empty(M, N, dtype=x.dtype)
         bf16 = int(x.dtype == torch.bfloat16)
         if self.kernel.lib.blockdot(x.data_ptr(), bf16, M, K, N, self.data.data_ptr(), self.planes,
-                                    y.data_ptr(), bf16, torch.get_num_threads(), self.int16_rows):
+                                    y.data_ptr(), bf16, torch.get_num_threads(), self.int16_rows,
+                                    self.amx_rows):
             raise MemoryError(f"blockdot: no memory for float32 copies of [{M}, {K}] activations")
         return y
 
@@ -446,11 +448,19 @@ def _nibble_octets(low: torch.Tensor, panels: int) -> torch.Tensor:
     return packed.permute(0, 2, 3, 1, 4).reshape(panels, S, 32 * 64)
 
 
-def pack_int8(w: BlockQuantized, kernel: Library | None = None) -> Panels:
+def amx(kernel: Library | None = None) -> bool:
+    """Whether file-bit panels can multiply on AMX tiles here: a build with them (-march=native on a
+    CPU with AMX-INT8) and Linux granting the tiles' state to this process (asked once)."""
+    kernel = kernel or library()
+    return kernel is not None and bool(kernel.lib.blockdot_amx())
+
+
+def pack_int8(w: BlockQuantized, kernel: Library | None = None, amx_rows: int | None = None) -> Panels:
     """The file-bit form of a Q4_K or Q6_K matrix (blockdot.c's I8P panels, the layout in its comment):
     its codes at the file's bits, each super-block's d (and dmin) as float32 beside the groups' 6-bit
     (Q6_K: int8) scales and mins, so that d sc is the stored scale bit for bit (`_factor`). Run on x
-    rounded to int8 per block of 32, summed in integers.
+    rounded to int8 per block of 32, summed in integers; on AMX tiles from amx_rows rows of x (None:
+    never), which give the same bits.
 
     Raises:
         ValueError: a matrix can_pack_int8 refuses, scales that are not a factor times small integers
@@ -470,7 +480,7 @@ def pack_int8(w: BlockQuantized, kernel: Library | None = None) -> Panels:
         for i, run in enumerate(runs):
             head[1 + 2 * i], head[2 + 2 * i] = run.data.shape[0], run.planes >> 8
         data = torch.cat([head.view(torch.uint8), *(run.data.flatten() for run in runs)])
-        return Panels(data, I8P | MIXED << 8, w.shape, kernel)
+        return Panels(data, I8P | MIXED << 8, w.shape, kernel, amx_rows=amx_rows or 0)
     N, K = w.shape
     S, pad = K // SUPER, -N % PANEL
     panels = (N + pad) // PANEL
@@ -498,4 +508,4 @@ def pack_int8(w: BlockQuantized, kernel: Library | None = None) -> Panels:
         high = (high[..., 0, :] | high[..., 1, :] << 2 | high[..., 2, :] << 4 | high[..., 3, :] << 6)
         body = [_nibble_octets(q & 15, panels), high.permute(0, 2, 3, 1, 4).reshape(panels, S, 16 * 64)]
     data = torch.cat([*heads, *scale_bytes, *body], dim=-1).contiguous()
-    return Panels(data, I8P | INT8_KINDS[w.kind] << 8, (N, K), kernel)
+    return Panels(data, I8P | INT8_KINDS[w.kind] << 8, (N, K), kernel, amx_rows=amx_rows or 0)

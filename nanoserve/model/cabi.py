@@ -66,7 +66,8 @@ _i32, _i64, _f32, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_vo
 class FusedShape(ctypes.Structure):
     """struct fused_shape (fused_decode.c): the model's dimensions and the cache's form."""
 
-    _fields_ = [(name, _i64) for name in ("E", "H", "Hkv", "D", "I", "block_size", "kv_kind", "int16_rows")] + [
+    _fields_ = [(name, _i64) for name in ("E", "H", "Hkv", "D", "I", "block_size", "kv_kind", "int16_rows",
+                                          "amx_rows")] + [
         ("eps", _f32), ("scale", _f32)]
 
 
@@ -92,8 +93,9 @@ _shape, _layer, _i64s = ctypes.POINTER(FusedShape), ctypes.POINTER(FusedLayer), 
 # Every entry Python calls: name -> (argument types, return type), the arguments in the comment.
 SIGNATURES: dict[str, tuple[list, type | None]] = {
     "blockdot_simd": ([], _i32),
-    # x, x_bf16, M, K, N, w, planes, y, y_bf16, nthreads, int16_rows -> 0, or -1 out of memory
-    "blockdot": ([_p, _i32, _i64, _i64, _i64, _p, _i32, _p, _i32, _i32, _i64], _i32),
+    # x, x_bf16, M, K, N, w, planes, y, y_bf16, nthreads, int16_rows, amx_rows -> 0, or -1 out of memory
+    "blockdot": ([_p, _i32, _i64, _i64, _i64, _p, _i32, _p, _i32, _i32, _i64, _i64], _i32),
+    "blockdot_amx": ([], _i32),  # whether file-bit panels can multiply on AMX tiles here (asks Linux once)
     "blockdot_dequantize": ([_p, _i32, _i64, _i64, _p, _i32, _i32], None),  # w, planes, N, K, out, out_bf16, nthreads
     # dense panels (DensePanels): x, M, K, N, w, w_bf16, y; called from C, bound for the tests
     "dense_tasks": ([_p, _i64, _i64, _i64, _p, _i32, _p], None),

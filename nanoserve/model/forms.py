@@ -67,6 +67,7 @@ class Form:
     kernel_rows: int | None = None  # a quantized form: its kernel up to this many rows (None: every width)
     wide: str | None = None  # past kernel_rows: "dense copy" or "dequantized" (its panels, per call); None where the form runs every width
     int16_rows: int | None = None  # blockdot: x rounded to int16 per block from this many rows (None: never)
+    amx_rows: int | None = None  # blockdot-int8: on AMX tiles from this many rows, the same sums (None: never)
     all_reduced: bool = False  # a tensor-parallel slice whose output is all-reduced
     in_rank_order: bool = False  # all_reduced: the ranks' partials gathered and added rank 0 first
     stored: str | None = None  # a quantized matrix as loaded (STORED): its kind, "Q4_1" or "int8"
@@ -82,6 +83,8 @@ class Form:
             text += f" up to {self.kernel_rows} rows, {self.wide} past"
         if self.int16_rows is not None:
             text += f", x in int16 from {self.int16_rows} row{'s' if self.int16_rows > 1 else ''}"
+        if self.amx_rows is not None:
+            text += f", AMX tiles from {self.amx_rows} row{'s' if self.amx_rows > 1 else ''}"
         if self.all_reduced:
             text += ", all-reduced" + (" in rank order" if self.in_rank_order else "")
         return text

@@ -55,6 +55,7 @@ struct fused_shape {
   int64_t E, H, Hkv, D, I, block_size;
   int64_t kv_kind;     /* the K/V cache's dtype: KV_F32, KV_BF16 or KV_F16 */
   int64_t int16_rows;  /* from this many rows the matmuls take blockdot's int16 path (0: never) */
+  int64_t amx_rows;    /* from this many rows file-bit panels multiply on AMX tiles (0: never) */
   float eps, scale;
 };
 
@@ -74,7 +75,7 @@ static const struct layout_entry layout[] = {
   LAYOUT_STRUCT(fused_shape), LAYOUT_FIELD(fused_shape, E), LAYOUT_FIELD(fused_shape, H),
   LAYOUT_FIELD(fused_shape, Hkv), LAYOUT_FIELD(fused_shape, D), LAYOUT_FIELD(fused_shape, I),
   LAYOUT_FIELD(fused_shape, block_size), LAYOUT_FIELD(fused_shape, kv_kind), LAYOUT_FIELD(fused_shape, int16_rows),
-  LAYOUT_FIELD(fused_shape, eps), LAYOUT_FIELD(fused_shape, scale),
+  LAYOUT_FIELD(fused_shape, amx_rows), LAYOUT_FIELD(fused_shape, eps), LAYOUT_FIELD(fused_shape, scale),
   LAYOUT_STRUCT(fused_layer), LAYOUT_FIELD(fused_layer, input_norm), LAYOUT_FIELD(fused_layer, post_norm),
   LAYOUT_FIELD(fused_layer, qkv), LAYOUT_FIELD(fused_layer, o), LAYOUT_FIELD(fused_layer, gate_up),
   LAYOUT_FIELD(fused_layer, down), LAYOUT_FIELD(fused_layer, qkv_planes), LAYOUT_FIELD(fused_layer, o_planes),
@@ -473,6 +474,7 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
     blockdot_inputs(x, T, E, q16, prep, &in_e);
     blockdot_inputs(att, T, H * D, q16, prep, &in_att);
     blockdot_inputs(x, T, I, q16, prep, &in_i);
+    in_e.amx_rows = in_att.amx_rows = in_i.amx_rows = s->amx_rows > 0 && blockdot_amx() ? s->amx_rows : 0;
     for (int64_t l = 0; l < num_layers; l++) {
       const struct fused_layer *w = &layers[l];
       #pragma omp for schedule(static)

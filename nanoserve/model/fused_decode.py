@@ -185,10 +185,12 @@ def _row_tables(inputs: ModelInputs) -> torch.Tensor:
     return tables if tables.shape[0] == row_seqs.shape[0] else tables.index_select(0, row_seqs)
 
 
-def fused_decode(model: LlamaModel, one_call: bool, int16_rows: int | None) -> FusedDecode:
+def fused_decode(model: LlamaModel, one_call: bool, int16_rows: int | None,
+                 amx_rows: int | None = None) -> FusedDecode:
     """What fused_decode.c reads of a laid-out model (the execution plan decides that a C driver
     runs): with `one_call`, every matmul's C form, read from the weight itself or copied (dense
-    matrices torch runs); blockdot's panels on their int16 path from int16_rows rows (None: never).
+    matrices torch runs); blockdot's panels on their int16 path from int16_rows rows, file-bit panels
+    on AMX tiles from amx_rows rows (None: never).
 
     Raises:
         ValueError: one_call, but some matmul has no form fused_decode.c reads.
@@ -196,7 +198,7 @@ def fused_decode(model: LlamaModel, one_call: bool, int16_rows: int | None) -> F
     config, shape = model.config, model.shape
     scale = shape.attn_scale if shape.attn_scale is not None else shape.head_dim ** -0.5
     c_shape = FusedShape(config.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                         config.intermediate_size, 0, 0, int16_rows or 0, shape.eps, scale)  # block_size, kv_kind: from the cache
+                         config.intermediate_size, 0, 0, int16_rows or 0, amx_rows or 0, shape.eps, scale)  # block_size, kv_kind: from the cache
     cos, sin = rope_table(config, model.cos.shape[0], torch.float32, model.device)
     forms: list[list[CForm]] = []
     if one_call:

@@ -87,6 +87,7 @@ class ExecutionPlan:
     reasons: tuple[str, ...]
     probe: Probe | None = None
     draft: ExecutionPlan | None = None  # the draft model's own plan (speculative decoding's draft_model)
+    amx_rows: int | None = None  # file-bit panels multiply on AMX tiles from this many rows, in every matrix and C call (None: never)
 
     @functools.cached_property
     def _forms(self) -> dict[tuple[int | None, str], Form]:
@@ -171,6 +172,8 @@ class ExecutionPlan:
             lines.append("  (the one call reads dense panels copied from the matrices torch runs)")
         if self.int16_rows is not None:
             lines.append(f"  (blockdot rounds x to int16 from {self.int16_rows} row{'s' if self.int16_rows > 1 else ''})")
+        if self.amx_rows is not None:
+            lines.append(f"  (file-bit panels multiply on AMX tiles from {self.amx_rows} rows: the same sums)")
         lines.append(f"batch invariance (a row's result independent of the rows beside it): "
                      f"{'yes' if self.is_batch_invariant else 'no'}")
         lines += [f"  {'yes' if ok else 'no '}  {choice}: {why}" for choice, ok, why in self.batch_invariant]
@@ -391,7 +394,8 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
     precision = resolve(config.dtype, config.quantization, device, quantized, probe=probe, kernels=kernels,
                         max_kernel_rows=max_kernel_rows, dense_copies=dense_copies,
                         dense_kernel=dense_kernel, kv_cache_dtype=config.kv_cache_dtype, fused_decode=c_decode,
-                        chosen_by="the invariant plan's" if invariant else "as configured")
+                        chosen_by="the invariant plan's" if invariant else "as configured",
+                        amx=overrides.blockdot_amx_rows)
     reasons += precision.reasons
     dtype = precision.torch_dtype
     if c_decode and dtype not in C_DTYPES:
@@ -415,6 +419,7 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
         reasons.append(f"{kinds} dequantized at load to {dense.dtype}: no {precision.kernels} kernel here runs "
                        f"{'them' if len(unrun) > 1 else 'it'}")
     on_blockdot = any(m.form.name == FormKind.BLOCKDOT for m in matrices)
+    amx_rows = precision.amx_rows if any(m.form.name == FormKind.BLOCKDOT_INT8 for m in matrices) else None
 
     # Stage 4: the routes.
     routes, copies = _routes(matrices, precision, parallel, compiled, invariant, c_decode)
@@ -422,7 +427,8 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
         m.form.name in (FormKind.TORCH, FormKind.ONEDNN) and m.form.dtype == "float32" for m in matrices)
     return ExecutionPlan(str(device), precision.dtype, precision.kv_cache_dtype, precision.quantization, matrices,
                          routes, int16_rows if on_blockdot else None, copies, pack_weights, torch.get_num_threads(),
-                         exact_run, _batch_invariance(matrices, routes, blockers), tuple(reasons), precision.probe)
+                         exact_run, _batch_invariance(matrices, routes, blockers), tuple(reasons), precision.probe,
+                         amx_rows=amx_rows)
 
 
 def _form_of(layer: int | None, form: Form, precision: Precision, dense: Form, invariant: bool,
@@ -458,6 +464,7 @@ def _form_of(layer: int | None, form: Form, precision: Precision, dense: Form, i
     rows = precision.max_kernel_rows
     wide = None if rows is None else ("dequantized" if name.in_c and not precision.dense_copies else "dense copy")
     return Form(name, precision.dtype, rows, wide, int16_rows if name == FormKind.BLOCKDOT else None,
+                precision.amx_rows if name == FormKind.BLOCKDOT_INT8 else None,
                 **tensor_parallel)
 
 
@@ -523,6 +530,10 @@ def _batch_invariance(matrices: tuple[MatrixPlan, ...], routes: tuple[Route, ...
     if any(f.name == FormKind.BLOCKDOT_INT8 for f in forms):
         entries.append(("K-quants on file-bit panels, x rounded to int8", True,
                         "each row rounded on its own, its sums exact in int32 and scaled in one order at every width"))
+    for rows in sorted({f.amx_rows for f in forms if f.amx_rows is not None}):
+        entries.append((f"file-bit panels on AMX tiles from {rows} rows", True,
+                        "the tiles' int32 sums are the vector tiles', scaled by the same float steps in the same "
+                        "order: a row's bits the same on either (tests/test_blockdot_int8.py)"))
     if any(f.name.on_torch for f in forms):
         entries.append(("torch's matmuls", False, "oneDNN and MKL block a matmul by its row count: in float32 a row "
                         "sums in another order at 1, 2-3 and 4 or more rows"))
@@ -572,6 +583,9 @@ def check_laid_out(model: LlamaModel, plan: ExecutionPlan, draft: LlamaModel | N
         if fused.shape.int16_rows != (plan.int16_rows or 0):
             problems.append(f"fused_decode.c rounds x to int16 from {fused.shape.int16_rows} rows (0: never), the "
                             f"plan says {plan.int16_rows}")
+        if fused.shape.amx_rows != (plan.amx_rows or 0):
+            problems.append(f"fused_decode.c takes AMX tiles from {fused.shape.amx_rows} rows (0: never), the "
+                            f"plan says {plan.amx_rows}")
     if (plan.draft is None) != (draft is None):
         problems.append("the plan has a draft model's plan and no draft model is given" if draft is None
                         else "a draft model is given and the plan has no plan for it")

@@ -42,6 +42,11 @@ WIDE_MARGIN = 1.3
 # what the choice decides is who runs the steps wider than the one-call decode (prefill chunks, and
 # decode steps past the one call's routes), which the one-call decode runs on the panels whatever it is.
 DENSE_ROWS = 64
+# blockdot_amx_rows="auto": file-bit panels on AMX tiles from the narrowest of AMX_ROWS from which on
+# the probe times them AMX_MARGIN faster than the vector tiles (a Q4_K matrix, in cache; the tiles'
+# fixed cost per panel and group loses at few rows). Never where the CPU has no tiles.
+AMX_ROWS = (8, 16, 32, 64)
+AMX_MARGIN = 1.05
 STREAM_MIN, STREAM_MAX = 64 * 2**20, 256 * 2**20  # bytes: the streamed timings' working set (stream_bytes)
 
 
@@ -136,6 +141,8 @@ class Precision:
     dense_kernel: str = "torch"
     # The K/V cache's dtype: the dtype's, or float16 (EngineConfig.kv_cache_dtype).
     kv_cache_dtype: str = "float32"
+    # File-bit panels (blockdot-int8) on AMX tiles from this many rows; None: never.
+    amx_rows: int | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -161,6 +168,43 @@ def _best_ms(a: Callable[[], object], b: Callable[[], object], rounds: int = 7) 
             else:
                 best_b = min(best_b, elapsed)
     return best_a * 1e3, best_b * 1e3
+
+
+@functools.cache  # once per process: the tiles are the CPU's
+def probe_amx(K: int = 1024, N: int = 1024) -> tuple[tuple[int, float, float], ...]:
+    """(rows, vector tiles ms, AMX tiles ms) at each of AMX_ROWS for a random Q4_K matrix [N, K] on
+    file-bit panels, in cache, one thread, interleaved; () where this build or CPU has no AMX tiles."""
+    if not blockdot.amx():
+        return ()
+    from nanoserve.model.gguf import decode_blocks  # the probe's own matrix: gguf's Q4_K bytes
+
+    gen = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (N * K // 256, 144), dtype=torch.uint8, generator=gen)
+    raw[:, 0:4] = torch.tensor([0.002, 0.001], dtype=torch.float16).view(torch.uint8)  # d, dmin: finite
+    vector = blockdot.pack_int8(decode_blocks(raw.reshape(N, -1).numpy(), "Q4_K"))
+    tiles = dataclasses.replace(vector, amx_rows=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ladder = []
+        for rows in AMX_ROWS:
+            x = torch.randn(rows, K, generator=gen)
+            a, b = _best_ms(functools.partial(vector, x), functools.partial(tiles, x), rounds=5)
+            ladder.append((rows, a, b))
+        return tuple(ladder)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def amx_rows(ladder: tuple[tuple[int, float, float], ...]) -> int | None:
+    """blockdot_amx_rows="auto"'s choice from probe_amx's ladder: the narrowest width from which on
+    the tiles time AMX_MARGIN faster at every width timed; None where they do not at the widest."""
+    chosen = None
+    for rows, vector_ms, tiles_ms in reversed(ladder):
+        if tiles_ms * AMX_MARGIN > vector_ms:
+            break
+        chosen = rows
+    return chosen
 
 
 @functools.cache  # once per process and argument set: the choice is logged once
@@ -272,7 +316,7 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
             probe: Callable[..., Probe] | None = None, kernels: str = "auto",
             max_kernel_rows: int | str | None = "auto", dense_copies: bool | str = "auto",
             dense_kernel: str = "auto", kv_cache_dtype: str = "auto", fused_decode: bool = True,
-            chosen_by: str = "as configured") -> Precision:
+            chosen_by: str = "as configured", amx: int | bool | str = "auto") -> Precision:
     """Turns the config's "auto" values into a Precision.
 
     dtype "auto": bfloat16 on a CUDA device that supports it; on a CPU, bfloat16 when the probe
@@ -294,6 +338,9 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
     torch's dense matmul at DENSE_ROWS rows in the chosen dtype, torch's otherwise; "blockdot" asks
     for them (a ValueError where the kernel cannot be built), "torch" for torch's.
     chosen_by: what the reasons say chose a kernel or dense kernel given here ("as configured").
+    amx (PlanOverrides.blockdot_amx_rows), where a checkpoint's quantization is kept on blockdot: an
+    int puts file-bit panels on AMX tiles from that many rows (a ValueError where there are none),
+    False never, "auto" from the probe's choice (amx_rows; never where the CPU has no tiles).
     kv_cache_dtype "auto": float16 where quantized weights on blockdot compute in float32 on a CPU
     whose blockdot build has vectors (fused_decode.c widens a float16 cache with F16C's instructions):
     half float32's bytes a token, llama.cpp's default, and no loss quantbench can see (perplexity
@@ -429,5 +476,21 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {['auto', *DTYPES]}")
     else:
         reasons.append(f"kv cache {kv_cache_dtype}: as configured")
+    tiles_from = None
+    if on_blockdot and quantization == "keep" and amx is not False:
+        if amx == "auto":
+            ladder = probe_amx()
+            tiles_from = amx_rows(ladder)
+            if ladder:
+                timed = (", ".join(f"{v / t:.2f}x" for _, v, t in ladder) + " the vector tiles' speed at "
+                         + ", ".join(str(r) for r, _, _ in ladder) + " rows")
+                reasons.append(f"file-bit panels on AMX tiles from {tiles_from} rows: {timed}" if tiles_from
+                               else f"file-bit panels never on AMX tiles: {timed}")
+        elif not blockdot.amx():
+            raise ValueError(f"blockdot_amx_rows={amx!r} but this CPU or build has no AMX tiles (amx_int8 in "
+                             "/proc/cpuinfo and Linux's permission); use False or 'auto'")
+        else:
+            tiles_from = amx
+            reasons.append(f"file-bit panels on AMX tiles from {amx} rows: as configured")
     return Precision(dtype, quantization, tuple(reasons), figures, chosen, max_kernel_rows, bf16_one_call_rows,
-                     dense_copies, dense_kernel, kv_cache_dtype)
+                     dense_copies, dense_kernel, kv_cache_dtype, tiles_from)

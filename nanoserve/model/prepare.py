@@ -56,7 +56,7 @@ def _laid_out_weight(w: Weight, form: Form, pack_weights: bool) -> Weight:
         raise ValueError(f"no weight is laid out as {form}")
     return quant_linear(stored, dtype, form.kernel_rows, pack_weights,
                         KERNEL_OF.get(form.name, "torch"), form.int16_rows,
-                        form.wide == "dense copy")
+                        form.wide == "dense copy", form.amx_rows)
 
 
 KERNEL_OF = {FormKind.BLOCKDOT: "blockdot", FormKind.BLOCKDOT_INT8: "blockdot-int8"}  # quant_linear's kernels
@@ -132,7 +132,8 @@ def prepare_model(model: LlamaModel, plan: ExecutionPlan) -> LlamaModel:
     prepared.plan = plan
     prepared.drivers = {driver: table[driver] for driver in plan.drivers}
     in_c = any(driver.in_c for driver in plan.drivers)
-    prepared.fused_layers = fused_decode(prepared, Driver.C_ONE_CALL in plan.drivers, plan.int16_rows) if in_c else None
+    prepared.fused_layers = fused_decode(prepared, Driver.C_ONE_CALL in plan.drivers, plan.int16_rows,
+                                          plan.amx_rows) if in_c else None
     return prepared
 
 

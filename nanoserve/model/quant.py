@@ -262,7 +262,8 @@ class QuantLinear:
         first = self.passes[0]
         wide = None if self.max_kernel_rows is None else ("dense copy" if self.dense is not None else "dequantized")
         int16_rows = getattr(first, "int16_rows", 0) or None
-        return Form(first.form_name, dtype_name(self.dtype), self.max_kernel_rows, wide, int16_rows)
+        amx_rows = getattr(first, "amx_rows", 0) or None
+        return Form(first.form_name, dtype_name(self.dtype), self.max_kernel_rows, wide, int16_rows, amx_rows=amx_rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.max_kernel_rows is not None and x.shape[0] > self.max_kernel_rows:
@@ -310,12 +311,13 @@ def dense_weight(matrix: torch.Tensor, packed: bool) -> Weight:
 
 
 def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pack: bool,
-                 kernels: str = "torch", int16_rows: int | None = None, dense_copy: bool = True) -> QuantLinear:
+                 kernels: str = "torch", int16_rows: int | None = None, dense_copy: bool = True,
+                 amx_rows: int | None = None) -> QuantLinear:
     """The kernel form of a stored quantized matrix, its kernels taking up to max_kernel_rows rows
     (None: every row count) and the dense matrix more: a dense copy held for the model's life, or,
     where dense_copy is False and the matrix runs on blockdot, its panels dequantized per call.
     kernels: "blockdot" (on its int16 path from int16_rows rows; None: never), "blockdot-int8" (a
-    K-quant on file-bit panels, x in int8: blockdot.pack_int8) or "torch". Who runs
+    K-quant on file-bit panels, x in int8: blockdot.pack_int8, on AMX tiles from amx_rows rows) or "torch". Who runs
     which matrix is the execution plan's choice (nanoserve.model.plan): nothing falls back here.
 
     Raises:
@@ -331,7 +333,7 @@ def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pac
         raise ValueError(f"kernels='blockdot' for a {w.form.stored} matrix with {dtype} activations, which blockdot "
                          "does not run")
     if kernels == "blockdot-int8":
-        passes = [blockdot.pack_int8(w)]
+        passes = [blockdot.pack_int8(w, amx_rows=amx_rows)]
     else:
         passes = [blockdot.pack(w, int16_rows=int16_rows)] if on_blockdot else kernel_passes(w, dtype)
     dense = None
