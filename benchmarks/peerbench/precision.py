@@ -77,8 +77,9 @@ slots_list = [int(s) for s in sys.argv[10:]]
 torch.set_num_threads(threads)
 config = EngineConfig(dtype=dtype, quantization=None if quantization == "none" else quantization,
                       max_num_seqs=max(slots_list), max_model_len=pp + tg + 8, kv_cache_dtype=kv,
-                      overrides=PlanOverrides(kernels=kernels.removesuffix("-int16"), fused_decode=fused == "fused",
-                                              blockdot_int8=not kernels.endswith("-int16")))
+                      overrides=PlanOverrides(kernels=kernels.removesuffix("-int16").removesuffix("-noamx"),
+                                              fused_decode=fused == "fused", blockdot_int8=not kernels.endswith("-int16"),
+                                              blockdot_amx_rows=False if kernels.endswith("-noamx") else "auto"))
 engine = Engine.from_pretrained(gguf, config)
 rates = {slots: decode_rate(engine, slots, tg - 2, pp) for slots in slots_list}
 
@@ -106,7 +107,7 @@ prefill = {slots: prefill_rate(slots) for slots in slots_list}
 peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")) / 1024
 print(json.dumps({"rates": rates, "prefill": prefill, "rss_mib": psutil.Process().memory_info().rss / 2**20, "peak_rss_mib": peak,
                   "dtype": engine.plan.dtype, "quantization": engine.plan.quantization,
-                  "kernels": engine.plan.kernels, "fused": engine.model.fused_layers is not None,
+                  "kernels": engine.plan.kernels + (f"+amx{engine.plan.amx_rows}" if engine.plan.amx_rows else ""), "fused": engine.model.fused_layers is not None,
                   "kv_cache_dtype": engine.plan.kv_cache_dtype, "memory": engine.memory()}))
 """
 
@@ -311,9 +312,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--no-transformers", action="store_true",
                         help="leave out transformers generate in float32 and bfloat16 (same weights)")
-    parser.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "torch", "blockdot", "blockdot-int16"],
+    parser.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "torch", "blockdot", "blockdot-int16", "blockdot-noamx"],
                         help="nanoserve's kernels on the quantized files, one run each (blockdot-int16: K-quants "
-                             "on blockdot's wider panels, PlanOverrides.blockdot_int8=False)")
+                             "on blockdot's wider panels, PlanOverrides.blockdot_int8=False; blockdot-noamx: "
+                             "file-bit panels never on AMX tiles, PlanOverrides.blockdot_amx_rows=False)")
     parser.add_argument("--unfused", action="store_true",
                         help="also run each of those with fused_decode=False")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

@@ -905,33 +905,43 @@ INLINE void amx_scale(const uint8_t *xa, int64_t K, const uint8_t *w, const int 
 #define AMX_A(xa, type, g) ((xa) + ((type) == I8_Q4_K ? (g) : (g) / 2) * AMX_ROWS_BYTES + ((type) == I8_Q4_K ? 0 : 16 * ((g) % 2)))
 
 /* 16 rows of x (xa) against panel p (its heads in w, its codes unpacked in u): acc[16], in tile8's
-   order. Pipelined by pairs of groups: a pair's sums are multiplied on the tiles and stored while the
-   pair before it is scaled from memory (a tile's store is not ready to read at once). */
+   order. Pipelined: pair i of groups is multiplied on the tiles and stored to c's ring of AMX_RING
+   pairs while pair i - AMX_LAG is scaled from there: a tile's store is read back only when it has long
+   reached the cache (a load right behind it waited for it, and held up the next tiles). */
+#define AMX_RING 4
+#define AMX_LAG 3
 INLINE void amx_block(const uint8_t *xa, int64_t K, const uint8_t *w, const int type, int64_t p, const uint8_t *u,
-                      int32_t *c, vf acc[16]) {
+                      int32_t *c, const uint8_t *next, vf acc[16]) {
   const int kb = type == I8_Q4_K ? 32 : 16;
-  const int64_t groups = K / kb;  /* a multiple of 8: K is of 256 */
+  const int64_t pairs = K / kb / 2;  /* a multiple of 4: K is of 256 */
+  /* the thread's next panel on its way while this one is multiplied, a share of its lines each step */
+  const int64_t lines = next ? K / SB * I8_TYPES[type].bytes / 64 : 0, share = (lines + pairs / 2 - 1) / (pairs / 2);
   for (int r = 0; r < 16; r++) acc[r] = vzero();
-  for (int64_t g = 0; g < groups; g += 4) {
-    AMX_TWO_GROUPS(AMX_A(xa, type, g), AMX_A(xa, type, g + 1), u, g * kb, kb, 2, 3, c);
-    if (g) amx_scale(xa, K, w, type, p, g - 2, c + 512, acc);
-    AMX_TWO_GROUPS(AMX_A(xa, type, g + 2), AMX_A(xa, type, g + 3), u, (g + 2) * kb, kb, 6, 7, c + 512);
-    amx_scale(xa, K, w, type, p, g, c, acc);
+  for (int64_t i = 0; i < pairs + AMX_LAG; i += 2) {
+    for (int64_t l = i / 2 * share; l < (i / 2 + 1) * share && l < lines; l++) prefetch(next + 64 * l);
+    if (i < pairs)
+      AMX_TWO_GROUPS(AMX_A(xa, type, 2 * i), AMX_A(xa, type, 2 * i + 1), u, 2 * i * kb, kb, 2, 3,
+                     c + i % AMX_RING * 512);
+    if (i >= AMX_LAG) amx_scale(xa, K, w, type, p, 2 * (i - AMX_LAG), c + (i - AMX_LAG) % AMX_RING * 512, acc);
+    if (i + 1 < pairs)
+      AMX_TWO_GROUPS(AMX_A(xa, type, 2 * i + 2), AMX_A(xa, type, 2 * i + 3), u, (2 * i + 2) * kb, kb, 6, 7,
+                     c + (i + 1) % AMX_RING * 512);
+    if (i + 1 >= AMX_LAG && i + 1 - AMX_LAG < pairs)
+      amx_scale(xa, K, w, type, p, 2 * (i + 1 - AMX_LAG), c + (i + 1 - AMX_LAG) % AMX_RING * 512, acc);
   }
-  amx_scale(xa, K, w, type, p, groups - 2, c + 512, acc);
 }
 
 /* The thread's buffers for the tiles (NULL where out of memory): a panel's unpacked codes (16 K
-   bytes), two pairs of groups' sums (4 KB), then x's rows (amx_rows_of). */
+   bytes), AMX_RING pairs of groups' sums (2 KB each), then x's rows (amx_rows_of). */
 static uint8_t *amx_buffers(int64_t bytes);
 
 /* One type's panels against every row of x on the tiles, split among the team's threads by panel. */
 static void amx_tasks_of(const struct xin *in, int64_t M, int64_t K, int64_t N, int64_t ldy, const uint8_t *w,
                          int type, void *y, int y_bf16) {
   const int64_t panels = (N + P - 1) / P, blocks = (M + 15) / 16, B = K / G;
-  uint8_t *u = amx_buffers(16 * K + 4096 + blocks * B * AMX_ROWS_BYTES);
+  uint8_t *u = amx_buffers(16 * K + AMX_RING * 2048 + blocks * B * AMX_ROWS_BYTES);
   int32_t *c = (int32_t *)(u + 16 * K);
-  uint8_t *xa = u + 16 * K + 4096;
+  uint8_t *xa = u + 16 * K + AMX_RING * 2048;
   if (u) {
     amx_rows_of(in, M, K, xa);
     amx_configure(type == I8_Q4_K ? 32 : 16);
@@ -946,8 +956,10 @@ static void amx_tasks_of(const struct xin *in, int64_t M, int64_t K, int64_t N, 
     amx_unpack(w, type, p, K, u);
     for (int64_t r0 = 0; r0 < M; r0 += 16) {
       vf acc[16];
-      if (type == I8_Q4_K) amx_block(xa + r0 / 16 * B * AMX_ROWS_BYTES, K, w, I8_Q4_K, p, u, c, acc);
-      else amx_block(xa + r0 / 16 * B * AMX_ROWS_BYTES, K, w, I8_Q6_K, p, u, c, acc);
+      /* the next panel fetched during the first block of rows (the later ones read it from L2) */
+      const uint8_t *next = r0 == 0 && p + 1 < panels ? w + (p + 1) * (K / SB) * I8_TYPES[type].bytes : NULL;
+      if (type == I8_Q4_K) amx_block(xa + r0 / 16 * B * AMX_ROWS_BYTES, K, w, I8_Q4_K, p, u, c, next, acc);
+      else amx_block(xa + r0 / 16 * B * AMX_ROWS_BYTES, K, w, I8_Q6_K, p, u, c, next, acc);
       for (int r = 0; r < 16 && r0 + r < M; r++) {
         float lanes[P];
         vstore(lanes, acc[r]);
