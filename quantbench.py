@@ -314,11 +314,16 @@ def llama_perplexity(gguf: Path, text: Path, threads: int) -> tuple[float, int]:
     return float(estimate.group(1)), int(chunks.group(1)) if chunks else -1
 
 
+# How nanoserve scores each file: its weights dequantized exactly into float32 matmuls, and as the
+# engine serves it by default (a quantized file's K-quants on file-bit panels, x rounded to int8 per
+# block of 32; the plan's dtype), which is what a user's prompts and decode steps compute.
+FILE_MODES = {"float32 dequantized": {"dtype": "float32", "quantization": None}, "as served": {}}
+
+
 def file_types(names: list[str], threads: int, out: str) -> None:
-    """Each file's perplexity on data/quantbench.txt by nanoserve (over the file's weights as stored,
-    dequantized exactly: what a prompt's steps multiply by) and by llama-perplexity, same protocol;
-    and nanoserve's top-1 agreement and mean KL against the f32 file's log-probabilities, position by
-    position."""
+    """Each file's perplexity on data/quantbench.txt by nanoserve (FILE_MODES: dequantized into
+    float32, and as served) and by llama-perplexity, same protocol; and nanoserve's top-1 agreement
+    and mean KL against the f32 file's float32 log-probabilities, position by position."""
     from benchmarks.peerbench.precision import gguf_files
     from nanoserve.model.gguf import read_gguf_file
 
@@ -328,25 +333,30 @@ def file_types(names: list[str], threads: int, out: str) -> None:
           f"protocol), {threads} threads")
     reference = None
     for name, file in files.items():
-        engine = Engine.from_pretrained(file, EngineConfig(dtype="float32", quantization=None, max_model_len=CHUNK + 8))
-        token_ids = engine.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+        theirs, their_chunks = llama_perplexity(file, TEXT, threads)
         metadata = read_gguf_file(file).metadata
         bos = metadata.get("tokenizer.ggml.bos_token_id") if metadata.get("tokenizer.ggml.add_bos_token") else None
-        scored = chunked_perplexity(engine.model, token_ids, bos,
-                                    reference=None if reference is None else reference["logprobs"])
-        del engine
-        ours, chunks = scored["perplexity"], scored["chunks"]
-        theirs, their_chunks = llama_perplexity(file, TEXT, threads)
-        reference = reference or scored
-        top1, kl = scored.get("top1", 1.0), scored.get("kl", 0.0)
-        rows.append({"file": name, "gguf": file.name, "nanoserve_perplexity": ours, "llamacpp_perplexity": theirs,
-                     "nanoserve_over_llamacpp": ours / theirs - 1, "nanoserve_chunks": chunks,
-                     "llamacpp_chunks": their_chunks, "change_from_f32": ours / reference["perplexity"] - 1,
-                     "top1_agreement_with_f32": top1, "mean_kl_from_f32": kl,
-                     "threads": threads, "date": time.strftime("%Y-%m-%d")})
-        print(f"  {name:<8} nanoserve {ours:.4f} ({chunks} chunks)  llama.cpp {theirs:.4f} ({their_chunks} chunks)  "
-              f"{ours / theirs - 1:+.3%}  vs f32 {ours / reference['perplexity'] - 1:+.2%}, top-1 {top1:.2%}, "
-              f"KL {kl:.5f}", flush=True)
+        for mode, settings in FILE_MODES.items():
+            if name == "f32" and mode != "float32 dequantized":
+                continue  # the reference: served, a dense file is merely cast to the plan's dtype
+            engine = Engine.from_pretrained(file, EngineConfig(max_model_len=CHUNK + 8, **settings))
+            token_ids = engine.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+            plan = f"{engine.plan.dtype}/{engine.plan.quantization}"
+            scored = chunked_perplexity(engine.model, token_ids, bos,
+                                        reference=None if reference is None else reference["logprobs"])
+            del engine
+            ours, chunks = scored["perplexity"], scored["chunks"]
+            reference = reference or scored
+            top1, kl = scored.get("top1", 1.0), scored.get("kl", 0.0)
+            rows.append({"file": name, "gguf": file.name, "nanoserve_as": mode, "plan": plan,
+                         "nanoserve_perplexity": ours, "llamacpp_perplexity": theirs,
+                         "nanoserve_over_llamacpp": ours / theirs - 1, "nanoserve_chunks": chunks,
+                         "llamacpp_chunks": their_chunks, "change_from_f32": ours / reference["perplexity"] - 1,
+                         "top1_agreement_with_f32": top1, "mean_kl_from_f32": kl,
+                         "threads": threads, "date": time.strftime("%Y-%m-%d")})
+            print(f"  {name:<8} {mode:<20} ({plan}) nanoserve {ours:.4f} ({chunks} chunks)  llama.cpp {theirs:.4f} "
+                  f"({their_chunks} chunks)  {ours / theirs - 1:+.3%}  vs f32 {ours / reference['perplexity'] - 1:+.2%}, "
+                  f"top-1 {top1:.2%}, KL {kl:.5f}", flush=True)
     write_csv(out, rows)
     print(f"wrote {out}")
 
