@@ -57,6 +57,9 @@ def serve_main(argv: list[str]) -> None:
                              "(0: no bound)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may take to finish after SIGTERM; then they are aborted")
+    parser.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                        help="chat completions return a reasoning model's <think> block as reasoning_content, "
+                             "apart from content (vLLM's flag)")
     args = parser.parse_args(argv)
     from nanoserve.parallel.group import is_torchrun
 
@@ -89,7 +92,7 @@ def serve_main(argv: list[str]) -> None:
             tensor_parallel_threads=args.num_threads if tensor_parallel_size > 1 else None,
         )
         server_config = ServerConfig(api_key=args.api_key, max_waiting_requests=args.max_waiting_requests or None,
-                                     drain_timeout_s=args.drain_timeout)
+                                     drain_timeout_s=args.drain_timeout, reasoning_parser=args.reasoning_parser)
     except ValueError as e:
         parser.error(str(e))
     if args.num_threads is not None:

@@ -33,7 +33,7 @@ from nanoserve.serving.async_engine import (
     RequestStream,
     StepFailedError,
 )
-from nanoserve.serving.server import protocol, responses, tools
+from nanoserve.serving.server import protocol, reasoning, responses, tools
 from nanoserve.serving.server.guard import ApiKeyMiddleware, ServerConfig
 from nanoserve.serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from nanoserve.serving.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
@@ -170,7 +170,7 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ApiError("this model's tokenizer has no chat template: use /v1/completions")
         plan = tools.plan(body, tokenizer)
-        prompt_ids = encode_chat(tokenizer, tools.render_prompt(tokenizer, messages, plan))
+        prompt_ids = encode_chat(tokenizer, tools.render_prompt(tokenizer, messages, plan, body.chat_template_kwargs))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = protocol.sampling_params(body, max_tokens_for(requested, len(prompt_ids)),
                                           protocol.chat_logprobs_count(body),
@@ -183,15 +183,26 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
         def logprobs(token_ids: list[int], entries) -> dict[str, Any] | None:
             return None if k is None else responses.chat_logprobs(tokenizer, token_ids, entries, k)
 
+        thinks = config.reasoning_parser
         if body.stream:
             named = set()  # OpenAI names the role once per choice, in its first chunk
             parsers: dict[int, tools.ToolDeltas] = {}  # per choice, when its text holds tool calls
+            splitters: dict[int, reasoning.ReasoningSplitter] = {}  # per choice, with a reasoning parser
 
             def chunk_choice(d: StreamDelta) -> dict[str, Any]:
-                delta, reason = {"content": d.text}, d.finish_reason if d.finished else None
+                text, thought = d.text, ""
+                if thinks:
+                    splitter = splitters.setdefault(d.index, reasoning.ReasoningSplitter(thinks))
+                    thought, text = splitter.feed(text)
+                    if d.finished:
+                        more_thought, more_text = splitter.finish()
+                        thought, text = thought + more_thought, text + more_text
+                delta, reason = {"content": text}, d.finish_reason if d.finished else None
                 if plan.parses_calls:
                     delta, reason = parsers.setdefault(d.index, tools.ToolDeltas(plan)).delta(
-                        d.text, d.finished, d.finish_reason)
+                        text, d.finished, d.finish_reason)
+                if thought:
+                    delta = {"reasoning_content": thought} | ({} if delta.get("content") == "" else delta)
                 if d.index not in named:
                     delta = {"role": "assistant"} | delta
                     named.add(d.index)
@@ -202,8 +213,11 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
         done = await _collect(request, stream)
         choices = []
         for i, c in sorted(done.items()):
-            message, reason = tools.message(plan, c.text, c.finish_reason) if plan.parses_calls \
-                else ({"role": "assistant", "content": c.text}, c.finish_reason)
+            thought, text = reasoning.split(thinks, c.text) if thinks else (None, c.text)
+            message, reason = tools.message(plan, text, c.finish_reason) if plan.parses_calls \
+                else ({"role": "assistant", "content": text}, c.finish_reason)
+            if thinks:
+                message["reasoning_content"] = thought
             choices.append({"index": i, "message": message, "logprobs": logprobs(c.token_ids, c.logprobs),
                             "finish_reason": reason})
         return JSONResponse(head | {"choices": choices, "usage": _usage(stream, done)})

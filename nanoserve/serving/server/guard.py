@@ -22,6 +22,8 @@ import uvicorn
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from nanoserve.serving.server.reasoning import PARSERS
+
 if TYPE_CHECKING:
     from nanoserve.serving.async_engine import AsyncEngine
 
@@ -36,6 +38,8 @@ class ServerConfig:
     max_waiting_requests: int | None = 128  # a request finding this many waiting for a slot gets a 503
     retry_after_s: int = 1  # the Retry-After such a 503 carries
     drain_timeout_s: float = 30.0  # after SIGTERM, how long in-flight requests may take to finish
+    # chat completions: a reasoning model's <think> block returned as reasoning_content (reasoning.PARSERS)
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -46,6 +50,8 @@ class ServerConfig:
             raise ValueError(f"retry_after_s={self.retry_after_s} must be >= 0")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0")
+        if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
+            raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is not one of {list(PARSERS)}")
 
 
 def is_protected(path: str) -> bool:

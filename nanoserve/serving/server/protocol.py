@@ -151,6 +151,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None  # "none" | "auto" | "required" | a named function
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: arguments to the chat template (enable_thinking)
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:

@@ -142,13 +142,18 @@ def _call_schema(tools: list[dict[str, Any]], function: str | None, parallel: bo
     return schema | ({"maxItems": 1} if parallel is False else {})
 
 
-def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan) -> str:
-    """The chat template's prompt, with the tools in it (see the module docstring).
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan,
+                  template_kwargs: dict[str, Any] | None = None) -> str:
+    """The chat template's prompt, with the tools in it (see the module docstring); template_kwargs:
+    the request's chat_template_kwargs (a model's own switches, such as Qwen3's `enable_thinking`).
 
     Raises:
-        ApiError: the template rejected the messages.
+        ApiError: the template rejected the messages or the arguments.
     """
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(template_kwargs or {})
+    for name in ("tools", "tokenize", "add_generation_prompt", "chat_template", "continue_final_message"):
+        if name in kwargs:
+            raise ApiError(f"chat_template_kwargs may not set {name}: the server sets it", param="chat_template_kwargs")
     if plan.tools and plan.template_reads_tools:
         kwargs["tools"] = plan.tools
     else:

@@ -63,7 +63,6 @@ UNIMPLEMENTED_FIELDS: dict[str, tuple[Neutral, str]] = {
     "add_generation_prompt": (_true, "a chat prompt without the assistant's header"),
     "continue_final_message": (_false, "the last message continued instead of answered"),
     "chat_template": (_unset, "a chat template sent with the request"),
-    "chat_template_kwargs": (_empty, "arguments to the chat template"),
     "documents": (_empty, "documents rendered into the chat template"),
     # vLLM's older structured-output fields: structured_outputs and response_format are served instead
     "guided_json": (_unset, "output held to a JSON schema (send response_format or structured_outputs)"),

@@ -1,0 +1,90 @@
+"""A reasoning model's thinking kept apart from its answer (`nanoserve serve --reasoning-parser`).
+
+Qwen3 and DeepSeek-R1 write their reasoning between `<think>` and `</think>` before the answer; a
+chat completion returns it in the message's `reasoning_content` and the answer in `content`
+(vLLM's `--reasoning-parser qwen3`, llama.cpp's `--reasoning-format`), streamed as deltas of each.
+
+The rule, one for both formats: a completion that opens with `<think>` is reasoning up to the first
+`</think>` and answer after it; one that has no `</think>` at all is reasoning to its end if it
+opened with `<think>` (cut off by max_tokens while thinking), and answer otherwise (thinking off:
+Qwen3's template writes an empty think block into the prompt, DeepSeek-R1's writes `<think>\n`
+there, so its output may hold `</think>` without opening it: reasoning up to it). The tags are
+dropped; nothing else is trimmed, so the streamed deltas concatenate to the non-streamed fields.
+
+Not done here: a grammar (structured outputs, tool calls) applies to the whole output, not to the
+answer alone, and there is no reasoning budget.
+"""
+
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>", "</think>"
+PARSERS = ("qwen3", "deepseek_r1")
+
+
+class ReasoningSplitter:
+    """Splits a completion's text as it grows into (reasoning, answer) deltas: `feed` each new piece
+    of text, then `finish` once. A piece that might be the start of a tag is held back until the
+    next one says whether it is."""
+
+    def __init__(self, parser: str) -> None:
+        if parser not in PARSERS:
+            raise ValueError(f"reasoning parser {parser!r} is not one of {list(PARSERS)}")
+        self.parser = parser
+        # "start": nothing decided yet; "reasoning": inside the think block; "answer": after it (or none)
+        self.state = "start"
+        self.held = ""  # text not yet given out: a possible tag's beginning
+        self.reasoning: list[str] = []
+        self.answer: list[str] = []
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The reasoning and answer text this piece completes (either may be empty)."""
+        text = self.held + text
+        self.held = ""
+        reasoning = ""
+        if self.state == "start":
+            if OPEN.startswith(text):  # maybe "<think>" still on its way
+                self.held = text
+                return "", ""
+            if text.startswith(OPEN):
+                self.state, text = "reasoning", text[len(OPEN):]
+            elif self.parser == "deepseek_r1":
+                self.state = "reasoning"  # its template opened the block in the prompt
+            else:
+                self.state = "answer"
+        if self.state == "reasoning":
+            end = text.find(CLOSE)
+            if end < 0:
+                keep = _partial_tag(text, CLOSE)
+                reasoning, self.held = text[:len(text) - keep], text[len(text) - keep:]
+                return self._give(reasoning, "")
+            reasoning, text, self.state = text[:end], text[end + len(CLOSE):], "answer"
+        return self._give(reasoning, text)
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, at the end of the completion."""
+        held, self.held = self.held, ""
+        if self.state == "reasoning":
+            return self._give(held, "")
+        return self._give("", held)
+
+    def _give(self, reasoning: str, answer: str) -> tuple[str, str]:
+        self.reasoning.append(reasoning)
+        self.answer.append(answer)
+        return reasoning, answer
+
+
+def split(parser: str, text: str) -> tuple[str | None, str]:
+    """A whole completion's (reasoning, answer): reasoning None where there was none, as vLLM returns it."""
+    splitter = ReasoningSplitter(parser)
+    splitter.feed(text)
+    splitter.finish()
+    reasoning = "".join(splitter.reasoning)
+    return (reasoning if splitter.state != "answer" or reasoning or CLOSE in text else None), "".join(splitter.answer)
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """How many characters at the end of text could begin `tag` (0 where none)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
