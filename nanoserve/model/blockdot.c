@@ -36,6 +36,10 @@
  * q[n, k] x[k] is then scaled once: acc[n] += d[n] g[n] + m[n] sum_b(x). bf16 activations are widened
  * to float32 first (exactly).
  *
+ * File-bit panels (I8P, below): Q4_K and Q6_K at the file's bits on x rounded to int8, summed in
+ * int32 by VNNI's vpdpbusd (or vpmaddubsw + vpmaddwd), and, in builds with AMX-INT8 where Linux
+ * grants the tiles, by TDPBSUD from `amx_rows` rows of x: the same sums and float steps either way.
+ *
  * The int16 path (tile16; from `int16_rows` rows of x, PlanOverrides.blockdot_int16_rows) rounds
  * each block of x to int16 against its largest |x| first and sums codes times x in int32, two k a
  * multiply-add (vpdpwssd with AVX-512 VNNI, vpmaddwd without): fewer instructions a code than

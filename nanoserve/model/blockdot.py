@@ -19,6 +19,10 @@ A block of 16 rows by 32 weights is its head (fp16 d and m: 64 bytes; float32: 1
 for Q4_K (4.5); 9 for Q8_0 (8.5), Q5_0 (5.5), Q5_1 (6) and IQ4_NL (4.5); 10 for Q5_K (5.5), Q6_K
 (6.6), IQ4_XS (4.25) and Q3_K (3.4): the price of reading each exactly with two kernels
 (notes/gguf-types.md). `Panels` take x [M, K] in float32 or bfloat16 and return [M, N] in x's dtype.
+
+`pack_int8` holds a Q4_K or Q6_K matrix at its file's bits instead (file-bit panels, x rounded to
+int8 per block of 32, sums in int32); on a CPU with AMX tiles (`amx()`), from `amx_rows` rows of x
+(PlanOverrides.blockdot_amx_rows), the same sums come from the tiles, bit for bit.
 """
 
 from __future__ import annotations
