@@ -292,8 +292,14 @@ def test_a_quantized_file_serves_text_through_from_pretrained(tiny_files, file_t
 def test_a_q4_k_m_files_answers_on_the_invariant_plan_do_not_change_with_the_load(tiny_files):
     # test_batch_invariance's hard load (chunks of 5 tokens, prefix-cache hits, preemption, deferred
     # output, greedy and seeded rows) on a converter-written Q4_K_M file, its matrices at the file's
-    # bits on int8 activations; each request's tokens and logprobs must equal its run alone.
+    # bits on int8 activations; each request's tokens and logprobs must equal its run alone. Where the
+    # CPU has AMX tiles, the runs alone take them at every step (from 1 row) and the load never does
+    # (blockdot_amx_rows=False): the tiles must not change a token or a logprob either.
     from test_batch_invariance import HARD_LOAD, PROMPTS, answer, params, run_load
+
+    from nanoserve.model import blockdot
+
+    tiles = {"blockdot_amx_rows": 1 if blockdot.amx() else False}
 
     def engine(**fields) -> Engine:
         built = Engine.from_pretrained(tiny_files["Q4_K_M"], config_of(
@@ -302,11 +308,12 @@ def test_a_q4_k_m_files_answers_on_the_invariant_plan_do_not_change_with_the_loa
         assert built.plan.is_batch_invariant and built.plan.kernels == "blockdot-int8", built.plan.render()
         return built
 
-    alone = engine(max_num_seqs=1, enable_prefix_caching=False)
+    alone = engine(max_num_seqs=1, enable_prefix_caching=False, **tiles)
+    assert alone.plan.amx_rows == (1 if blockdot.amx() else None)
     quiet = {(index, sampled): answer(alone.generate([PROMPTS[index]], params(index, sampled))[0])
              for index, sampled, _ in set(HARD_LOAD)}
-    finals = run_load(engine(max_num_seqs=6, max_num_batched_tokens=5, num_kv_blocks=48, deferred_output=True),
-                      HARD_LOAD)
+    finals = run_load(engine(max_num_seqs=6, max_num_batched_tokens=5, num_kv_blocks=48, deferred_output=True,
+                             blockdot_amx_rows=False), HARD_LOAD)
     assert sum(f.num_preemptions for f in finals.values()) > 0
     assert sum(f.num_cached_tokens for f in finals.values()) > 0
     assert [answer(finals[n]) for n in range(len(HARD_LOAD))] == [quiet[index, sampled]
