@@ -1111,17 +1111,22 @@ static struct scratch *thread_scratch(void) {
   return s;
 }
 
+/* *data, holding *have bytes, kept where it holds `bytes`, else reallocated to half as much again
+   as asked, in pages: a decode step's need grows with its longest context, a few hundred bytes a
+   token, and should not reallocate every step. Returns 1 where it reallocated. */
+static int grow(void **data, int64_t *have, int64_t bytes) {
+  if (*data && bytes <= *have) return 0;
+  const int64_t grown = ((bytes > 0 ? bytes + bytes / 2 : 0) / 4096 + 1) * 4096;
+  free(*data);
+  *data = aligned_alloc(64, (size_t)grown);  /* a multiple of 64, as aligned_alloc asks */
+  *have = *data ? grown : 0;
+  return *data != NULL;
+}
+
 void *blockdot_scratch(int64_t bytes) {
   struct scratch *s = thread_scratch();
   if (!s) return NULL;
-  if (s->data && bytes <= s->bytes) return s->data;
-  /* half as much again as asked, in pages: a decode step's need grows with its longest context, a
-     few hundred bytes a token, and should not reallocate every step */
-  const int64_t grown = ((bytes > 0 ? bytes + bytes / 2 : 0) / 4096 + 1) * 4096;
-  free(s->data);
-  s->data = aligned_alloc(64, (size_t)grown);  /* a multiple of 64, as aligned_alloc asks */
-  s->bytes = s->data ? grown : 0;
-  s->allocations += s->data != NULL;
+  s->allocations += grow(&s->data, &s->bytes, bytes);
   return s->data;
 }
 
@@ -1129,10 +1134,7 @@ void *blockdot_scratch(int64_t bytes) {
 static uint8_t *amx_buffers(int64_t bytes) {
   struct scratch *s = thread_scratch();
   if (!s) return NULL;
-  if (s->tiles && bytes <= s->tiles_bytes) return s->tiles;
-  free(s->tiles);
-  s->tiles = aligned_alloc(64, (size_t)((bytes / 4096 + 1) * 4096));
-  s->tiles_bytes = s->tiles ? (bytes / 4096 + 1) * 4096 : 0;
+  grow(&s->tiles, &s->tiles_bytes, bytes);
   return s->tiles;
 }
 #endif

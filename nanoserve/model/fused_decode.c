@@ -464,6 +464,7 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
   float *x = scratch, *prep = x + sizes[0], *qkv = prep + sizes[1], *att = qkv + sizes[2], *out = att + sizes[3],
         *gu = out + sizes[4], *scores = gu + sizes[5];
   const int q16 = s->int16_rows > 0 && T >= s->int16_rows;
+  const int64_t amx_rows = s->amx_rows > 0 && blockdot_amx() ? s->amx_rows : 0;  /* asked before the team starts */
 
   /* Between the matmuls every row's work (norms, residual adds, the gate, blockdot's preparation of
      x) is split over the team by rows: at 16 rows the gate's 24,576 expf a layer alone took ~3 ms a
@@ -474,7 +475,7 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
     blockdot_inputs(x, T, E, q16, prep, &in_e);
     blockdot_inputs(att, T, H * D, q16, prep, &in_att);
     blockdot_inputs(x, T, I, q16, prep, &in_i);
-    in_e.amx_rows = in_att.amx_rows = in_i.amx_rows = s->amx_rows > 0 && blockdot_amx() ? s->amx_rows : 0;
+    in_e.amx_rows = in_att.amx_rows = in_i.amx_rows = amx_rows;
     for (int64_t l = 0; l < num_layers; l++) {
       const struct fused_layer *w = &layers[l];
       #pragma omp for schedule(static)

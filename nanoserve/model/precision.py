@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.model import blockdot
+from nanoserve.model.gguf import decode_blocks
 from nanoserve.model.quant import dense_weight, int4_pass, quantize_int4
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -178,8 +179,6 @@ def probe_amx(K: int = 1024, N: int = 1024) -> tuple[tuple[int, float, float], .
     file-bit panels, in cache, one thread, interleaved; () where this build or CPU has no AMX tiles."""
     if not blockdot.amx():
         return ()
-    from nanoserve.model.gguf import decode_blocks  # the probe's own matrix: gguf's Q4_K bytes
-
     gen = torch.Generator().manual_seed(0)
     raw = torch.randint(0, 256, (N * K // 256, 144), dtype=torch.uint8, generator=gen)
     raw[:, 0:4] = torch.tensor([0.002, 0.001], dtype=torch.float16).view(torch.uint8)  # d, dmin: finite

@@ -33,8 +33,7 @@ class ReasoningSplitter:
         # "start": nothing decided yet; "reasoning": inside the think block; "answer": after it (or none)
         self.state = "start"
         self.held = ""  # text not yet given out: a possible tag's beginning
-        self.reasoning: list[str] = []
-        self.answer: list[str] = []
+        self.thought = False  # whether a think block was entered (reasoning None where not)
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and answer text this piece completes (either may be empty)."""
@@ -51,35 +50,27 @@ class ReasoningSplitter:
                 self.state = "reasoning"  # its template opened the block in the prompt
             else:
                 self.state = "answer"
+            self.thought = self.state == "reasoning"
         if self.state == "reasoning":
             end = text.find(CLOSE)
             if end < 0:
                 keep = _partial_tag(text, CLOSE)
                 reasoning, self.held = text[:len(text) - keep], text[len(text) - keep:]
-                return self._give(reasoning, "")
+                return reasoning, ""
             reasoning, text, self.state = text[:end], text[end + len(CLOSE):], "answer"
-        return self._give(reasoning, text)
+        return reasoning, text
 
     def finish(self) -> tuple[str, str]:
         """What was held back, at the end of the completion."""
         held, self.held = self.held, ""
-        if self.state == "reasoning":
-            return self._give(held, "")
-        return self._give("", held)
-
-    def _give(self, reasoning: str, answer: str) -> tuple[str, str]:
-        self.reasoning.append(reasoning)
-        self.answer.append(answer)
-        return reasoning, answer
+        return (held, "") if self.state == "reasoning" else ("", held)
 
 
 def split(parser: str, text: str) -> tuple[str | None, str]:
     """A whole completion's (reasoning, answer): reasoning None where there was none, as vLLM returns it."""
     splitter = ReasoningSplitter(parser)
-    splitter.feed(text)
-    splitter.finish()
-    reasoning = "".join(splitter.reasoning)
-    return (reasoning if splitter.state != "answer" or reasoning or CLOSE in text else None), "".join(splitter.answer)
+    (r1, a1), (r2, a2) = splitter.feed(text), splitter.finish()
+    return (r1 + r2 if splitter.thought else None), a1 + a2
 
 
 def _partial_tag(text: str, tag: str) -> int:
