@@ -52,8 +52,8 @@ class PlanOverrides:
     # float32 path's speed, within x's rounding (amax / 65534 a block; quantbench: the same KL against
     # float32). None: float32 at every row count.
     blockdot_int16_rows: int | None = 1
-    # Q4_K and Q6_K matrices (most of a Q4_K_M file) on blockdot's file-bit panels: the file's bits
-    # (4.75 and 6.625 a weight), x rounded to int8 per block of 32 and summed in integers (VNNI's
+    # Q4_K, Q6_K and IQ4_XS matrices (most of a Q4_K_M or IQ4_XS file) on blockdot's file-bit panels:
+    # the file's bits (4.75, 6.625 and 4.375 a weight), x rounded to int8 per block of 32 and summed in integers (VNNI's
     # vpdpbusd, or vpmaddubsw and vpmaddwd), as llama.cpp multiplies them. False: blockdot's wider
     # panels (6 and 10 bits a weight) on the int16 or float32 path above, x rounded 256 times finer.
     blockdot_int8: bool = True

@@ -1,4 +1,4 @@
-"""blockdot's file-bit panels (blockdot.pack_int8): Q4_K and Q6_K at their file's bits, x rounded to
+"""blockdot's file-bit panels (blockdot.pack_int8): Q4_K, Q6_K and IQ4_XS at their file's bits, x rounded to
 int8 per block of 32 and summed in integers.
 
 References are independent of the kernel: gguf-py's dequantize for the weights, and x rounded by
@@ -23,8 +23,8 @@ from tests.test_blockdot import EMULATED, build
 from tests.test_gguf_types import random_blocks
 
 pytestmark = pytest.mark.skipif(blockdot.library() is None, reason=f"no blockdot build here: {blockdot.failure()}")
-FILE_BITS = {"Q4_K": 4.75, "Q6_K": 6.625}  # the panels' bits a weight, from blockdot.c's layout comment
-FILE = {"Q4_K": 144 * 8 / 256, "Q6_K": 210 * 8 / 256}  # the file's: ggml-common.h's block sizes
+FILE_BITS = {"Q4_K": 4.75, "Q6_K": 6.625, "IQ4_XS": 4.375}  # the panels' bits a weight, from blockdot.c's layout comment
+FILE = {"Q4_K": 144 * 8 / 256, "Q6_K": 210 * 8 / 256, "IQ4_XS": 136 * 8 / 256}  # the file's: ggml-common.h's block sizes
 
 
 def rounded_x(x: torch.Tensor) -> np.ndarray:
@@ -101,6 +101,31 @@ def test_scales_that_are_no_factor_times_small_integers_are_refused():
 
 
 
+@pytest.mark.parametrize("build_name", ["native", "avx2", "plain"])
+@pytest.mark.parametrize("kinds", [("Q4_K", "IQ4_XS"), ("IQ4_XS", "Q4_K")])
+def test_rows_of_32_weight_kinds_stacked_keep_their_own_panels(build_name, kinds):
+    # an IQ4_XS file's qkv may hold Q4_K rows beside IQ4_XS ones: groups of 32 on both sides, so each
+    # run's scales are its own (no halves given to a 16-weight kind)
+    kernel = build(build_name)
+    (a, a_ref), (b, b_ref) = (matrix(kind, rows, 512, seed=rows) for kind, rows in zip(kinds, (48, 24), strict=True))
+    stacked = cat_rows([a, b])
+    assert stacked.group == 32 and stacked.row_kinds == ((kinds[0], 48), (kinds[1], 24))
+    panels = blockdot.pack_int8(stacked, kernel)
+    reference = torch.cat([a_ref, b_ref])
+    assert torch.equal(panels.dequantize(), reference)
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(2))
+    expected = rounded_x(x) @ reference.double().numpy().T
+    assert np.abs(panels(x).double().numpy() - expected).max() <= 2e-5 * np.abs(expected).max()
+
+
+def test_iq4_xs_codes_off_its_table_are_refused():
+    w, _ = matrix("IQ4_XS", rows=16, cols=256, seed=3)
+    codes = w.codes.clone()
+    codes[3, 7] = 0  # not one of the 16 values
+    with pytest.raises(ValueError, match="IQ4_XS codes are the 16 values"):
+        blockdot.pack_int8(BlockQuantized("IQ4_XS", codes, w.scales, None))
+
+
 @pytest.mark.parametrize("build_name", ["native", "plain"])
 def test_rows_of_both_kinds_stacked_keep_their_own_panels(build_name):
     # Q4_K_M's qkv: q and k in Q4_K beside v in Q6_K, stacked by cat_rows into int8 codes; each run of
@@ -140,12 +165,13 @@ AMX_SKIP = "no AMX tiles here: a CPU with amx_int8 (Sapphire Rapids or later), L
 
 
 @pytest.mark.skipif(not blockdot.amx(), reason=AMX_SKIP)
-@pytest.mark.parametrize("kind", [*FILE_BITS, "Q4_K+Q6_K"])
+@pytest.mark.parametrize("kind", [*FILE_BITS, "Q4_K+Q6_K", "IQ4_XS+Q6_K"])
 def test_amx_tiles_give_the_vector_tiles_bits_at_every_width(kind):
     # the tiles are a way to run the same arithmetic, never another result: each row's outputs equal
     # the vector tiles' bit for bit, whole blocks of 16 rows and the zero-padded last one alike
-    if kind == "Q4_K+Q6_K":
-        w = cat_rows([matrix("Q4_K", 32, 768, seed=1)[0], matrix("Q6_K", 40, 768, seed=2)[0]])
+    if "+" in kind:
+        first, second = kind.split("+")
+        w = cat_rows([matrix(first, 32, 768, seed=1)[0], matrix(second, 40, 768, seed=2)[0]])
         reference = w.dequantize()
     else:
         w, reference = matrix(kind, rows=40, cols=768, seed=7)

@@ -252,7 +252,7 @@ def test_a_family_k_quant_file_serves_transformers_logits_over_the_same_file(fam
 
 @needs_tools
 @pytest.mark.skipif(blockdot.library() is None, reason=f"no blockdot build here: {blockdot.failure()}")
-@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q3_K_M", "Q2_K"])
+@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_XS"])
 def test_every_matrix_of_a_mixed_file_runs_on_blockdot_as_stored(tiny_files, file_type):
     # Where the probe keeps a file's blocks, none of its matrices is dequantized at load: a Q4_K q
     # beside a Q6_K v (Q4_K_M's qkv) and Q2_K's groups of 16 with mins run on the kernel too.
@@ -266,13 +266,13 @@ def test_every_matrix_of_a_mixed_file_runs_on_blockdot_as_stored(tiny_files, fil
     plan = resolve_plan(config_of(kernels="blockdot"), model, probe=figures)
     forms = {(i, name): plan.form_of(i, name).name for i in range(config.num_layers) for name in MATMULS}
     kinds = {getattr(layer, name).kind for layer in model.layers for name in MATMULS}
-    # Q4_K and Q6_K matrices at their file's bits on int8 activations (Q4_K_M's qkv, q and k in Q4_K
+    # Q4_K, Q6_K and IQ4_XS matrices at their file's bits on int8 activations (Q4_K_M's qkv, q and k in Q4_K
     # stacked beside a Q6_K v, too), the rest on blockdot's panels
     file_bits = {(i, name): "blockdot-int8" if blockdot.can_pack_int8(getattr(layer, name)) else "blockdot"
                  for i, layer in enumerate(model.layers) for name in MATMULS}
     assert forms == file_bits, (forms, plan.reasons)
-    assert file_type != "Q4_K_M" or set(forms.values()) == {"blockdot-int8"}
-    assert any("+" in kind for kind in kinds) or file_type == "Q2_K", kinds  # a stacked mix among them
+    assert file_type not in ("Q4_K_M", "IQ4_XS") or set(forms.values()) == {"blockdot-int8"}, kinds
+    assert any("+" in kind for kind in kinds) or file_type in ("Q2_K", "IQ4_XS"), kinds  # a stacked mix among them
     assert check_laid_out(prepare_model(model, plan), plan) == []
 
 

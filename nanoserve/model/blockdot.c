@@ -36,7 +36,7 @@
  * q[n, k] x[k] is then scaled once: acc[n] += d[n] g[n] + m[n] sum_b(x). bf16 activations are widened
  * to float32 first (exactly).
  *
- * File-bit panels (I8P, below): Q4_K and Q6_K at the file's bits on x rounded to int8, summed in
+ * File-bit panels (I8P, below): Q4_K, Q6_K and IQ4_XS at the file's bits on x rounded to int8, summed in
  * int32 by VNNI's vpdpbusd (or vpmaddubsw + vpmaddwd), and, in builds with AMX-INT8 where Linux
  * grants the tiles, by TDPBSUD from `amx_rows` rows of x: the same sums and float steps either way.
  *
@@ -524,12 +524,18 @@ static void task(const struct xin *in, int64_t M, int64_t K, int64_t N, const ui
  *         q as Q4_K's octets (32 of them, octet 2 g + h for k = 16 g + 8 h ..); then 16 vectors of
  *         the high 2 bits: vector g, lane n, byte i, bits 2 s and 2 s + 1: row n's at k = 16 g + 4 s + i.
  *         w = d sc (q - 32), q in 0..63: 6.625 bits a weight (the file's 6.5625).
+ *   IQ4_XS float d[16]; int8 sc[8][16] (group j's ls - 32, row by row); the 4-bit indices into the
+ *         16-value table IQ4_VALUES as Q4_K's octets. w = d sc IQ4_VALUES[i]: 4.375 bits a weight
+ *         (the file's 4.25). The table is looked up a byte at a time (vpshufb), 128 added to each
+ *         value where vpdpbusd takes it as unsigned (sum(v x8) = sum((v + 128) x8) - 128 sum(x8)),
+ *         its sign moved onto x where pairs of products go through int16 (vpmaddubsw saturates
+ *         past 32767; 2 * 241 * 127 would).
  * d and dmin are float32 (a factor of each group's scale exact with the 6-bit one: blockdot.py's
  * pack_int8 finds them), so d sc and dmin mn are the stored matrix's scales and mins bit for bit. */
 #define I8P 32                          /* `planes` flag: file-bit panels; the type in bits 8 and up */
 #define I8_TYPE(planes) ((planes) >> 8)
 #define SB 256                          /* weights a super-block */
-enum { I8_Q4_K = 1, I8_Q6_K = 2, I8_TYPES_END };
+enum { I8_Q4_K = 1, I8_Q6_K = 2, I8_IQ4_XS = 3, I8_TYPES_END };
 /* Rows of several types stacked (Q4_K_M's q and k in Q4_K beside v in Q6_K): a 64-byte head, int32
    count and then (panels, type) for each of up to 7 segments, then each segment's panels in turn. */
 #define I8_MIXED 15
@@ -541,6 +547,7 @@ struct i8_type {
 static const struct i8_type I8_TYPES[I8_TYPES_END] = {
     [I8_Q4_K] = {"Q4_K", 2 * P * 4 + 2 * 8 * P + 32 * 64},
     [I8_Q6_K] = {"Q6_K", P * 4 + 16 * P + 32 * 64 + 16 * 64},
+    [I8_IQ4_XS] = {"IQ4_XS", P * 4 + 8 * P + 32 * 64},
 };
 #define Q4K_SC (2 * P * 4)
 #define Q4K_MN (Q4K_SC + 8 * P)
@@ -548,6 +555,8 @@ static const struct i8_type I8_TYPES[I8_TYPES_END] = {
 #define Q6K_SC (P * 4)
 #define Q6K_LOW (Q6K_SC + 16 * P)
 #define Q6K_HIGH (Q6K_LOW + 32 * 64)
+#define IQ4_SC (P * 4)
+#define IQ4_CODES (IQ4_SC + 8 * P)
 
 /* A panel's super-block bytes for `planes`, or 0 where planes names no file-bit type. */
 int64_t blockdot_i8_bytes(int planes) {
@@ -587,6 +596,19 @@ static inline vi vdp8(vi acc, vi u, const int8_t *x) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, _mm512_set1_epi32(s)), _mm512_set1_epi16(1)));
 #endif
 }
+/* each byte b (0..15) of idx looked up in the 16 bytes t */
+static inline vi vlut(const uint8_t *t, vi idx) {
+  return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t)), idx);
+}
+#if !defined(__AVX512VNNI__)
+/* vdp8 of signed bytes v: |v| against x with v's signs, so that pairs of products stay in int16 */
+static inline vi vdp8_signed(vi acc, vi v, const int8_t *x) {
+  int32_t s;
+  memcpy(&s, x, 4);
+  const __m512i xb = _mm512_set1_epi32(s), xs = _mm512_mask_sub_epi8(xb, _mm512_movepi8_mask(v), _mm512_setzero_si512(), xb);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(v), xs), _mm512_set1_epi16(1)));
+}
+#endif
 #elif SIMD == 256
 static inline vi vi_load(const uint8_t *p) {
   return (vi){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))};
@@ -619,6 +641,22 @@ static inline vi vdp8(vi acc, vi u, const int8_t *x) {
   const __m256i sv = _mm256_set1_epi32(s);
   return (vi){dp8x8(acc.a, u.a, sv), dp8x8(acc.b, u.b, sv)};
 }
+static inline vi vlut(const uint8_t *t, vi idx) {
+  const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
+  return (vi){_mm256_shuffle_epi8(tab, idx.a), _mm256_shuffle_epi8(tab, idx.b)};
+}
+#if !defined(__AVXVNNI__)
+static inline __m256i dp8x8_signed(__m256i acc, __m256i v, __m256i x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(x, v)),
+                                                 _mm256_set1_epi16(1)));
+}
+static inline vi vdp8_signed(vi acc, vi v, const int8_t *x) {
+  int32_t s;
+  memcpy(&s, x, 4);
+  const __m256i sv = _mm256_set1_epi32(s);
+  return (vi){dp8x8_signed(acc.a, v.a, sv), dp8x8_signed(acc.b, v.b, sv)};
+}
+#endif
 #else
 static inline vi vi_load(const uint8_t *p) { vi r; memcpy(r.v, p, sizeof r.v); return r; }
 static inline vi vi_mask(vi a, uint32_t m) { for (int n = 0; n < 16; n++) a.v[n] &= m; return a; }
@@ -635,7 +673,32 @@ static inline vi vdp8(vi acc, vi u, const int8_t *x) {
   }
   return acc;
 }
+static inline vi vlut(const uint8_t *t, vi idx) {
+  for (int n = 0; n < 16; n++) {
+    uint32_t r = 0;
+    for (int i = 0; i < 4; i++) r |= (uint32_t)t[(idx.v[n] >> 8 * i) & 15] << 8 * i;
+    idx.v[n] = r;
+  }
+  return idx;
+}
 #endif
+
+/* IQ4_XS's 16 values (ggml's kvalues_iq4nl), as the file-bit panels' dot products take them: plus 128,
+   as unsigned bytes, where vpdpbusd (or plain C) sums products exactly; as they are where pairs of
+   products go through int16 (vdp8_signed). Either way a group's exact sum of values times x8. */
+#if (SIMD == 512 && !defined(__AVX512VNNI__)) || (SIMD == 256 && !defined(__AVXVNNI__))
+#define IQ4_OFFSET 0
+#define vdp8_iq4 vdp8_signed
+#else
+#define IQ4_OFFSET 128
+#define vdp8_iq4 vdp8
+#endif
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const uint8_t IQ4_BYTES[16] = {
+    (uint8_t)(-127 + IQ4_OFFSET), (uint8_t)(-104 + IQ4_OFFSET), (uint8_t)(-83 + IQ4_OFFSET), (uint8_t)(-65 + IQ4_OFFSET),
+    (uint8_t)(-49 + IQ4_OFFSET), (uint8_t)(-35 + IQ4_OFFSET), (uint8_t)(-22 + IQ4_OFFSET), (uint8_t)(-10 + IQ4_OFFSET),
+    (uint8_t)(1 + IQ4_OFFSET), (uint8_t)(13 + IQ4_OFFSET), (uint8_t)(25 + IQ4_OFFSET), (uint8_t)(38 + IQ4_OFFSET),
+    (uint8_t)(53 + IQ4_OFFSET), (uint8_t)(69 + IQ4_OFFSET), (uint8_t)(89 + IQ4_OFFSET), (uint8_t)(113 + IQ4_OFFSET)};
 
 #define LOW4 0x0F0F0F0Fu
 /* Q6_K's high bits of quad s (k = 4 s .. 4 s + 3 of the group) at bits 4 and 5 of each byte */
@@ -652,13 +715,15 @@ static inline vf q4k_step(vf acc, vf ds, vf dm, vi g, float neg_xs, float x8d) {
   const vf t = vfma(ds, vcvt(g), vmul(dm, vset1(neg_xs)));
   return vfma(t, vset1(x8d), acc);
 }
-/* Q6_K: sum((q - 32) x8) = sum(q x8) - 32 sum(x8), given neg32 = -32 sum(x8) over the 16 (exact in float). */
+/* Q6_K: sum((q - 32) x8) = sum(q x8) - 32 sum(x8), given neg32 = -32 sum(x8) over the 16 (exact in float);
+   IQ4_XS the same with its offset, -IQ4_OFFSET sum(x8) over the 32 (iq4_neg). */
 static inline vf q6k_step(vf acc, vf dsc, vi g, float neg32, float x8d) {
   const vf t = vadd(vcvt(g), vset1(neg32));
   return vfma(vmul(dsc, vset1(x8d)), t, acc);
 }
 static inline float q4k_neg_xs(const int32_t *x8sum16) { return -(float)(x8sum16[0] + x8sum16[1]); }
 static inline float q6k_neg32(int32_t x8sum) { return -32.0f * (float)x8sum; }
+static inline float iq4_neg(float neg_xs) { return (float)IQ4_OFFSET * neg_xs; }
 
 /* NP panels (16 NP output rows) against MR rows of x from r0 (NP * MR <= 8), a file-bit type: acc[p * MR + r]. */
 INLINE void tile8(const struct xin *in, int64_t K, const uint8_t *w, const int type, int64_t p0, int64_t r0, const int NP,
@@ -673,28 +738,45 @@ INLINE void tile8(const struct xin *in, int64_t K, const uint8_t *w, const int t
       d[p] = vload((const float *)blk[p]);
       if (type == I8_Q4_K) dmin[p] = vload((const float *)blk[p] + P);
     }
-    if (type == I8_Q4_K) {
+    if (type == I8_Q4_K || type == I8_IQ4_XS) {
       for (int j = 0; j < 8; j++) {  /* group j: x's block 8 s + j */
         const int64_t b = s * 8 + j;
         vi g[8];
         for (int a = 0; a < NP * MR; a++) g[a] = vizero();
-        for (int p = 0; p < NP; p++)  /* the next super-block on its way: 38 lines, 5 a group */
+        for (int p = 0; p < NP; p++)  /* the next super-block on its way: 38 lines (IQ4_XS 35), 5 a group */
           for (int l = 0; l < 5; l++) prefetch(blk[p] + sb + (5 * j + l) * 64);
         for (int o = 0; o < 4; o++)
           for (int p = 0; p < NP; p++) {
-            const vi c = vi_load(blk[p] + Q4K_CODES + (4 * j + o) * 64);
+            const vi c = vi_load(blk[p] + (type == I8_Q4_K ? Q4K_CODES : IQ4_CODES) + (4 * j + o) * 64);
             const vi lo = vi_mask(c, LOW4), hi = vi_mask(vi_srl(c, 4), LOW4);
-            for (int r = 0; r < MR; r++) {
-              const int8_t *x = in->x8 + (r0 + r) * K + b * G + 8 * o;
-              g[p * MR + r] = vdp8(vdp8(g[p * MR + r], lo, x), hi, x + 4);
+            if (type == I8_Q4_K) {
+              for (int r = 0; r < MR; r++) {
+                const int8_t *x = in->x8 + (r0 + r) * K + b * G + 8 * o;
+                g[p * MR + r] = vdp8(vdp8(g[p * MR + r], lo, x), hi, x + 4);
+              }
+            } else {
+              const vi vlo = vlut(IQ4_BYTES, lo), vhi = vlut(IQ4_BYTES, hi);
+              for (int r = 0; r < MR; r++) {
+                const int8_t *x = in->x8 + (r0 + r) * K + b * G + 8 * o;
+                g[p * MR + r] = vdp8_iq4(vdp8_iq4(g[p * MR + r], vlo, x), vhi, x + 4);
+              }
             }
           }
         for (int p = 0; p < NP; p++) {
-          const vf ds = vmul(d[p], vu8(blk[p] + Q4K_SC + j * P)), dm = vmul(dmin[p], vu8(blk[p] + Q4K_MN + j * P));
-          for (int r = 0; r < MR; r++) {
-            const int64_t rb = (r0 + r) * B + b;
-            acc[p * MR + r] = q4k_step(acc[p * MR + r], ds, dm, g[p * MR + r], q4k_neg_xs(in->x8sum16 + 2 * rb),
-                                       in->x8d[rb]);
+          if (type == I8_Q4_K) {
+            const vf ds = vmul(d[p], vu8(blk[p] + Q4K_SC + j * P)), dm = vmul(dmin[p], vu8(blk[p] + Q4K_MN + j * P));
+            for (int r = 0; r < MR; r++) {
+              const int64_t rb = (r0 + r) * B + b;
+              acc[p * MR + r] = q4k_step(acc[p * MR + r], ds, dm, g[p * MR + r], q4k_neg_xs(in->x8sum16 + 2 * rb),
+                                         in->x8d[rb]);
+            }
+          } else {
+            const vf dsc = vmul(d[p], vs8(blk[p] + IQ4_SC + j * P));
+            for (int r = 0; r < MR; r++) {
+              const int64_t rb = (r0 + r) * B + b;
+              acc[p * MR + r] = q6k_step(acc[p * MR + r], dsc, g[p * MR + r], iq4_neg(q4k_neg_xs(in->x8sum16 + 2 * rb)),
+                                         in->x8d[rb]);
+            }
           }
         }
       }
@@ -776,7 +858,18 @@ INLINE void tile8_out(const struct xin *in, int64_t K, int64_t N, int64_t ldy, c
   }
 I8_TILES(I8_Q4_K)
 I8_TILES(I8_Q6_K)
+I8_TILES(I8_IQ4_XS)
 #undef I8_TILES
+
+/* One panel (NP = 1) or NP from p0 of one type against every row of x on the vector tiles. */
+static void task8(const struct xin *in, int64_t M, int64_t K, int64_t N, int64_t ldy, const uint8_t *w, int type,
+                  int64_t p0, int NP, void *y, int y_bf16) {
+  switch (type) {
+    case I8_Q4_K: task8_I8_Q4_K(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
+    case I8_Q6_K: task8_I8_Q6_K(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
+    default: task8_I8_IQ4_XS(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
+  }
+}
 
 /* ---- AMX tiles (Sapphire Rapids and later: builds with __AMX_INT8__, where the kernel grants them) ----
  *
@@ -819,7 +912,7 @@ static void amx_configure(int kb) {
 }
 
 /* Panel p's codes into u [K / 4][64], row i holding the 16 outputs' codes at k = 4 i .. 4 i + 3 (q in
-   0..15 for Q4_K, 0..63 for Q6_K): octet o of a super-block is k = 8 o .. 8 o + 7, its low nibbles
+   0..15 for Q4_K, 0..63 for Q6_K, IQ4_XS's values plus 128): octet o of a super-block is k = 8 o .. 8 o + 7, its low nibbles
    row 2 o and its high ones row 2 o + 1. */
 static void amx_unpack(const uint8_t *w, int type, int64_t p, int64_t K, uint8_t *u) {
   const int64_t S = K / SB, sb = I8_TYPES[type].bytes;
@@ -827,11 +920,13 @@ static void amx_unpack(const uint8_t *w, int type, int64_t p, int64_t K, uint8_t
     const uint8_t *blk = w + (p * S + s) * sb;
     uint8_t *us = u + s * SB * P;
     for (int o = 0; o < 32; o++) {
-      const vi c = vi_load(blk + (type == I8_Q4_K ? Q4K_CODES : Q6K_LOW) + o * 64);
+      const vi c = vi_load(blk + (type == I8_Q4_K ? Q4K_CODES : type == I8_Q6_K ? Q6K_LOW : IQ4_CODES) + o * 64);
       vi lo = vi_mask(c, LOW4), hi = vi_mask(vi_srl(c, 4), LOW4);
       if (type == I8_Q6_K) {  /* octet o is half o % 2 of group o / 2 */
         const vi h = vi_load(blk + Q6K_HIGH + (o / 2) * 64);
         lo = vi_or(lo, q6_high(h, 2 * (o % 2))), hi = vi_or(hi, q6_high(h, 2 * (o % 2) + 1));
+      } else if (type == I8_IQ4_XS) {
+        lo = vlut(IQ4_BYTES, lo), hi = vlut(IQ4_BYTES, hi);
       }
       _mm512_storeu_si512(us + 2 * o * 64, lo);
       _mm512_storeu_si512(us + (2 * o + 1) * 64, hi);
@@ -886,7 +981,7 @@ static void amx_rows_of(const struct xin *in, int64_t M, int64_t K, uint8_t *xa)
    xa: this block of rows' blocks of x. */
 INLINE void amx_scale(const uint8_t *xa, int64_t K, const uint8_t *w, const int type, int64_t p, int64_t g,
                       const int32_t *c, vf acc[16]) {
-  const int64_t S = K / SB, per = SB / (type == I8_Q4_K ? 32 : 16), s = g / per;
+  const int64_t S = K / SB, per = SB / (type == I8_Q6_K ? 16 : 32), s = g / per;
   const uint8_t *blk = w + (p * S + s) * I8_TYPES[type].bytes;
   const vf d = vload((const float *)blk);
   for (int h = 0; h < 2; h++) {
@@ -896,6 +991,11 @@ INLINE void amx_scale(const uint8_t *xa, int64_t K, const uint8_t *w, const int 
       const vf ds = vmul(d, vu8(blk + Q4K_SC + j * P)), dm = vmul(vload((const float *)blk + P), vu8(blk + Q4K_MN + j * P));
       for (int r = 0; r < 16; r++)
         acc[r] = q4k_step(acc[r], ds, dm, vi_load((const uint8_t *)(c + 256 * h + 16 * r)), f[16 + r], f[r]);
+    } else if (type == I8_IQ4_XS) {
+      const float *f = (const float *)(xa + (s * 8 + j) * AMX_ROWS_BYTES + 16 * 32);
+      const vf dsc = vmul(d, vs8(blk + IQ4_SC + j * P));
+      for (int r = 0; r < 16; r++)
+        acc[r] = q6k_step(acc[r], dsc, vi_load((const uint8_t *)(c + 256 * h + 16 * r)), iq4_neg(f[16 + r]), f[r]);
     } else {
       const float *f = (const float *)(xa + (s * 8 + j / 2) * AMX_ROWS_BYTES + 16 * 32);
       const vf dsc = vmul(d, vs8(blk + Q6K_SC + j * P));
@@ -905,8 +1005,8 @@ INLINE void amx_scale(const uint8_t *xa, int64_t K, const uint8_t *w, const int 
   }
 }
 
-/* Group g's A tile: Q4_K's block g, or Q6_K's block g / 2 from its (g % 2)'th 16 bytes. */
-#define AMX_A(xa, type, g) ((xa) + ((type) == I8_Q4_K ? (g) : (g) / 2) * AMX_ROWS_BYTES + ((type) == I8_Q4_K ? 0 : 16 * ((g) % 2)))
+/* Group g's A tile: block g (Q4_K, IQ4_XS), or Q6_K's block g / 2 from its (g % 2)'th 16 bytes. */
+#define AMX_A(xa, type, g) ((xa) + ((type) != I8_Q6_K ? (g) : (g) / 2) * AMX_ROWS_BYTES + ((type) != I8_Q6_K ? 0 : 16 * ((g) % 2)))
 
 /* 16 rows of x (xa) against panel p (its heads in w, its codes unpacked in u): acc[16], in tile8's
    order. Pipelined: pair i of groups is multiplied on the tiles and stored to c's ring of AMX_RING
@@ -916,7 +1016,7 @@ INLINE void amx_scale(const uint8_t *xa, int64_t K, const uint8_t *w, const int 
 #define AMX_LAG 3
 INLINE void amx_block(const uint8_t *xa, int64_t K, const uint8_t *w, const int type, int64_t p, const uint8_t *u,
                       int32_t *c, const uint8_t *next, vf acc[16]) {
-  const int kb = type == I8_Q4_K ? 32 : 16;
+  const int kb = type == I8_Q6_K ? 16 : 32;
   const int64_t pairs = K / kb / 2;  /* a multiple of 4: K is of 256 */
   /* the thread's next panel on its way while this one is multiplied, a share of its lines each step */
   const int64_t lines = next ? K / SB * I8_TYPES[type].bytes / 64 : 0, share = (lines + pairs / 2 - 1) / (pairs / 2);
@@ -948,13 +1048,12 @@ static void amx_tasks_of(const struct xin *in, int64_t M, int64_t K, int64_t N, 
   uint8_t *xa = u + 16 * K + AMX_RING * 2048;
   if (u) {
     amx_rows_of(in, M, K, xa);
-    amx_configure(type == I8_Q4_K ? 32 : 16);
+    amx_configure(type == I8_Q6_K ? 16 : 32);
   }
   #pragma omp for schedule(static)
   for (int64_t p = 0; p < panels; p++) {
     if (!u) {  /* the vector tiles instead: the same bits */
-      if (type == I8_Q4_K) task8_I8_Q4_K(in, M, K, N, ldy, w, p, 1, y, y_bf16);
-      else task8_I8_Q6_K(in, M, K, N, ldy, w, p, 1, y, y_bf16);
+      task8(in, M, K, N, ldy, w, type, p, 1, y, y_bf16);
       continue;
     }
     amx_unpack(w, type, p, K, u);
@@ -962,8 +1061,10 @@ static void amx_tasks_of(const struct xin *in, int64_t M, int64_t K, int64_t N, 
       vf acc[16];
       /* the next panel fetched during the first block of rows (the later ones read it from L2) */
       const uint8_t *next = r0 == 0 && p + 1 < panels ? w + (p + 1) * (K / SB) * I8_TYPES[type].bytes : NULL;
-      if (type == I8_Q4_K) amx_block(xa + r0 / 16 * B * AMX_ROWS_BYTES, K, w, I8_Q4_K, p, u, c, next, acc);
-      else amx_block(xa + r0 / 16 * B * AMX_ROWS_BYTES, K, w, I8_Q6_K, p, u, c, next, acc);
+      const uint8_t *xr = xa + r0 / 16 * B * AMX_ROWS_BYTES;
+      if (type == I8_Q4_K) amx_block(xr, K, w, I8_Q4_K, p, u, c, next, acc);
+      else if (type == I8_Q6_K) amx_block(xr, K, w, I8_Q6_K, p, u, c, next, acc);
+      else amx_block(xr, K, w, I8_IQ4_XS, p, u, c, next, acc);
       for (int r = 0; r < 16 && r0 + r < M; r++) {
         float lanes[P];
         vstore(lanes, acc[r]);
@@ -996,10 +1097,7 @@ static void tasks8_of(const struct xin *in, int64_t M, int64_t K, int64_t N, int
   #pragma omp for schedule(static)
   for (int64_t t = 0; t < tasks; t++) {
     const int whole = (t + 1) * NP <= panels;  /* the last task's panels one at a time where they run short */
-    for (int64_t p = t * NP; p < (whole ? t * NP + 1 : panels); p++) {
-      if (type == I8_Q4_K) task8_I8_Q4_K(in, M, K, N, ldy, w, p, whole ? NP : 1, y, y_bf16);
-      else task8_I8_Q6_K(in, M, K, N, ldy, w, p, whole ? NP : 1, y, y_bf16);
-    }
+    for (int64_t p = t * NP; p < (whole ? t * NP + 1 : panels); p++) task8(in, M, K, N, ldy, w, type, p, whole ? NP : 1, y, y_bf16);
   }
 }
 
@@ -1028,7 +1126,7 @@ static void tasks8(const struct xin *in, int64_t M, int64_t K, int64_t N, const 
 
 /* Row `lane` of panel p of one type's file-bit panels dequantized into dst [K] (float32, or bf16 where
    bf16): Q4_K's d sc q - dmin mn (d sc q exact in float32, one rounding for the min), Q6_K's
-   (d sc) (q - 32) (one rounding): BlockQuantized.dequantize()'s arithmetic. */
+   (d sc) (q - 32) and IQ4_XS's (d sc) IQ4_VALUES[i] (one rounding): BlockQuantized.dequantize()'s arithmetic. */
 static void dequantize8_row(const uint8_t *w, int type, int64_t p, int lane, int64_t K, void *dst, int bf16) {
   const int64_t S = K / SB, sb = I8_TYPES[type].bytes;
   for (int64_t s = 0; s < S; s++) {
@@ -1038,9 +1136,11 @@ static void dequantize8_row(const uint8_t *w, int type, int64_t p, int lane, int
     if (type == I8_Q4_K) memcpy(&dmin, blk + 4 * (P + lane), 4);
     for (int k = 0; k < SB; k++) {
       const int octet = k / 8, i = k % 4, upper = (k / 4) % 2;
-      const uint8_t low = blk[(type == I8_Q4_K ? Q4K_CODES : Q6K_LOW) + octet * 64 + 4 * lane + i];
+      const uint8_t low = blk[(type == I8_Q4_K ? Q4K_CODES : type == I8_Q6_K ? Q6K_LOW : IQ4_CODES) + octet * 64 + 4 * lane + i];
       const int q4 = upper ? low >> 4 : low & 15;
-      if (type == I8_Q4_K) {
+      if (type == I8_IQ4_XS) {
+        row[k] = d * (float)(int8_t)blk[IQ4_SC + (k / 32) * P + lane] * (float)IQ4_VALUES[q4];
+      } else if (type == I8_Q4_K) {
         const float scale = d * (float)blk[Q4K_SC + (k / 32) * P + lane];
         const float min = dmin * (float)blk[Q4K_MN + (k / 32) * P + lane];
         row[k] = fmaf(scale, (float)q4, -min);  /* scale q4 exact: one rounding, as mul then add */

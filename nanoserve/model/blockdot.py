@@ -20,8 +20,8 @@ for Q4_K (4.5); 9 for Q8_0 (8.5), Q5_0 (5.5), Q5_1 (6) and IQ4_NL (4.5); 10 for 
 (6.6), IQ4_XS (4.25) and Q3_K (3.4): the price of reading each exactly with two kernels
 (notes/gguf-types.md). `Panels` take x [M, K] in float32 or bfloat16 and return [M, N] in x's dtype.
 
-`pack_int8` holds a Q4_K or Q6_K matrix at its file's bits instead (file-bit panels, x rounded to
-int8 per block of 32, sums in int32); on a CPU with AMX tiles (`amx()`), from `amx_rows` rows of x
+`pack_int8` holds a Q4_K, Q6_K or IQ4_XS matrix at its file's bits instead (file-bit panels, x
+rounded to int8 per block of 32, sums in int32); on a CPU with AMX tiles (`amx()`), from `amx_rows` rows of x
 (PlanOverrides.blockdot_amx_rows), the same sums come from the tiles, bit for bit.
 """
 
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from nanoserve.model.cabi import BASE_FLAGS as _BASE  # noqa: F401
 from nanoserve.model.cabi import BUILDS, FLAGS, Library, load  # noqa: F401
 from nanoserve.model.forms import CForm, Form, FormKind, Regroup, dense_code, dtype_name
-from nanoserve.model.ggml_blocks import parts
+from nanoserve.model.ggml_blocks import KVALUES, parts
 from nanoserve.model.gguf import BLOCK, BlockQuantized
 
 logger = logging.getLogger(__name__)
@@ -58,9 +58,10 @@ G16M = 16  # blockdot.c's flag on `planes` (with G16): the m of each 16 weights 
 DTYPES = (torch.float32, torch.bfloat16)  # the activations it takes
 # File-bit panels (blockdot.c's I8P): a K-quant at its file's bits, run on x rounded to int8 per block
 # of 32 and summed in integers. planes = I8P | type << 8; each kind's bytes a panel's super-block of
-# 256 weights (16 rows): Q4_K 4.75 bits a weight (the file's 4.5), Q6_K 6.625 (6.5625).
+# 256 weights (16 rows): Q4_K 4.75 bits a weight (the file's 4.5), Q6_K 6.625 (6.5625), IQ4_XS 4.375
+# (4.25).
 I8P = 32
-INT8_KINDS = {"Q4_K": 1, "Q6_K": 2}
+INT8_KINDS = {"Q4_K": 1, "Q6_K": 2, "IQ4_XS": 3}
 MIXED = 15  # blockdot.c's I8_MIXED: runs of rows of those kinds stacked, each run's panels after a head
 SEGMENTS = 7  # runs a mixed matrix may hold
 SUPER = 256  # weights a super-block
@@ -422,15 +423,18 @@ def can_pack_int8(w: object) -> bool:
 
 
 def _runs(w: BlockQuantized) -> list[BlockQuantized]:
-    """A stacked matrix's runs of rows back in their own kinds: Q4_K's codes 0..15 and its one scale
-    and min a group of 32 (cat_rows gave them to both halves of it), Q6_K's as they are."""
+    """A stacked matrix's runs of rows back in their own kinds: Q4_K's codes 0..15, IQ4_XS's values,
+    and their one scale (and min) a group of 32 (cat_rows gave them to both halves of it beside
+    Q6_K), Q6_K's as they are."""
     out, start = [], 0
     for kind, rows in w.row_kinds:
         codes, scales = w.codes[start:start + rows], w.scales[start:start + rows]
         mins = None if w.mins is None else w.mins[start:start + rows]
+        halves = w.group == 16 and kind != "Q6_K"  # a 32-weight group's scale given to both its halves
+        scales = scales[:, 0::2] if halves else scales
         if kind == "Q4_K":
-            out.append(BlockQuantized(kind, codes.to(torch.uint8), scales[:, 0::2].contiguous(),
-                                      mins[:, 0::2].contiguous()))
+            out.append(BlockQuantized(kind, codes.to(torch.uint8), scales.contiguous(),
+                                      (mins[:, 0::2] if halves else mins).contiguous()))
         else:
             out.append(BlockQuantized(kind, codes.contiguous(), scales.contiguous(), None))
         start += rows
@@ -452,6 +456,19 @@ def _nibble_octets(low: torch.Tensor, panels: int) -> torch.Tensor:
     return packed.permute(0, 2, 3, 1, 4).reshape(panels, S, 32 * 64)
 
 
+def _iq4_indices(values: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS's values (ggml_blocks.KVALUES) back to their 4-bit indices, uint8.
+
+    Raises:
+        ValueError: a value that is not one of the table's.
+    """
+    table = torch.tensor(KVALUES.tolist())  # ascending
+    index = torch.searchsorted(table, values.to(torch.int64)).clamp_(max=15)
+    if not torch.equal(table[index], values.to(torch.int64)):
+        raise ValueError(f"IQ4_XS codes are the 16 values {KVALUES.tolist()}; some are not")
+    return index.to(torch.uint8)
+
+
 def amx(kernel: Library | None = None) -> bool:
     """Whether file-bit panels can multiply on AMX tiles here: a build with them (-march=native on a
     CPU with AMX-INT8) and Linux granting the tiles' state to this process (asked once)."""
@@ -460,9 +477,9 @@ def amx(kernel: Library | None = None) -> bool:
 
 
 def pack_int8(w: BlockQuantized, kernel: Library | None = None, amx_rows: int | None = None) -> Panels:
-    """The file-bit form of a Q4_K or Q6_K matrix (blockdot.c's I8P panels, the layout in its comment):
-    its codes at the file's bits, each super-block's d (and dmin) as float32 beside the groups' 6-bit
-    (Q6_K: int8) scales and mins, so that d sc is the stored scale bit for bit (`_factor`). Run on x
+    """The file-bit form of a Q4_K, Q6_K or IQ4_XS matrix (blockdot.c's I8P panels, the layout in its
+    comment): its codes at the file's bits (IQ4_XS's as 4-bit indices into its table), each
+    super-block's d (and dmin) as float32 beside the groups' 6-bit (Q6_K, IQ4_XS: int8) scales and mins, so that d sc is the stored scale bit for bit (`_factor`). Run on x
     rounded to int8 per block of 32, summed in integers; on AMX tiles from amx_rows rows of x (None:
     never), which give the same bits.
 
@@ -488,7 +505,7 @@ def pack_int8(w: BlockQuantized, kernel: Library | None = None, amx_rows: int | 
     N, K = w.shape
     S, pad = K // SUPER, -N % PANEL
     panels = (N + pad) // PANEL
-    groups = SUPER // w.group  # 8 (Q4_K) or 16 (Q6_K)
+    groups = SUPER // w.group  # 8 (Q4_K, IQ4_XS) or 16 (Q6_K)
     factored = [_factor(t.reshape(N * S, groups), 0 if w.kind == "Q4_K" else -128, 63 if w.kind == "Q4_K" else 127)
                 for t in ([w.scales, -w.mins] if w.kind == "Q4_K" else [w.scales])]
     if any(f is None for f in factored):
@@ -499,10 +516,14 @@ def pack_int8(w: BlockQuantized, kernel: Library | None = None, amx_rows: int | 
         return F.pad(t, (0, 0, 0, 0, 0, pad)) if pad else t
 
     heads = [_panel_bytes(rows(d.view(N, S, 1)), panels) for d, _ in factored]
-    codes = rows(w.codes.view(N, S, SUPER))
+    codes = rows((_iq4_indices(w.codes) if w.kind == "IQ4_XS" else w.codes).view(N, S, SUPER))  # padding: index 0
     if w.kind == "Q4_K":
         (_, sc), (_, mn) = factored
         scale_bytes = [_panel_bytes(rows(t.to(torch.uint8).view(N, S, groups)), panels) for t in (sc, mn)]
+        body = [_nibble_octets(codes.reshape(-1, K), panels)]
+    elif w.kind == "IQ4_XS":
+        (_, sc), = factored
+        scale_bytes = [_panel_bytes(rows(sc.to(torch.int8).view(N, S, groups)), panels)]
         body = [_nibble_octets(codes.reshape(-1, K), panels)]
     else:
         (_, sc), = factored
