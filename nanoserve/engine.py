@@ -19,7 +19,7 @@ from nanoserve.chat import as_conversations, encode_chat, render_chat
 from nanoserve.config import EngineConfig
 from nanoserve.detokenize import IncrementalDetokenizer
 from nanoserve.draft import DraftModel, load_draft
-from nanoserve.inputs import TokenRun, build_inputs, lay_out
+from nanoserve.inputs import TokenRun, build_inputs, lay_out, prompt_scoring
 from nanoserve.model.kv_cache import KVCache, bytes_per_block
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.plan import check_laid_out, resolve_plan, with_draft
@@ -31,7 +31,7 @@ from nanoserve.params import SamplingParams
 from nanoserve.readback import TokenBatch
 from nanoserve.recorder import NULL_RECORDER
 from nanoserve.request import FinishReason, Request, RequestOutput, check_request, prompt_token_ids
-from nanoserve.sampling import BatchedSampler, RowHistory, packed_logprobs
+from nanoserve.sampling import BatchedSampler, RowHistory, packed_logprobs, packed_prompt_logprobs
 from nanoserve.scheduler import Scheduler, SchedulerOutput
 from nanoserve.speculator import Speculator
 from nanoserve.step_rows import StepRows
@@ -282,13 +282,19 @@ class Engine:
             inputs = build_inputs(sched, self.config.block_size, self.device, pending and pending[0],
                                   self.config.decode_group_min_rows, self.model.config.sliding_window)
         with rec.phase("forward"):
-            logits = self.model.forward(inputs, self.kv)  # [rows, V]
+            logits = self.model.forward(inputs, self.kv)  # [rows, V], then the prompt-logprob rows'
+        prompt = None
+        if logits.shape[0] > rows.num_rows:  # rows scoring prompt tokens follow the sampling rows
+            scored = [(item.request, *prompt_scoring(item)) for item in sched.scheduled]
+            scored = [run for run in scored if run[2]]
+            prompt = scored, packed_prompt_logprobs(logits[rows.num_rows:], scored)
+            logits = logits[:rows.num_rows]
         bitmask = None
         if any(span.request.grammar is not None for span in rows.spans):  # host work after the launch: on a GPU it overlaps the forward
             with rec.phase("grammar_mask"):
                 bitmask = self.grammars.fill_bitmask(rows)  # [rows, ceil(V / 32)]
         with rec.phase("sample"):
-            batch = self._sample(logits, rows, bitmask)
+            batch = self._sample(logits, rows, bitmask, prompt)
         with rec.phase("collect", syncs=not deferred):
             sampled = (batch, rows)
             if deferred:
@@ -372,10 +378,12 @@ class Engine:
             self.speculation.after_resolve(result, self.scheduler, self._generators)
         return result.outputs
 
-    def _sample(self, logits: torch.Tensor, rows: StepRows, bitmask: torch.Tensor | None = None) -> TokenBatch:
+    def _sample(self, logits: torch.Tensor, rows: StepRows, bitmask: torch.Tensor | None = None,
+                prompt: tuple[list, torch.Tensor] | None = None) -> TokenBatch:
         """Samples every row's next token, within its grammar where the bitmask says; the tokens
         stay on the device. Logprobs are the model's own, read before the mask. A row verifying a
-        draft sees, as its history, the drafts before it on its request's earlier rows."""
+        draft sees, as its history, the drafts before it on its request's earlier rows. `prompt`:
+        the step's prompt logprobs, packed, riding home with the tokens."""
         requests = rows.requests
         params = [r.params for r in requests]
         generators = [self._generators.get(r.request_id) for r in requests] if self._generators else None
@@ -392,7 +400,7 @@ class Engine:
             for r in requests:
                 r.num_pending_tokens += 1  # sampled, not yet home: the scheduler may already decode it
         logprobs = packed_logprobs(logits, tokens, params)
-        return TokenBatch(tokens, rows.request_ids, self.output.readback, logprobs)
+        return TokenBatch(tokens, rows.request_ids, self.output.readback, logprobs, prompt)
 
     # ---- convenience -------------------------------------------------------------------------
 

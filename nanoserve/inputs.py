@@ -9,7 +9,7 @@ import torch
 from nanoserve.model.attention import AttentionMetadata, DecodeGroup, PrefillRun
 from nanoserve.model.llama import ModelInputs
 from nanoserve.readback import TokenBatch
-from nanoserve.scheduler import SchedulerOutput
+from nanoserve.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,21 @@ class TokenRun:
     block_ids: list[int]  # the sequence's blocks, covering start + len(token_ids) positions
     num_sampling: int = 0  # its last rows that sample: 1 + drafts, or 0 (a prompt chunk short of its end)
     pending: tuple[int, int] | None = None  # (index in token_ids, row of the pending batch): a token not home yet
+    scored: tuple[int, int] = (0, 0)  # (first index in token_ids, count): rows whose logits score the next prompt token
+
+
+def prompt_scoring(item: ScheduledRequest) -> tuple[int, int]:
+    """(first position, count): the prompt positions of a scheduled chunk whose logits score the
+    prompt token after them, for a request asking for prompt logprobs, once each (entries already
+    made are skipped: a preempted request forwards its prompt again); (0, 0) for none. The last
+    prompt position is the row that samples, and scores no prompt token."""
+    request = item.request
+    if request.prompt_logprobs is None:
+        return 0, 0
+    start = request.num_computed_tokens
+    first = max(start, len(request.prompt_logprobs) - 1)
+    end = min(start + item.num_new_tokens - len(item.draft_token_ids), request.num_prompt_tokens - 1)
+    return (first, end - first) if end > first else (0, 0)
 
 
 def token_runs(sched: SchedulerOutput, pending: TokenBatch | None = None) -> list[TokenRun]:
@@ -38,7 +53,9 @@ def token_runs(sched: SchedulerOutput, pending: TokenBatch | None = None) -> lis
         if known_end > len(request.token_ids):  # the last input is the pending token
             where = (len(token_ids), pending.request_ids.index(request.request_id))
             token_ids.append(0)
-        runs.append(TokenRun(token_ids + drafts, start, request.block_ids, (1 + len(drafts)) * item.samples, where))
+        first, count = prompt_scoring(item)
+        runs.append(TokenRun(token_ids + drafts, start, request.block_ids, (1 + len(drafts)) * item.samples, where,
+                             (first - start, count)))
     return runs
 
 
@@ -55,7 +72,8 @@ def lay_out(runs: list[TokenRun], block_size: int, device: torch.device, pending
 
     Each run's context for attention is everything up to its last token. A pending token's value is
     copied into input_ids from the pending batch's device tensor: it never visits the host. Every
-    sampling row is in logits_indices, in order. With a sliding_window W (the model's
+    sampling row is in logits_indices, in order, and after them each run's scored rows (prompt
+    logprobs), in order. With a sliding_window W (the model's
     config.sliding_window), the metadata also holds the step as windowed layers attend it, where a
     query at position p sees keys p - W + 1 .. p.
     """
@@ -63,6 +81,7 @@ def lay_out(runs: list[TokenRun], block_size: int, device: torch.device, pending
     positions: list[int] = []
     slot_mapping: list[int] = []
     logits_indices: list[int] = []
+    scored_rows: list[int] = []
     query_lens: list[int] = []
     context_lens: list[int] = []
     block_tables: list[list[int]] = []
@@ -78,6 +97,8 @@ def lay_out(runs: list[TokenRun], block_size: int, device: torch.device, pending
         positions.extend(range(start, end))
         slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
         logits_indices.extend(range(len(input_ids) - run.num_sampling, len(input_ids)))
+        first = len(input_ids) - len(run.token_ids) + run.scored[0]
+        scored_rows.extend(range(first, first + run.scored[1]))
         query_lens.append(end - start)
         context_lens.append(end)
         block_tables.append(blocks)
@@ -120,7 +141,7 @@ def lay_out(runs: list[TokenRun], block_size: int, device: torch.device, pending
     attn.block_tables = torch.tensor([b + [0] * (nb - len(b)) for b in block_tables], dtype=torch.int64,
                                      device=device)  # [S, nb]
     attn.row_seqs = torch.repeat_interleave(torch.arange(num_seqs, device=device), tensor(query_lens))  # [T]
-    return ModelInputs(input_ids_t, positions_t, tensor(logits_indices), attn)
+    return ModelInputs(input_ids_t, positions_t, tensor(logits_indices + scored_rows), attn)
 
 
 def split_by_length(num_blocks: list[int], max_groups: int = 4, min_saving: float = 0.15) -> list[list[int]]:

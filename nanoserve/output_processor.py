@@ -81,6 +81,9 @@ class OutputProcessor:
             )
         check_in_row_order(batch, rows.request_ids)
         token_ids = batch.resolve()
+        for request, position, entry in batch.resolve_prompt_logprobs():  # once each: a recomputed prompt skips
+            if request.prompt_logprobs is not None and len(request.prompt_logprobs) == position:
+                request.prompt_logprobs.append(entry)
         if not token_ids:
             return StepOutputs([], [])
         self.num_steps += 1
@@ -188,6 +191,7 @@ def make_output(request: Request) -> RequestOutput:
         num_cached_tokens=request.num_cached_tokens,
         stop_reason=request.stop_reason,
         logprobs=ListView(request.logprobs) if request.logprobs is not None else None,
+        prompt_logprobs=ListView(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
         parent_id=request.parent_id,
         index=request.index,
         num_drafts=request.num_drafts,

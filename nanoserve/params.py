@@ -73,6 +73,10 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: subtracted once from each token already in the output
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k (k <= 20)
+    # vLLM's: None: none; k: each prompt token's logprob and the top k at its position (k <= 20), the
+    # first token's None. Such a request forwards its whole prompt (no prefix-cache hits: a cached
+    # prefix has no logits) and the head runs on its prompt's rows too.
+    prompt_logprobs: int | None = None
     n: int = 1  # completions of one prompt; the copies share the prompt's full blocks
     structured_outputs: StructuredOutputs | None = None  # a grammar the output must match
 
@@ -98,8 +102,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be in [-2, 2]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs={self.logprobs!r} must be None or an integer in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 20):
+                raise ValueError(f"{name}={value!r} must be None or an integer in [0, 20]")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ValueError(f"structured_outputs={self.structured_outputs!r} must be a StructuredOutputs")
         if self.structured_outputs is not None and self.min_tokens > 0:

@@ -103,8 +103,11 @@ class TokenBatch:
     readback: Readback  # counts the one journey resolve() makes
     # Rows that asked for logprobs, and per row [sampled, k values, k ids] on the device; None: no row asked.
     logprobs: tuple[list[int], torch.Tensor] | None = None
+    # Prompt logprobs (SamplingParams.prompt_logprobs): each scored run's (request, first position,
+    # count) and per row [the next prompt token's, k values, k ids] on the device; None: no run.
+    prompt_logprobs: tuple[list[tuple[Any, int, int]], torch.Tensor] | None = None
     _token_ids: list[int] | None = field(default=None, init=False)  # the memo: None until resolved
-    _copies: tuple[HostCopy, HostCopy | None] | None = field(default=None, init=False)  # started at build
+    _copies: tuple[HostCopy | None, ...] | None = field(default=None, init=False)  # started at build
 
     def __post_init__(self) -> None:
         # Shape, dtype and dim are host-side metadata: reading them does not wait on the device.
@@ -122,7 +125,8 @@ class TokenBatch:
                 "every row needs exactly one owner"
             )
         # The journey home starts now, right after sampling; resolve() waits for it.
-        self._copies = (HostCopy(self.tokens), HostCopy(self.logprobs[1].flatten()) if self.logprobs else None)
+        self._copies = (HostCopy(self.tokens), HostCopy(self.logprobs[1].flatten()) if self.logprobs else None,
+                        HostCopy(self.prompt_logprobs[1].flatten()) if self.prompt_logprobs else None)
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -171,6 +175,27 @@ class TokenBatch:
             entry = {int(i): v for i, v in zip(chunk[1 + k:], chunk[1:1 + k], strict=True)}
             entry[token_ids[row]] = chunk[0]
             entries[row] = entry
+        return entries
+
+
+    def resolve_prompt_logprobs(self) -> list[tuple[Any, int, dict[int, float]]]:
+        """(request, prompt position p, {token id: logprob}) for each scored row: prompt token p's
+        own logprob and its request's top k at that position (one more journey home, counted); []
+        when no run was scored."""
+        if self.prompt_logprobs is None:
+            return []
+        scored, packed = self.prompt_logprobs
+        values = self.readback.fetch(self._copies[2])
+        width = packed.shape[1]
+        k = (width - 1) // 2
+        entries, row = [], 0
+        for request, first, count in scored:
+            own_k = request.params.prompt_logprobs
+            for p in range(first, first + count):
+                chunk = values[row * width:(row + 1) * width]
+                top = {int(i): v for i, v in zip(chunk[1 + k:1 + k + own_k], chunk[1:1 + own_k], strict=True)}
+                entries.append((request, p + 1, top | {request.prompt_token_ids[p + 1]: chunk[0]}))
+                row += 1
         return entries
 
 

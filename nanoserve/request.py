@@ -61,6 +61,9 @@ class Request:
         self.detokenizer: Any = None  # the engine's IncrementalDetokenizer: output text, O(1) per token
         self.grammar: Any = None  # structured outputs: the engine's RequestGrammar, fed each output token
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # params.prompt_logprobs: entry p for prompt token p (the first None), filled as the prompt is forwarded
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         # Speculative decoding (nanoserve.speculative): the drafts this step verifies, and the counts.
         self.draft_token_ids: list[int] = []
         self.num_drafts = 0  # steps that verified drafts of this request
@@ -219,6 +222,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
     logprobs: Sequence[dict[int, float]] | None = None  # per output token: sampled and top-k token -> logprob
+    # per prompt token (params.prompt_logprobs): None for the first, then its own and the top-k's
+    # logprob at its position; complete once the prompt is forwarded (from the first token on)
+    prompt_logprobs: Sequence[dict[int, float] | None] | None = None
     parent_id: str | None = None  # n > 1: the id add_request returned; request_id is f"{parent_id}.{index}"
     index: int = 0  # n > 1: which completion of the prompt
     num_drafts: int = 0  # speculative decoding: steps that verified drafts for this request

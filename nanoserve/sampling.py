@@ -16,6 +16,7 @@ speculation, once the engine takes back the noise of the rows it discarded (`ski
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -138,6 +139,21 @@ def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     keep[:, 0] = True  # the most likely token always survives
     filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
     return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def packed_prompt_logprobs(logits: torch.Tensor, scored: list[tuple[Any, int, int]]) -> torch.Tensor:
+    """Prompt logprobs of the scored rows' logits [S, V] (each (request, first position, count) of
+    `scored` in turn, a row per position p scoring prompt token p + 1), packed per row as
+    [that token's, k values, k ids] on the device, k the largest any of them asks for."""
+    targets = torch.tensor([request.prompt_token_ids[p + 1] for request, first, count in scored
+                            for p in range(first, first + count)], device=logits.device)
+    k = max(request.params.prompt_logprobs for request, _, _ in scored)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [S, V]
+    own = logprobs.gather(1, targets[:, None])  # [S, 1]
+    if not k:
+        return own
+    top = logprobs.topk(k, dim=-1)
+    return torch.cat([own, top.values, top.indices.float()], dim=1)  # [S, 1 + 2k]
 
 
 def packed_logprobs(logits: torch.Tensor, tokens: torch.Tensor,

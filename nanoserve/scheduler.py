@@ -160,7 +160,8 @@ class Scheduler:
         # A preempted request never re-enters in the step that preempted it.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
-            hits = self._cache_hits(request) if self.enable_prefix_caching else []
+            # a request asking for prompt logprobs forwards its whole prompt: a cached prefix has no logits
+            hits = self._cache_hits(request) if self.enable_prefix_caching and request.params.prompt_logprobs is None else []
             num_computed = len(hits) * self.block_size
             remaining = request.num_tokens - num_computed
             if remaining > budget and not self.enable_chunked_prefill:

@@ -137,28 +137,55 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
         check_model(body.model)
         prompt = protocol.completion_prompt(body)
         prompt_ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        params = protocol.sampling_params(body, max_tokens_for(body.max_tokens, len(prompt_ids)), body.logprobs,
-                                          protocol.structured_outputs(body))
+        echo, k = body.echo, body.logprobs
+        # max_tokens 0 with echo: the prompt alone (lm-evaluation-harness' loglikelihood may ask so);
+        # the engine samples one token, which the response leaves out
+        prompt_only = echo and body.max_tokens == 0
+        scored = [n for n in (k if echo else None, body.prompt_logprobs) if n is not None]
+        params = protocol.sampling_params(body, 1 if prompt_only else max_tokens_for(body.max_tokens, len(prompt_ids)),
+                                          k, protocol.structured_outputs(body), max(scored) if scored else None)
         rid = responses.new_id("cmpl")
         stream = await submit(prompt_ids, params, rid)
         head = {"id": rid, "object": "text_completion", "created": responses.now(), "model": model_name}
-        k = params.logprobs
         offsets = [0] * params.n  # characters of each completion sent so far, for text_offset
+        echo_text = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt_ids)) if echo else ""
 
-        def choice(index: int, text: str, token_ids: list[int], entries, finish_reason) -> dict[str, Any]:
+        def choice(index: int, text: str, token_ids: list[int], entries, finish_reason, first: bool,
+                   prompt_entries) -> dict[str, Any]:
+            """A choice's text, logprobs and finish reason since the last; its first carries the echo."""
+            if prompt_only:
+                text, token_ids, entries = "", [], []
             logprobs = None
             if k is not None:
-                logprobs = responses.completion_logprobs(engine.tokenizer, token_ids, entries, k, offsets[index])
+                logprobs = responses.completion_logprobs(engine.tokenizer, token_ids, entries, k,
+                                                         offsets[index] + (len(echo_text) if first else 0))
+                if echo and first:
+                    head_part = responses.prompt_completion_logprobs(engine.tokenizer, prompt_ids, prompt_entries, k)
+                    logprobs = {key: head_part[key] + logprobs[key] for key in logprobs}
+            if first:
+                text = echo_text + text
             offsets[index] += len(text)
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            if body.prompt_logprobs is not None and first:
+                out["prompt_logprobs"] = responses.vllm_prompt_logprobs(engine.tokenizer, prompt_ids, prompt_entries,
+                                                                        body.prompt_logprobs)
+            return out
+
+        started: set[int] = set()
+
+        def stream_choice(d) -> dict[str, Any]:
+            first = d.index not in started
+            started.add(d.index)
+            return choice(d.index, d.text, d.token_ids, d.logprobs, d.finish_reason if d.finished else None, first,
+                          d.output.prompt_logprobs)
 
         if body.stream:
-            return _sse(stream, head, body, lambda d: choice(d.index, d.text, d.token_ids, d.logprobs,
-                                                            d.finish_reason if d.finished else None))
+            return _sse(stream, head, body, stream_choice, num_completion_tokens=0 if prompt_only else None)
         done = await _collect(request, stream)
         return JSONResponse(head | {
-            "choices": [choice(i, c.text, c.token_ids, c.logprobs, c.finish_reason) for i, c in sorted(done.items())],
-            "usage": _usage(stream, done),
+            "choices": [choice(i, c.text, c.token_ids, c.logprobs, c.finish_reason, True, c.prompt_logprobs)
+                        for i, c in sorted(done.items())],
+            "usage": _usage(stream, done, 0 if prompt_only else None),
         })
 
     @app.post("/v1/chat/completions")
@@ -234,17 +261,22 @@ class _Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: Any = None  # the request's, where it asked (SamplingParams.prompt_logprobs)
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
 
 
-def _usage(stream: RequestStream, completions: dict[int, _Completion]) -> dict[str, int]:
-    return responses.usage(len(stream.prompt_token_ids), sum(len(c.token_ids) for c in completions.values()))
+def _usage(stream: RequestStream, completions: dict[int, _Completion],
+           num_completion_tokens: int | None = None) -> dict[str, int]:
+    """Usage; num_completion_tokens: what the response holds, where not every token sampled (None: all)."""
+    sampled = sum(len(c.token_ids) for c in completions.values())
+    return responses.usage(len(stream.prompt_token_ids), sampled if num_completion_tokens is None else num_completion_tokens)
 
 
-def _sse(stream: RequestStream, head: dict[str, Any], body: Any, make_choice) -> StreamingResponse:
+def _sse(stream: RequestStream, head: dict[str, Any], body: Any, make_choice,
+         num_completion_tokens: int | None = None) -> StreamingResponse:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def events() -> AsyncIterator[str]:
@@ -258,7 +290,8 @@ def _sse(stream: RequestStream, head: dict[str, Any], body: Any, make_choice) ->
                         chunk["usage"] = None  # OpenAI: null on every chunk but the usage one
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
                 if include_usage:
-                    yield f"data: {json.dumps(head | {'choices': [], 'usage': _usage(stream, completions)})}\n\n"
+                    usage = _usage(stream, completions, num_completion_tokens)
+                    yield f"data: {json.dumps(head | {'choices': [], 'usage': usage})}\n\n"
             except (StepFailedError, EngineDeadError) as e:  # the headers are out: the error is an event
                 yield f"data: {json.dumps(_engine_error(e).body())}\n\n"
             yield "data: [DONE]\n\n"
@@ -280,6 +313,7 @@ async def _collect(request: Request, stream: RequestStream) -> dict[int, _Comple
             c.token_ids += delta.token_ids
             c.logprobs += delta.logprobs or []
             c.finish_reason = delta.finish_reason
+            c.prompt_logprobs = delta.output.prompt_logprobs
         return completions
 
     async def disconnected() -> None:

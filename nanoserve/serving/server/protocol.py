@@ -88,9 +88,10 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    echo: bool = False
+    max_tokens: int | None = 16  # OpenAI's default for completions; 0 with echo: the prompt alone
+    echo: bool = False  # the prompt before the completion, in the text and (with logprobs) the logprobs
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top k, per choice
     best_of: int | None = None
     suffix: str | None = None
 
@@ -159,7 +160,8 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     request (completions, chat) the first field that asks for something unimplemented."""
     try:
         body = model.model_validate_json(raw)
-        if issubclass(model, _SamplingFields) and (found := first_unimplemented(json.loads(raw))):
+        if issubclass(model, _SamplingFields) and (
+                found := first_unimplemented(json.loads(raw), chat=issubclass(model, ChatCompletionRequest))):
             name, what = found
             raise ApiError(f"{name} is not supported by this server (it asks for {what})", param=name,
                            code="unsupported_parameter")
@@ -199,14 +201,17 @@ _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None = None,
-                    structured_outputs: StructuredOutputs | None = None) -> SamplingParams:
+                    structured_outputs: StructuredOutputs | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """Maps a request body to SamplingParams; `logprobs` is the top-n count the endpoint asked for,
-    `structured_outputs` the grammar the output must match (see `structured_outputs`).
+    `structured_outputs` the grammar the output must match (see `structured_outputs`),
+    `prompt_logprobs` the top-n count over the prompt (echo with logprobs, or vLLM's field).
 
     Raises:
         ApiError: a field the engine does not support was set, or SamplingParams rejected a value.
     """
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "structured_outputs": structured_outputs}
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "structured_outputs": structured_outputs,
+                              "prompt_logprobs": prompt_logprobs}
     fields = dict(vars(body)) | {"logprobs": logprobs}  # each endpoint spells logprobs its own way
     for name, (field, neutral) in _PASS_THROUGH.items():
         value = fields[name]

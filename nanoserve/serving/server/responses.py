@@ -29,6 +29,32 @@ def completion_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int,
     }
 
 
+def prompt_completion_logprobs(tokenizer, prompt_ids: list[int], entries, k: int) -> dict[str, Any]:
+    """The prompt's part of an echoed completion's logprobs (completion_logprobs' lists from offset
+    0): its first token has none, as OpenAI's legacy echo gives it."""
+    tokens = [tokenizer.decode([t]) for t in prompt_ids]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None] + [entry[t] for t, entry in zip(prompt_ids[1:], entries[1:], strict=True)],
+        "top_logprobs": [None] + [{tokenizer.decode([i]): v for i, v in _top(entry, k)} for entry in entries[1:]],
+        "text_offset": offsets,
+    }
+
+
+def vllm_prompt_logprobs(tokenizer, prompt_ids: list[int], entries, k: int) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, decoded_token}}
+    for the token itself and the top k at its position."""
+    out: list[dict[str, Any] | None] = [None]
+    for t, entry in zip(prompt_ids[1:], entries[1:], strict=True):
+        chosen = dict(_top(entry, k)) | {t: entry[t]}
+        out.append({str(i): {"logprob": v, "decoded_token": tokenizer.decode([i])} for i, v in chosen.items()})
+    return out
+
+
 def chat_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]], k: int) -> dict[str, Any]:
     """The chat format: one object per token with its bytes and its top alternatives."""
 

@@ -37,8 +37,7 @@ def _true(value: Any, body: Mapping[str, Any]) -> bool:
 UNIMPLEMENTED_FIELDS: dict[str, tuple[Neutral, str]] = {
     # OpenAI, both endpoints
     "logit_bias": (_empty, "biases added to chosen tokens' logits"),
-    # OpenAI completions (vLLM also takes echo on chat: the last message echoed)
-    "echo": (_false, "the prompt echoed before the completion"),
+    # OpenAI completions
     "suffix": (_empty, "text to insert the completion before"),
     "best_of": (lambda v, body: v is None or v == (body.get("n") or 1), "the best n of best_of candidates"),
     # OpenAI chat
@@ -50,7 +49,6 @@ UNIMPLEMENTED_FIELDS: dict[str, tuple[Neutral, str]] = {
     "reasoning_effort": (_unset, "a reasoning model's effort (OpenAI refuses it on models that do not reason)"),
     "verbosity": (_unset, "a reasoning model's answer length (OpenAI refuses it on models that do not reason)"),
     # vLLM's extras
-    "prompt_logprobs": (_unset, "log probabilities of the prompt tokens"),
     "use_beam_search": (_false, "beam search"),
     "include_stop_str_in_output": (_false, "the matched stop string kept in the text"),
     "skip_special_tokens": (_true, "special tokens written into the text"),
@@ -72,6 +70,12 @@ UNIMPLEMENTED_FIELDS: dict[str, tuple[Neutral, str]] = {
     "guided_decoding_backend": (_unset, "the structured-output backend"),
 }
 
+# Served on /v1/completions, refused on chat (vLLM takes them there too).
+CHAT_UNIMPLEMENTED_FIELDS: dict[str, tuple[Neutral, str]] = {
+    "echo": (_false, "the last message echoed before the answer (served on /v1/completions)"),
+    "prompt_logprobs": (_unset, "log probabilities of the prompt tokens (served on /v1/completions)"),
+}
+
 # field -> why ignoring it is right: it asks for nothing the response shows.
 IGNORED_FIELDS: dict[str, str] = {
     "user": "an end-user id, for the provider's abuse monitoring",
@@ -87,11 +91,11 @@ IGNORED_FIELDS: dict[str, str] = {
 }
 
 
-def first_unimplemented(body: Mapping[str, Any]) -> tuple[str, str] | None:
-    """The first field of `body` (a parsed JSON object) that asks for something unimplemented, as
-    (field, what it would change); None when there is none."""
+def first_unimplemented(body: Mapping[str, Any], chat: bool = False) -> tuple[str, str] | None:
+    """The first field of `body` (a parsed JSON object; a chat request's where `chat`) that asks for
+    something unimplemented, as (field, what it would change); None when there is none."""
     for name, value in body.items():
-        rule = UNIMPLEMENTED_FIELDS.get(name)
+        rule = UNIMPLEMENTED_FIELDS.get(name) or (CHAT_UNIMPLEMENTED_FIELDS.get(name) if chat else None)
         if rule is not None and not rule[0](value, body):
             return name, rule[1]
     return None
