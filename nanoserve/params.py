@@ -56,7 +56,9 @@ class SamplingParams:
     """Per-request sampling parameters, with vLLM's meanings.
 
     temperature 0 is greedy. top_k -1 or 0 means no limit. With ignore_eos the request runs
-    past EOS (EOS is not masked, as in vLLM); stop_token_ids still stop it.
+    past EOS (EOS is not masked, as in vLLM); stop_token_ids still stop it. With
+    reasoning_end_token_ids a think block may come first (nanoserve.reasoning): structured_outputs
+    holds only what follows its end marker, and max_reasoning_tokens forces that marker.
     """
 
     temperature: float = 1.0

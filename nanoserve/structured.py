@@ -10,7 +10,9 @@ model's logit width, not len(tokenizer): ids past the tokenizer's vocabulary are
 A sampled token reaches the matcher after the readback (OutputProcessor), so the engine brings a
 constrained row's deferred token home before the next step samples it (as for penalties); the
 request finishes with "stop" when its matcher terminates (the grammar is complete and a stop
-token was taken).
+token was taken). A request with a think block (SamplingParams.reasoning_end_token_ids) holds a
+reasoning.ReasoningGrammar around its RequestGrammar, with the same methods: the grammar applies
+after the block's end marker, and a reasoning budget forces the marker through this same bitmask.
 
 Compiling runs in Engine.add_request, in the caller's thread, before the request is queued: a
 grammar that does not compile is a ValueError there, never an unconstrained run. Compiled
