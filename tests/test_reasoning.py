@@ -20,6 +20,7 @@ from conftest import DEFAULT_MODEL_NAME as MODEL
 from conftest import CharTokenizer, error_of, make_hf_llama, make_tiny_engine, running_server
 
 from nanoserve import SamplingParams
+from nanoserve.model import blockdot
 from nanoserve.params import StructuredOutputs
 from nanoserve.reasoning import Phase, ReasoningGrammar
 from nanoserve.serving.server.guard import ServerConfig
@@ -189,6 +190,21 @@ def test_drafts_are_trimmed_and_rolled_back_across_the_end_of_the_block():
     for token in [*END, one, two]:
         assert not gate.accept(token)
     assert gate.phase is Phase.ANSWER and gate.accept(one) is False and gate.accept(EOS) is True
+
+
+@pytest.mark.skipif(blockdot.library() is None, reason="blockdot not built here: speculation's plan needs it")
+def test_speculative_drafts_give_the_same_tokens_through_the_block_and_after_it():
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "min_acceptance": 0.0}
+    prompts = [ids_of("abcabcabc <think>abcabc"), ids_of("xyxyxyxy <think>"), ids_of("ok ")]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputs(regex="(ab|c)+[0-9]"),
+                             reasoning_end_token_ids=END, max_reasoning_tokens=budget, reasoning_start_token_ids=START)
+              for budget in (9, 0, 4)]
+    plain = make_tiny_engine(batch_invariant=True).generate(prompts, params)  # speculation's plan, as in test_speculative
+    drafted = make_tiny_engine(batch_invariant=True, speculative_config=spec).generate(prompts, params)
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    assert sum(o.num_draft_tokens for o in drafted) > 0 and sum(o.num_accepted_tokens for o in drafted) > 0
+    assert all(re.fullmatch(r"(ab|c)+[0-9]", o.text.rpartition("</think>")[2]) for o in drafted)
 
 
 @pytest.mark.parametrize(("fields", "message"), [
