@@ -23,6 +23,10 @@ been taken and the block is still open, the next tokens are forced, one a step, 
 marker (budget 0: at once, on opening), by a bitmask that allows that one token. A forced token is
 sampled, appended, detokenized and counted as any other; the logprob it reports is the model's own
 for it, read before the mask (as for every constrained token).
+
+Like a grammar, the gate must see each token before it can say what may follow, so such a request
+(SamplingParams.needs_resolved_output) is brought home every step in the deferred loop; drafts of
+speculative decoding are walked and rolled back through it as through a grammar.
 """
 
 from __future__ import annotations

@@ -232,6 +232,19 @@ def test_unlimited_is_none_and_marker_ids_outside_the_vocabulary_are_refused():
         ServerConfig(reasoning_budget=4)
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--reasoning-parser", "qwen3", "--reasoning-budget", "-2"], "reasoning_budget=-2 must be -1 (no limit) or"),
+    (["--reasoning-parser", "qwen3", "--reasoning-budget", "1.5"], "argument --reasoning-budget: invalid int value: '1.5'"),
+    (["--reasoning-budget", "3"], "reasoning_budget=3 needs a reasoning parser (--reasoning-parser)"),
+])
+def test_serve_refuses_a_bad_budget_before_loading_anything(capsys, flags, message):
+    from nanoserve.serving.cli import serve_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        serve_main(flags)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 # ---- the server --------------------------------------------------------------------------------------
 
 openai = pytest.importorskip("openai")
