@@ -335,6 +335,23 @@ def test_a_tool_call_grammar_applies_after_the_block(reasoning_client):
 
 
 @pytest.mark.weights
+def test_offline_the_default_models_tokenizer_gives_the_markers_and_the_budget_counts_tokens(default_engine):
+    engine, n = default_engine, 4
+    tokenizer = engine.tokenizer
+    start, end = (tuple(tokenizer.encode(t, add_special_tokens=False)) for t in ("<think>", "</think>"))
+    own = engine.chat(SHOTS, SamplingParams(temperature=0.0, max_tokens=len(start) + n))[0].token_ids
+    params = SamplingParams(temperature=0.0, max_tokens=40, reasoning_start_token_ids=start, reasoning_end_token_ids=end,
+                            max_reasoning_tokens=n, structured_outputs=StructuredOutputs(json=COLD))
+    out = engine.chat(SHOTS, params)[0]
+    ids = list(out.token_ids)
+    assert ids[:len(start) + n] == list(own) and tuple(ids[:len(start)]) == start  # the model opened the block
+    assert tuple(ids[len(start) + n:len(start) + n + len(end)]) == end  # n tokens in it, then the forced end
+    thought, _, answer = out.text.partition("</think>")
+    assert thought == tokenizer.decode(own) and out.finish_reason == "stop"
+    jsonschema.validate(json.loads(answer), COLD)
+
+
+@pytest.mark.weights
 @pytest.mark.parametrize("value", [-2, 1.5, "3", True])
 def test_a_bad_budget_is_refused_naming_it(reasoning_client, value):
     with pytest.raises(openai.BadRequestError) as raised:
