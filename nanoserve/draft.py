@@ -107,7 +107,7 @@ class DraftModel:
             request, params = item.request, item.request.params
             request.num_draft_computed = min(request.num_draft_computed, request.num_computed_tokens)
             # A grammar ends at an end-of-sequence token whatever ignore_eos says (GrammarCompiler's stops).
-            ends = not params.ignore_eos or request.grammar is not None
+            ends = not params.ignore_eos or params.structured_outputs is not None
             stops = frozenset(params.stop_token_ids) | (request.eos_token_ids if ends else frozenset())
             views.append(_Drafting(request.request_id, list(request.token_ids), request.num_draft_computed,
                                     request.block_ids, len(item.draft_token_ids), stops, request.grammar))

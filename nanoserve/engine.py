@@ -29,6 +29,7 @@ from nanoserve.output_processor import OutputProcessor, make_output
 from nanoserve.parallel import TensorParallelModel, WorkerFailure, load_tensor_parallel, start
 from nanoserve.params import SamplingParams
 from nanoserve.readback import TokenBatch
+from nanoserve.reasoning import ReasoningGrammar
 from nanoserve.recorder import NULL_RECORDER
 from nanoserve.request import FinishReason, Request, RequestOutput, check_request, prompt_token_ids
 from nanoserve.sampling import BatchedSampler, RowHistory, packed_logprobs, packed_prompt_logprobs
@@ -187,6 +188,8 @@ class Engine:
         for request in copies:
             if compiled is not None:
                 request.grammar = self.grammars.matcher(compiled)  # each copy walks the grammar alone
+            if params.has_reasoning_gate:  # the grammar waits for the think block's end; a budget may force it
+                request.grammar = ReasoningGrammar(params, token_ids, request.grammar)
             if self.tokenizer is not None:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer)
             if request.params.seed is not None:

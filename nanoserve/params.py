@@ -56,7 +56,9 @@ class SamplingParams:
     """Per-request sampling parameters, with vLLM's meanings.
 
     temperature 0 is greedy. top_k -1 or 0 means no limit. With ignore_eos the request runs
-    past EOS (EOS is not masked, as in vLLM); stop_token_ids still stop it.
+    past EOS (EOS is not masked, as in vLLM); stop_token_ids still stop it. With
+    reasoning_end_token_ids a think block may come first (nanoserve.reasoning): structured_outputs
+    holds only what follows its end marker, and max_reasoning_tokens forces that marker.
     """
 
     temperature: float = 1.0
@@ -79,6 +81,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     n: int = 1  # completions of one prompt; the copies share the prompt's full blocks
     structured_outputs: StructuredOutputs | None = None  # a grammar the output must match
+    # A think block (nanoserve.reasoning): set, the grammar applies only after the end marker's ids.
+    reasoning_end_token_ids: tuple[int, ...] = ()  # the end marker ("</think>"), as token ids
+    reasoning_start_token_ids: tuple[int, ...] = ()  # set: thinking only where the prompt or output opens a block
+    max_reasoning_tokens: int | None = None  # tokens in the block before the end is forced; None or -1: no limit
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -113,6 +119,7 @@ class SamplingParams:
             # the row would have no token left to sample.
             raise ValueError(f"min_tokens={self.min_tokens} cannot be combined with structured_outputs: a complete "
                              "grammar allows only EOS, which min_tokens forbids (send min_tokens=0)")
+        self._check_reasoning()
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop={self.stop!r} must be non-empty strings")
@@ -120,6 +127,23 @@ class SamplingParams:
         # object.__setattr__ for that, inside its own __post_init__ only).
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    def _check_reasoning(self) -> None:
+        for name in ("reasoning_end_token_ids", "reasoning_start_token_ids"):
+            ids = getattr(self, name)
+            if isinstance(ids, str | bytes) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                       for t in ids):
+                raise ValueError(f"{name}={ids!r} must be a sequence of token ids (integers >= 0)")
+            object.__setattr__(self, name, tuple(ids))
+        budget = self.max_reasoning_tokens
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < -1):
+            raise ValueError(f"max_reasoning_tokens={budget!r} must be -1 or None (no limit) or an integer >= 0")
+        if budget == -1:
+            object.__setattr__(self, "max_reasoning_tokens", None)
+        if not self.reasoning_end_token_ids and (self.reasoning_start_token_ids or self.max_reasoning_tokens is not None):
+            what = "reasoning_start_token_ids" if self.reasoning_start_token_ids else "max_reasoning_tokens"
+            raise ValueError(f"{what}={getattr(self, what)!r} needs reasoning_end_token_ids: the think block's end "
+                             "marker, as token ids")
 
     @property
     def is_greedy(self) -> bool:
@@ -132,10 +156,18 @@ class SamplingParams:
                 or self.min_tokens > 0)
 
     @property
+    def has_reasoning_gate(self) -> bool:
+        """True when a think block changes what may be sampled: a grammar waits for its end, or a
+        budget may force it."""
+        return bool(self.reasoning_end_token_ids) and (self.structured_outputs is not None
+                                                       or self.max_reasoning_tokens is not None)
+
+    @property
     def needs_resolved_output(self) -> bool:
         """True when the next token cannot be sampled before the last one is home: the sampler
-        reads the history (penalties, min_tokens) or a grammar must accept it first."""
-        return self.needs_history or self.structured_outputs is not None
+        reads the history (penalties, min_tokens) or a grammar (or a reasoning budget) must accept
+        it first."""
+        return self.needs_history or self.structured_outputs is not None or self.has_reasoning_gate
 
     @property
     def has_filters(self) -> bool:

@@ -59,7 +59,7 @@ class Request:
         self.stop_text: str | None = None  # output text cut before a matched stop string
         self.num_stop_scanned_chars = 0  # output text already searched for stop strings
         self.detokenizer: Any = None  # the engine's IncrementalDetokenizer: output text, O(1) per token
-        self.grammar: Any = None  # structured outputs: the engine's RequestGrammar, fed each output token
+        self.grammar: Any = None  # structured outputs or a think block: a RequestGrammar or ReasoningGrammar, fed each output token
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         # params.prompt_logprobs: entry p for prompt token p (the first None), filled as the prompt is forwarded
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
@@ -302,7 +302,7 @@ def check_request(token_ids: list[int], params: SamplingParams, *, has_tokenizer
 
     Raises:
         ValueError: params that are not SamplingParams, stop strings or structured outputs with no
-            tokenizer, a token id outside the vocabulary, prompt plus max_tokens over
+            tokenizer, a token id (prompt or reasoning marker) outside the vocabulary, prompt plus max_tokens over
             max_model_len, or a request the whole KV pool could not hold at its full length.
     """
     if not isinstance(params, SamplingParams):
@@ -314,6 +314,11 @@ def check_request(token_ids: list[int], params: SamplingParams, *, has_tokenizer
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    for name in ("reasoning_end_token_ids", "reasoning_start_token_ids"):
+        bad = next((t for t in getattr(params, name) if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{name}={getattr(params, name)!r}: token id {bad} is outside the vocabulary "
+                             f"[0, {vocab_size})")
     total = len(token_ids) + params.max_tokens
     if total > max_model_len:
         raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "

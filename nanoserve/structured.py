@@ -10,7 +10,9 @@ model's logit width, not len(tokenizer): ids past the tokenizer's vocabulary are
 A sampled token reaches the matcher after the readback (OutputProcessor), so the engine brings a
 constrained row's deferred token home before the next step samples it (as for penalties); the
 request finishes with "stop" when its matcher terminates (the grammar is complete and a stop
-token was taken).
+token was taken). A request with a think block (SamplingParams.reasoning_end_token_ids) holds a
+reasoning.ReasoningGrammar around its RequestGrammar, with the same methods: the grammar applies
+after the block's end marker, and a reasoning budget forces the marker through this same bitmask.
 
 Compiling runs in Engine.add_request, in the caller's thread, before the request is queued: a
 grammar that does not compile is a ValueError there, never an unconstrained run. Compiled
@@ -62,26 +64,44 @@ class RequestGrammar:
         """Writes the allowed next tokens into row `row` of a host int32 bitmask [rows, W]."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token taken: nothing may follow."""
+        return self.matcher.is_terminated()
+
+    def advance(self, token_id: int) -> bool:
+        """Takes one token if the grammar allows it; False (and nothing taken) where it does not."""
+        return self.matcher.accept_token(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last `num_tokens` tokens taken."""
+        self.matcher.rollback(num_tokens)
+
     def longest_allowed(self, tokens: list[int]) -> list[int]:
         """The longest prefix of `tokens` the grammar accepts from here, taking none of them (the
         matcher walks them and rolls back): a speculative draft it forbids could never be kept."""
-        taken = 0
-        for token_id in tokens:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
-                break
-            taken += 1
-        if taken:
-            self.matcher.rollback(taken)
-        return tokens[:taken]
+        return longest_allowed(self, tokens)
 
     def accept(self, token_id: int) -> bool:
         """Advances past one sampled token. Returns True when nothing more may follow: the
         grammar terminated, or the token broke it (which the mask prevents: SamplingParams refuses
         min_tokens, the one setting that could leave a constrained row no allowed token)."""
-        if not self.matcher.accept_token(token_id):
+        if not self.advance(token_id):
             logger.error("structured outputs: token %d is not allowed by the grammar; ending the request", token_id)
             return True
-        return self.matcher.is_terminated()
+        return self.is_terminated()
+
+
+def longest_allowed(grammar: Any, tokens: list[int]) -> list[int]:
+    """The longest prefix of `tokens` that `grammar` (a RequestGrammar or anything with its methods)
+    accepts from where it is; it is left where it was."""
+    taken = 0
+    for token_id in tokens:
+        if grammar.is_terminated() or not grammar.advance(token_id):
+            break
+        taken += 1
+    if taken:
+        grammar.rollback(taken)
+    return tokens[:taken]
 
 
 class GrammarCompiler:
@@ -165,17 +185,28 @@ class GrammarCompiler:
         return bitmask
 
     @staticmethod
-    def fill_span(bitmask: torch.Tensor, first: int, grammar: RequestGrammar, drafts: Sequence[int]) -> None:
+    def fill_span(bitmask: torch.Tensor, first: int, grammar: Any, drafts: Sequence[int]) -> None:
         """Rows first .. first + len(drafts) of `bitmask`: row first + j is what may follow drafts
-        0 .. j-1, so the matcher walks the drafts, and rolls back after the last row."""
+        0 .. j-1, so the grammar (a RequestGrammar, or a reasoning.ReasoningGrammar) walks the
+        drafts, and rolls back after the last row."""
         for j in range(len(drafts) + 1):
-            if not grammar.matcher.is_terminated():  # a row after a draft that ended the grammar: never kept
+            if not grammar.is_terminated():  # a row after a draft that ended the grammar: never kept
                 grammar.fill(bitmask, first + j)
-            if j < len(drafts) and not grammar.matcher.accept_token(drafts[j]):
+            if j < len(drafts) and not grammar.advance(drafts[j]):
                 # never: the proposers trim their drafts to what the grammar allows
                 raise RuntimeError(f"speculative draft {drafts[j]} is not allowed by its request's grammar")
         if drafts:
-            grammar.matcher.rollback(len(drafts))
+            grammar.rollback(len(drafts))
+
+
+def allow_token(bitmask: torch.Tensor, row: int, token_id: int, only: bool = False) -> None:
+    """Sets token `token_id`'s bit in row `row` of a host bitmask [rows, W]; with `only`, clears
+    every other bit of the row first."""
+    word, bit = divmod(token_id, 32)
+    if only:
+        bitmask[row] = 0
+    value = int(bitmask[row, word]) & 0xFFFFFFFF | (1 << bit)
+    bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value  # stored as an int32: bit 31 is the sign
 
 
 def _compile(compiler: Any, spec: StructuredOutputs) -> Any:

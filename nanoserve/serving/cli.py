@@ -59,7 +59,12 @@ def serve_main(argv: list[str]) -> None:
                         help="seconds in-flight requests may take to finish after SIGTERM; then they are aborted")
     parser.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                         help="chat completions return a reasoning model's <think> block as reasoning_content, "
-                             "apart from content (vLLM's flag)")
+                             "apart from content (vLLM's flag); structured outputs and tool-call grammars apply "
+                             "after </think>")
+    parser.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                        help="with --reasoning-parser: a chat completion's think block is ended (</think> forced) "
+                             "after N tokens; -1: no limit, 0: ended at once (llama.cpp's flag; a request's "
+                             "max_reasoning_tokens overrides it)")
     args = parser.parse_args(argv)
     from nanoserve.parallel.group import is_torchrun
 
@@ -92,7 +97,8 @@ def serve_main(argv: list[str]) -> None:
             tensor_parallel_threads=args.num_threads if tensor_parallel_size > 1 else None,
         )
         server_config = ServerConfig(api_key=args.api_key, max_waiting_requests=args.max_waiting_requests or None,
-                                     drain_timeout_s=args.drain_timeout, reasoning_parser=args.reasoning_parser)
+                                     drain_timeout_s=args.drain_timeout, reasoning_parser=args.reasoning_parser,
+                                     reasoning_budget=args.reasoning_budget)
     except ValueError as e:
         parser.error(str(e))
     if args.num_threads is not None:

@@ -49,6 +49,8 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
     """The app serving `engine` under the model id `model_name`, guarded as `config` says."""
     config = config or ServerConfig()
     metrics = ServerMetrics()
+    thinks = config.reasoning_parser
+    marker_ids = reasoning.markers(engine.tokenizer, thinks) if thinks and engine.tokenizer is not None else None
     async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished, max_waiting=config.max_waiting_requests,
                                on_step_fault=metrics.observe_step_fault)
 
@@ -135,6 +137,9 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
     async def completions(request: Request) -> Response:
         body: CompletionRequest = protocol.parse_body(await request.body(), CompletionRequest)
         check_model(body.model)
+        if body.max_reasoning_tokens is not None:
+            raise ApiError("max_reasoning_tokens applies to chat completions (a reasoning parser finds the think "
+                           "block there)", param="max_reasoning_tokens")
         prompt = protocol.completion_prompt(body)
         prompt_ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         echo, k = body.echo, body.logprobs
@@ -199,9 +204,17 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
         plan = tools.plan(body, tokenizer)
         prompt_ids = encode_chat(tokenizer, tools.render_prompt(tokenizer, messages, plan, body.chat_template_kwargs))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        think_fields, opened = None, False
+        if marker_ids is not None:  # the grammar starts after </think>; a budget may force it
+            budget = config.reasoning_budget if body.max_reasoning_tokens is None else body.max_reasoning_tokens
+            think_fields, opened = reasoning.sampling_fields(marker_ids, budget, prompt_ids)
+        elif body.max_reasoning_tokens not in (None, -1):
+            raise ApiError(f"max_reasoning_tokens={body.max_reasoning_tokens!r} needs a server started with "
+                           "--reasoning-parser", param="max_reasoning_tokens")
         params = protocol.sampling_params(body, max_tokens_for(requested, len(prompt_ids)),
                                           protocol.chat_logprobs_count(body),
-                                          plan.structured_outputs or protocol.structured_outputs(body))
+                                          plan.structured_outputs or protocol.structured_outputs(body),
+                                          reasoning=think_fields)
         rid = responses.new_id("chatcmpl")
         stream = await submit(prompt_ids, params, rid)
         head = {"id": rid, "object": "chat.completion", "created": responses.now(), "model": model_name}
@@ -210,7 +223,6 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
         def logprobs(token_ids: list[int], entries) -> dict[str, Any] | None:
             return None if k is None else responses.chat_logprobs(tokenizer, token_ids, entries, k)
 
-        thinks = config.reasoning_parser
         if body.stream:
             named = set()  # OpenAI names the role once per choice, in its first chunk
             parsers: dict[int, tools.ToolDeltas] = {}  # per choice, when its text holds tool calls
@@ -219,7 +231,7 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
             def chunk_choice(d: StreamDelta) -> dict[str, Any]:
                 text, thought = d.text, ""
                 if thinks:
-                    splitter = splitters.setdefault(d.index, reasoning.ReasoningSplitter(thinks))
+                    splitter = splitters.setdefault(d.index, reasoning.ReasoningSplitter(thinks, opened))
                     thought, text = splitter.feed(text)
                     if d.finished:
                         more_thought, more_text = splitter.finish()
@@ -240,7 +252,7 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
         done = await _collect(request, stream)
         choices = []
         for i, c in sorted(done.items()):
-            thought, text = reasoning.split(thinks, c.text) if thinks else (None, c.text)
+            thought, text = reasoning.split(thinks, c.text, opened) if thinks else (None, c.text)
             message, reason = tools.message(plan, text, c.finish_reason) if plan.parses_calls \
                 else ({"role": "assistant", "content": text}, c.finish_reason)
             if thinks:

@@ -40,6 +40,8 @@ class ServerConfig:
     drain_timeout_s: float = 30.0  # after SIGTERM, how long in-flight requests may take to finish
     # chat completions: a reasoning model's <think> block returned as reasoning_content (reasoning.PARSERS)
     reasoning_parser: str | None = None
+    # tokens a think block may run before </think> is forced (llama.cpp's --reasoning-budget): -1 no limit
+    reasoning_budget: int = -1
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -52,6 +54,12 @@ class ServerConfig:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0")
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is not one of {list(PARSERS)}")
+        budget = self.reasoning_budget
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < -1:
+            raise ValueError(f"reasoning_budget={budget!r} must be -1 (no limit) or an integer >= 0")
+        if budget != -1 and self.reasoning_parser is None:
+            raise ValueError(f"reasoning_budget={budget} needs a reasoning parser (--reasoning-parser): it is what "
+                             "finds the think block")
 
 
 def is_protected(path: str) -> bool:

@@ -82,6 +82,8 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: {"json": ...} | {"regex": ...} | ...
+    # chat, with a reasoning parser: the think block's budget (None: the server's --reasoning-budget; -1: no limit)
+    max_reasoning_tokens: int | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -202,16 +204,17 @@ _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None = None,
                     structured_outputs: StructuredOutputs | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, reasoning: dict[str, Any] | None = None) -> SamplingParams:
     """Maps a request body to SamplingParams; `logprobs` is the top-n count the endpoint asked for,
     `structured_outputs` the grammar the output must match (see `structured_outputs`),
-    `prompt_logprobs` the top-n count over the prompt (echo with logprobs, or vLLM's field).
+    `prompt_logprobs` the top-n count over the prompt (echo with logprobs, or vLLM's field),
+    `reasoning` the think block's SamplingParams fields (reasoning.sampling_fields).
 
     Raises:
         ApiError: a field the engine does not support was set, or SamplingParams rejected a value.
     """
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "structured_outputs": structured_outputs,
-                              "prompt_logprobs": prompt_logprobs}
+                              "prompt_logprobs": prompt_logprobs} | (reasoning or {})
     fields = dict(vars(body)) | {"logprobs": logprobs}  # each endpoint spells logprobs its own way
     for name, (field, neutral) in _PASS_THROUGH.items():
         value = fields[name]

@@ -10,15 +10,42 @@ opened with `<think>` (cut off by max_tokens while thinking), and answer otherwi
 Qwen3's template writes an empty think block into the prompt, DeepSeek-R1's writes `<think>\n`
 there, so its output may hold `</think>` without opening it: reasoning up to it). The tags are
 dropped; nothing else is trimmed, so the streamed deltas concatenate to the non-streamed fields.
+A prompt that opened a block and did not close it (`opened`) starts the output inside it, for
+either format.
 
-Not done here: a grammar (structured outputs, tool calls) applies to the whole output, not to the
-answer alone, and there is no reasoning budget.
+The engine knows the block too (nanoserve.reasoning): `sampling_fields` gives a request the
+markers' token ids and its budget, so that its grammar (structured outputs, a tool-call grammar)
+applies after `</think>` and `max_reasoning_tokens` (or the server's `--reasoning-budget`) can end
+the block. Qwen3's output may open a block (a start marker is given); DeepSeek-R1's starts inside
+one (none is: everything before `</think>` is reasoning, and a model that never writes it never
+reaches its grammar unless a budget ends the block).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+from nanoserve.reasoning import prompt_opens_block
+
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")
+
+
+def markers(tokenizer: Any, parser: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The think block's (start, end) markers as `tokenizer` encodes them (no start for deepseek_r1)."""
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    return (() if parser == "deepseek_r1" else encode(OPEN)), encode(CLOSE)
+
+
+def sampling_fields(marker_ids: tuple[tuple[int, ...], tuple[int, ...]], budget: int,
+                    prompt_token_ids: Sequence[int]) -> tuple[dict[str, Any], bool]:
+    """A chat request's SamplingParams fields for its think block, and whether its prompt opened one."""
+    start, end = marker_ids
+    fields = {"reasoning_start_token_ids": start, "reasoning_end_token_ids": end, "max_reasoning_tokens": budget}
+    return fields, prompt_opens_block(prompt_token_ids, start, end)
 
 
 class ReasoningSplitter:
@@ -26,14 +53,14 @@ class ReasoningSplitter:
     of text, then `finish` once. A piece that might be the start of a tag is held back until the
     next one says whether it is."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, opened: bool = False) -> None:
         if parser not in PARSERS:
             raise ValueError(f"reasoning parser {parser!r} is not one of {list(PARSERS)}")
         self.parser = parser
         # "start": nothing decided yet; "reasoning": inside the think block; "answer": after it (or none)
-        self.state = "start"
+        self.state = "reasoning" if opened else "start"
         self.held = ""  # text not yet given out: a possible tag's beginning
-        self.thought = False  # whether a think block was entered (reasoning None where not)
+        self.thought = opened  # whether a think block was entered (reasoning None where not)
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and answer text this piece completes (either may be empty)."""
@@ -66,9 +93,9 @@ class ReasoningSplitter:
         return (held, "") if self.state == "reasoning" else ("", held)
 
 
-def split(parser: str, text: str) -> tuple[str | None, str]:
+def split(parser: str, text: str, opened: bool = False) -> tuple[str | None, str]:
     """A whole completion's (reasoning, answer): reasoning None where there was none, as vLLM returns it."""
-    splitter = ReasoningSplitter(parser)
+    splitter = ReasoningSplitter(parser, opened)
     (r1, a1), (r2, a2) = splitter.feed(text), splitter.finish()
     return (r1 + r2 if splitter.thought else None), a1 + a2
 
