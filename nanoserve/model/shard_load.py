@@ -19,7 +19,7 @@ from safetensors import safe_open
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.ggml_blocks import BY_ID
 from nanoserve.model.gguf import (
-    ROPE_FREQS,
+    ROPE_TENSORS,
     BlockQuantized,
     GGUFFile,
     architecture_of,
@@ -80,7 +80,7 @@ def _gguf_slices(parsed: GGUFFile, config: LlamaConfig, shard: Shard) -> Tensors
     _, spec = architecture_of(parsed)
     tensors: Tensors = {}
     for gguf_name in parsed.tensors:
-        if gguf_name == ROPE_FREQS:  # in the config
+        if gguf_name in ROPE_TENSORS:  # in the config
             continue
         name = hf_name(gguf_name, spec.names)
         cut = slice_of(name, config, shard)
