@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CharTokenizer, make_hf_model, nanoserve_model_from_hf
+from conftest import TINY, CharTokenizer, make_hf_model, nanoserve_model_from_hf
 from test_llama import assert_logits_match, run_and_capture
 
 from nanoserve import Engine, EngineConfig, SamplingParams
@@ -150,6 +150,38 @@ def test_phi3_fused_projections_are_used_as_they_are():
     assert torch.equal(model.layers[1].qkv.weight, sd["model.layers.1.self_attn.qkv_proj.weight"])
     assert torch.equal(model.layers[1].gate_up.weight, sd["model.layers.1.mlp.gate_up_proj.weight"])
     assert model.config.rotary_dim == 4 and model.cos.shape[1] == 4 and model.config.sliding_layers == (0, 1)
+
+
+@pytest.mark.parametrize("layout", ["saved", "model.language_model"])
+def test_gemma3_multimodal_checkpoint_is_served_as_its_language_model(tmp_path, layout):
+    # A tiny Gemma3ForConditionalGeneration, saved by transformers (language_model.model.*, its vision
+    # tower beside it) or renamed to transformers 5's in-memory layout: nanoserve reads the text model
+    # and leaves the vision tower unread; its tokens are transformers' own model's on text alone.
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from nanoserve.model.weights import load_model
+
+    _, text = FAMILIES["gemma3"]
+    torch.manual_seed(3)
+    hf = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=TINY | text | {"pad_token_id": 0}, mm_tokens_per_image=4, image_token_index=90,
+        boi_token_index=91, eoi_token_index=92,
+        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "image_size": 28, "patch_size": 14})).eval()
+    hf.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert any(name.startswith("vision_tower.") for name in stored)
+    if layout != "saved":
+        save_file({name.replace("language_model.model.", "model.language_model."): t for name, t in stored.items()},
+                  tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(tmp_path, torch.float32, "cpu")
+    assert (model.config.architecture, model.config.language_model_of) == ("Gemma3ForCausalLM",
+                                                                           "Gemma3ForConditionalGeneration")
+    assert model.config.sliding_layers == (0,) and model.config.rope_local_theta == 100.0
+    engine = Engine(model, None, EngineConfig(dtype="float32", quantization=None, block_size=4, num_kv_blocks=40))
+    outputs = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [out.token_ids for out in outputs] == [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS[:3]]
 
 
 # ---- LongRoPE (rope.py's docstring: which factors nanoserve takes, and where transformers agrees) ---------

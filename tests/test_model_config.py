@@ -4,6 +4,8 @@ model, and the refusals, each naming the value (and a near architecture's missin
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import LLAMA3_ROPE, make_hf_llama, make_hf_model
 from transformers import LlamaConfig as HFLlamaConfig
@@ -103,8 +105,10 @@ def test_unsupported_configs_are_refused_by_name(change, message):
 
 @pytest.mark.parametrize("change, message", [
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
-    ({"architectures": ["Gemma3ForConditionalGeneration"]}, r"architecture 'Gemma3ForConditionalGeneration' is not "
-                                                             r"supported: it needs an image encoder \(its vision_tower"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"]}, r"Gemma3ForConditionalGeneration's config has no "
+                                                             r"text_config object \(got NoneType\)"),
+    ({"architectures": None, "model_type": "gemma3", "text_config": {"vocab_size": 10, "hidden_size": 8}},
+     r"config has no 'intermediate_size'"),
     ({"architectures": ["MixtralForCausalLM"]}, "'MixtralForCausalLM' is not supported: it needs a mixture-of-experts MLP"),
     ({"architectures": ["GemmaForCausalLM"], "use_bidirectional_attention": True},
      "use_bidirectional_attention=True is not supported"),
@@ -261,3 +265,19 @@ def test_longrope_is_read_with_what_transformers_derives():
     given = LlamaConfig.from_hf_dict(BASE | {"architectures": ["Phi3ForCausalLM"], "rope_scaling": {
         "rope_type": "longrope", "attention_factor": 1.5, "original_max_position_embeddings": 16} | factors})
     assert given.rope_scaling["attention_factor"] == 1.5 and given.rope_scaling["original_max_position_embeddings"] == 16
+
+
+def test_a_gemma3_multimodal_config_is_read_as_its_text_config():
+    import transformers
+
+    text = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=4, sliding_window=3, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    d = transformers.Gemma3Config(text_config=text, eos_token_id=[2, 5]).to_dict()
+    config = LlamaConfig.from_hf_dict(d)
+    assert (config.architecture, config.language_model_of) == ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+    assert dataclasses.replace(config, language_model_of=None) == LlamaConfig.from_hf_dict(d["text_config"] | {"architectures": ["Gemma3ForCausalLM"],
+                                                                  "eos_token_id": [2, 5], "tie_word_embeddings": True})
+    with pytest.raises(ValueError, match=r"language_model_of='Gemma3ForConditionalGeneration': nanoserve reads the "
+                                         r"language models of"):
+        LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=2,
+                    head_dim=4, language_model_of="Gemma3ForConditionalGeneration")

@@ -19,10 +19,14 @@ architecture's name:
   the first partial_rotary_factor of each head's D, LongRoPE scaling (rope.py), every layer
   windowed when sliding_window is set;
 - SmolLM3: Llama whose NoPE layers (no_rope_layers, or every no_rope_layer_interval-th) skip rope.
+
+A multimodal checkpoint in LANGUAGE_MODELS (Gemma3ForConditionalGeneration) is read as its language
+model: text_config, its tensors from under language_model (text_model_name), the vision tower left unread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,14 +38,19 @@ GEMMA3, PHI3, SMOLLM3 = "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausa
 SUPPORTED_ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3, SMOLLM3)
 # Architectures close to a supported one, refused with the feature the forward lacks.
 REFUSED_ARCHITECTURES = {
-    "Gemma3ForConditionalGeneration": "an image encoder (its vision_tower; serve a Gemma3ForCausalLM checkpoint "
-                                      "of the text model instead)",
     "MixtralForCausalLM": "a mixture-of-experts MLP",
     "Qwen2MoeForCausalLM": "a mixture-of-experts MLP",
     "Qwen3MoeForCausalLM": "a mixture-of-experts MLP",
 }
 MODEL_TYPES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "gemma": GEMMA, "gemma2": GEMMA2}
 MODEL_TYPES |= {"gemma3_text": GEMMA3, "phi3": PHI3, "smollm3": SMOLLM3}
+# Multimodal architectures served as their language model (text in, text out) -> that model's architecture.
+GEMMA3_MULTIMODAL = "Gemma3ForConditionalGeneration"
+LANGUAGE_MODELS = {GEMMA3_MULTIMODAL: GEMMA3}
+# Where such a checkpoint keeps its language model's tensors (transformers 4.x's layout, which 5.x
+# still saves, then 5.x's own), and the text model's names for them.
+LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                           ("model.language_model.", "model."))
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # What a checkpoint may claim (a file is untrusted input): each count's range, far past any released
@@ -88,6 +97,7 @@ class LlamaConfig:
     partial_rotary_factor: float = 1.0  # rope turns each head's first rotary_dim = int(D * this) dimensions (Phi-3)
     rope_local_theta: float | None = None  # the windowed layers' own rope base, unscaled (Gemma 3); None: one table
     no_rope_layers: tuple[int, ...] = ()  # the layers that skip rope (SmolLM3's NoPE layers)
+    language_model_of: str | None = None  # the multimodal architecture whose language model this is; None: none
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +133,9 @@ class LlamaConfig:
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.rotary_dim // 2:
             raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries; head_dim={self.head_dim} "
                              f"rotates {self.rotary_dim // 2} frequencies")
+        if self.language_model_of is not None and LANGUAGE_MODELS.get(self.language_model_of) != self.architecture:
+            raise ValueError(f"language_model_of={self.language_model_of!r}: nanoserve reads the language models of "
+                             f"{LANGUAGE_MODELS}, not a {self.architecture}")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r} is not one of {SUPPORTED_ARCHITECTURES}")
         if self.hidden_act not in ACTIVATIONS:
@@ -196,6 +209,9 @@ class LlamaConfig:
     def _from_hf_dict(cls, d: dict[str, Any]) -> LlamaConfig:
         archs = d.get("architectures") or []
         model_type = d.get("model_type")
+        if archs == [GEMMA3_MULTIMODAL] or (not archs and model_type == "gemma3"):
+            return dataclasses.replace(cls._from_hf_dict(_language_model(d, GEMMA3_MULTIMODAL)),
+                                       language_model_of=GEMMA3_MULTIMODAL)
         if not archs and model_type in MODEL_TYPES:
             archs = [MODEL_TYPES[model_type]]
         refused = [a for a in archs if a in REFUSED_ARCHITECTURES]
@@ -445,3 +461,26 @@ def _no_rope_layers(d: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     if not isinstance(flags, list) or len(flags) != num_layers or any(f not in (0, 1) for f in flags):
         raise ValueError(f"no_rope_layers={flags!r:.80} must be a list of {num_layers} entries, each 0 or 1")
     return tuple(i for i, uses_rope in enumerate(flags) if not uses_rope)
+
+
+def _language_model(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    """A multimodal config's text_config as its language model's own config, with the top level's
+    token ids and tying where it sets them."""
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{arch}'s config has no text_config object (got {type(text).__name__})")
+    merged = dict(text) | {"architectures": [LANGUAGE_MODELS[arch]]}
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if d.get(key) is not None:
+            merged[key] = d[key]
+    return merged
+
+
+def text_model_name(config: LlamaConfig, stored: str) -> str:
+    """A checkpoint's tensor name as the model reads it: a multimodal checkpoint's language model
+    tensors under the text model's names; any other name (the vision tower's) as it is, and unread."""
+    if config.language_model_of is not None:
+        for prefix, name in LANGUAGE_MODEL_PREFIXES:
+            if stored.startswith(prefix):
+                return name + stored[len(prefix):]
+    return stored

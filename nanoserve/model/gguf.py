@@ -487,7 +487,7 @@ def _config_from_gguf(parsed: GGUFFile) -> LlamaConfig:
     rotated = arch_key("rope.dimension_count")
     if rotated is not None and rotated != config.rotary_dim:
         raise ValueError(f"{arch}.rope.dimension_count={rotated!r}: nanoserve rotates {config.rotary_dim} of each "
-                         f"head's head_dim={config.head_dim} ({arch}'s partial_rotary_factor)")
+                         f"head's head_dim={config.head_dim} (only phi3 files rotate part of a head)")
     return config
 
 
