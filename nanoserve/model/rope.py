@@ -4,9 +4,12 @@ GGUF's per-frequency divisors), linear scaling, LongRoPE, partial rotary, and Ge
 LongRoPE (Phi-3, Phi-4-mini) divides each frequency by a short or a long factor and multiplies cos
 and sin by an attention factor. transformers switches between the two sets by the length a forward
 call reaches (its largest position + 1 against original_max_position_embeddings), call by call, so
-the keys of one sequence can be rotated by both sets. nanoserve decides once, as llama.cpp (by its
-context size) and vLLM (by max_model_len) do: the long factors when the positions the model serves
-(its table's length) reach past original_max_position_embeddings, the short ones otherwise. The two
+the keys of one sequence can be rotated by both sets. nanoserve decides once, as llama.cpp does by
+its context size per sequence (llama_model::get_rope_factors): the long factors when the positions
+the model serves (its table's length: Engine.from_pretrained's max_model_len, else the config's
+max_position_embeddings) reach past
+original_max_position_embeddings, the short ones otherwise, so a sequence's keys all share one set
+and a row's arithmetic does not depend on how its prompt was chunked or batched. The two
 agree wherever transformers' choice does not change along a sequence: every sequence within the
 original context on a model served within it, or every prompt already past it on a model served
 past it (tests/test_families.py holds both).
