@@ -7,12 +7,11 @@ call reaches (its largest position + 1 against original_max_position_embeddings)
 the keys of one sequence can be rotated by both sets. nanoserve decides once, as llama.cpp does by
 its context size per sequence (llama_model::get_rope_factors): the long factors when the positions
 the model serves (its table's length: Engine.from_pretrained's max_model_len, else the config's
-max_position_embeddings) reach past
-original_max_position_embeddings, the short ones otherwise, so a sequence's keys all share one set
-and a row's arithmetic does not depend on how its prompt was chunked or batched. The two
-agree wherever transformers' choice does not change along a sequence: every sequence within the
-original context on a model served within it, or every prompt already past it on a model served
-past it (tests/test_families.py holds both).
+max_position_embeddings) reach past original_max_position_embeddings, the short ones otherwise, so
+a sequence's keys all share one set and a row's arithmetic does not depend on how its prompt was
+chunked or batched. The two agree wherever transformers' choice does not change along a sequence:
+every sequence within the original context on a model served within it, or every prompt already
+past it on a model served past it (tests/test_families.py holds both).
 """
 
 from __future__ import annotations
