@@ -2,7 +2,7 @@
 random config: logits at prefill and every decode within 1e-4 (float32), greedy tokens equal to
 transformers' generate, at 1 and 4 slots, with a KV pool small enough to preempt and a token budget
 small enough to chunk every long prompt; sliding windows with prompts longer than the window; each
-switch shown to matter; the windowed block tables and masks worked out by hand; the README's list."""
+switch shown to matter; LongRoPE's tables and tokens where transformers' choice of factors is nanoserve's; the windowed block tables and masks worked out by hand; the README's list."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CharTokenizer, make_hf_model, nanoserve_model_from_hf
+from conftest import TINY, CharTokenizer, make_hf_model, nanoserve_model_from_hf
 from test_llama import assert_logits_match, run_and_capture
 
 from nanoserve import Engine, EngineConfig, SamplingParams
@@ -33,6 +33,13 @@ FAMILIES = {
     "gemma": ("gemma", {"initializer_range": 0.2}),
     "gemma2": ("gemma2", {"sliding_window": 6, "query_pre_attn_scalar": 12, "attn_logit_softcapping": 2.0,
                           "final_logit_softcapping": 3.0, "initializer_range": 0.2}),
+    # local (windowed) layer 0 on its own base of 100, global layer 1 on 10000 slowed 8x (linear)
+    "gemma3": ("gemma3", {"sliding_window": 6, "sliding_window_pattern": 2, "query_pre_attn_scalar": 12,
+                          "rope_theta": 10000.0, "rope_local_base_freq": 100.0, "initializer_range": 0.2,
+                          "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
+    "phi3": ("phi3", {"partial_rotary_factor": 0.5, "sliding_window": 6, "pad_token_id": 0}),  # rope on 4 of D = 8
+    "smollm3": ("smollm3", {"num_hidden_layers": 4, "no_rope_layer_interval": 2, "tie_word_embeddings": True,
+                            "pad_token_id": 0, "initializer_range": 0.2}),  # layers 1 and 3 without rope
 }
 PROMPTS = [[5, 9, 13, 22, 7, 41, 3, 8, 60, 33, 21], [17, 4], [30 + i % 50 for i in range(40)], [11, 12, 13, 14, 15]]
 MAX_TOKENS = 12
@@ -84,6 +91,14 @@ def test_logits_and_greedy_tokens_equal_transformers(name, max_num_seqs):
     ("gemma2", "attn_logit_softcap", None),
     ("gemma2", "final_logit_softcap", None),
     ("gemma2", "sliding_window", None),
+    ("gemma3", "rope_local_theta", None),
+    ("gemma3", "qk_norm", False),
+    ("gemma3", "sandwich_norms", False),
+    ("gemma3", "query_pre_attn_scalar", None),
+    ("gemma3", "sliding_window", None),
+    ("phi3", "partial_rotary_factor", 1.0),
+    ("phi3", "sliding_window", None),
+    ("smollm3", "no_rope_layers", ()),
 ])
 def test_each_switch_matters(name, switch, off):
     # The same weights with one switch off no longer give transformers' logits: the tiny configs
@@ -114,6 +129,109 @@ def test_gemma2_sandwich_norms_are_read_by_name():
     assert model.config.sliding_layers == (0,) and model.config.sliding_window == 6  # local, global
 
 
+def test_gemma3_reads_its_two_rope_tables_and_qk_norms():
+    hf, model = hf_and_model("gemma3")
+    config, sd = model.config, hf.state_dict()
+    assert (config.sliding_layers, config.rope_local_theta, config.rope_theta) == ((0,), 100.0, 10000.0)
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert (config.attn_logit_softcap, config.final_logit_softcap, config.query_pre_attn_scalar) == (None, None, 12)
+    assert torch.equal(model.layers[1].q_norm, 1.0 + sd["model.layers.1.self_attn.q_norm.weight"])
+    # transformers' own tables: position p's angle p / base ** (2 i / D), the global one slowed 8x
+    positions = torch.arange(20)[None]
+    for layer_type, (cos, sin) in (("sliding_attention", model.local_rope), ("full_attention", (model.cos, model.sin))):
+        want_cos, want_sin = hf.model.rotary_emb(torch.zeros(1), positions, layer_type)
+        torch.testing.assert_close(cos[:20], want_cos[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(sin[:20], want_sin[0], atol=1e-6, rtol=0)
+
+
+def test_phi3_fused_projections_are_used_as_they_are():
+    hf, model = hf_and_model("phi3")
+    sd = hf.state_dict()
+    assert torch.equal(model.layers[1].qkv.weight, sd["model.layers.1.self_attn.qkv_proj.weight"])
+    assert torch.equal(model.layers[1].gate_up.weight, sd["model.layers.1.mlp.gate_up_proj.weight"])
+    assert model.config.rotary_dim == 4 and model.cos.shape[1] == 4 and model.config.sliding_layers == (0, 1)
+
+
+@pytest.mark.parametrize("layout", ["saved", "model.language_model"])
+def test_gemma3_multimodal_checkpoint_is_served_as_its_language_model(tmp_path, layout):
+    # A tiny Gemma3ForConditionalGeneration, saved by transformers (language_model.model.*, its vision
+    # tower beside it) or renamed to transformers 5's in-memory layout: nanoserve reads the text model
+    # and leaves the vision tower unread; its tokens are transformers' own model's on text alone.
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from nanoserve.model.weights import load_model
+
+    _, text = FAMILIES["gemma3"]
+    torch.manual_seed(3)
+    hf = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=TINY | text | {"pad_token_id": 0}, mm_tokens_per_image=4, image_token_index=90,
+        boi_token_index=91, eoi_token_index=92,
+        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "image_size": 28, "patch_size": 14})).eval()
+    hf.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert any(name.startswith("vision_tower.") for name in stored)
+    if layout != "saved":
+        save_file({name.replace("language_model.model.", "model.language_model."): t for name, t in stored.items()},
+                  tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(tmp_path, torch.float32, "cpu")
+    assert (model.config.architecture, model.config.language_model_of) == ("Gemma3ForCausalLM",
+                                                                           "Gemma3ForConditionalGeneration")
+    assert model.config.sliding_layers == (0,) and model.config.rope_local_theta == 100.0
+    engine = Engine(model, None, EngineConfig(dtype="float32", quantization=None, block_size=4, num_kv_blocks=40))
+    outputs = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [out.token_ids for out in outputs] == [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS[:3]]
+
+
+# ---- LongRoPE (rope.py's docstring: which factors nanoserve takes, and where transformers agrees) ---------
+
+# A tiny original context of 4 (past which transformers takes the long factors) in a model of 256
+# positions: the attention factor sqrt(1 + ln(256 / 4) / ln 4) = 2. D = 8, full rotary: 4 frequencies.
+LONGROPE = {"pad_token_id": 0, "max_position_embeddings": 256, "original_max_position_embeddings": 4,
+            "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0],
+                             "long_factor": [1.5, 3.0, 7.0, 20.0]}}
+LONG_PROMPTS = [PROMPTS[0], [17, 4, 9, 30, 2, 8], PROMPTS[2], PROMPTS[3]]  # each past the original 4 tokens
+
+
+def test_longrope_tables_equal_transformers_short_within_the_original_context_and_long_past_it():
+    hf = make_hf_model("phi3", seed=1, **LONGROPE)
+    config = LlamaConfig.from_hf_dict(hf.config.to_dict())
+    assert config.rope_scaling["attention_factor"] == pytest.approx(2.0)
+    for served in (4, 64):  # served within the original context: the short factors; past it: the long ones
+        model = nanoserve_model_from_hf(hf, max_positions=served)
+        # transformers picks its factors by the positions of the call: 0 .. served - 1
+        want_cos, want_sin = hf.model.rotary_emb(torch.zeros(1), torch.arange(served)[None])
+        torch.testing.assert_close(model.cos, want_cos[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(model.sin, want_sin[0], atol=1e-5, rtol=0)
+    short = nanoserve_model_from_hf(hf, max_positions=4).cos
+    assert not torch.allclose(short, nanoserve_model_from_hf(hf, max_positions=64).cos[:4], atol=1e-3)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_longrope_past_the_original_context_equals_transformers(max_num_seqs):
+    # Every prompt is past the original context, so transformers runs each sequence on the long
+    # factors from its prefill on, as nanoserve does on a model served past it.
+    hf = make_hf_model("phi3", seed=1, **LONGROPE)
+    model = nanoserve_model_from_hf(hf)
+    config = EngineConfig(dtype="float32", quantization=None, block_size=4, num_kv_blocks=16,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=7)
+    engine = Engine(model, CharTokenizer(hf.config.vocab_size), config)
+    captured, outputs = run_and_capture(engine, LONG_PROMPTS, MAX_TOKENS)
+    assert assert_logits_match(hf, captured, outputs) == len(LONG_PROMPTS) * MAX_TOKENS
+    assert [out.token_ids for out in outputs] == [hf_greedy(hf, p, MAX_TOKENS) for p in LONG_PROMPTS]
+    if max_num_seqs > 1:
+        assert sum(out.num_preemptions for out in outputs) > 0
+    # the long factors and the attention factor each matter
+    for scaling in ({"long_factor": LONGROPE["rope_scaling"]["short_factor"]}, {"attention_factor": 1.0}):
+        changed = dataclasses.replace(model.config, rope_scaling=model.config.rope_scaling | scaling)
+        broken = LlamaModel.from_state_dict(changed, dict(hf.state_dict()), torch.float32, "cpu")
+        engine = Engine(broken, None, EngineConfig(dtype="float32", quantization=None, block_size=4, num_kv_blocks=80))
+        captured, outputs = run_and_capture(engine, [PROMPTS[2]], 2)
+        with pytest.raises(AssertionError):
+            assert_logits_match(hf, captured, outputs, atol=1e-3)
+
+
 def test_the_embedding_scale_is_rounded_to_the_dtype_as_gemma_was_trained():
     config = LlamaConfig(vocab_size=8, hidden_size=3072, intermediate_size=8, num_layers=1, num_heads=1,
                          num_kv_heads=1, head_dim=8, architecture="GemmaForCausalLM", embed_scale=True)
@@ -122,7 +240,7 @@ def test_the_embedding_scale_is_rounded_to_the_dtype_as_gemma_was_trained():
     assert embedding_scale(dataclasses.replace(config, embed_scale=False), torch.float32) is None
 
 
-@pytest.mark.parametrize("name", ["mistral-window", "qwen2", "qwen3", "gemma", "gemma2"])
+@pytest.mark.parametrize("name", ["mistral-window", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3"])
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_bfloat16_layouts_of_every_family_stay_near_transformers(name, quantization):
     # bf16 matmuls (and int8 weights) against transformers in float32: measured worst relative

@@ -61,8 +61,11 @@ def load_engine_weights_into(hf, engine: Engine) -> None:
             q, k, v = dense(ours.qkv).split([H * D, Hkv * D, Hkv * D])
             gate, up = dense(ours.gate_up).split([I, I])
             attn, mlp = theirs.self_attn, theirs.mlp
-            for module, weight in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v), (attn.o_proj, dense(ours.o)),
-                                   (mlp.gate_proj, gate), (mlp.up_proj, up), (mlp.down_proj, dense(ours.down))):
+            if hasattr(attn, "qkv_proj"):  # Phi-3's fused projections, as its checkpoint holds them
+                pairs = ((attn.qkv_proj, dense(ours.qkv)), (mlp.gate_up_proj, dense(ours.gate_up)))
+            else:
+                pairs = ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v), (mlp.gate_proj, gate), (mlp.up_proj, up))
+            for module, weight in pairs + ((attn.o_proj, dense(ours.o)), (mlp.down_proj, dense(ours.down))):
                 module.weight.copy_(weight.float())
         hf.lm_head.weight.copy_(dense(engine.model.lm_head_weight))
 
@@ -330,6 +333,12 @@ FAMILIES = {
     "qwen2-window-on-layer-0": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
     "qwen3-qk-norm": ("qwen3", {"head_dim": 16}),
     "mistral-window": ("mistral", {"sliding_window": 5}),
+    # Phi-3: q/k/v and gate/up fused in the checkpoint; LongRoPE's factors and attention factor (2) in
+    # the table the C decode reads. Its short and long factors are the same here, so transformers'
+    # switch between them by length changes nothing (rope.py).
+    "phi3-longrope": ("phi3", {"pad_token_id": 0, "max_position_embeddings": 256, "original_max_position_embeddings": 4,
+                               "rope_scaling": {"type": "longrope", "short_factor": [1.0, 2.0, 5.0, 30.0],
+                                                "long_factor": [1.0, 2.0, 5.0, 30.0]}}),
 }
 
 
@@ -355,6 +364,20 @@ def test_family_switches_equal_transformers(name, layout):
     assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * 8
     assert sum(fused_rows) == len(PROMPTS) * 7 and one_call_rows == ([4] * 7 if in_one_call else [])
     engine.check_invariants()
+
+
+@needs_build
+@pytest.mark.parametrize("family, overrides, switches", [
+    ("gemma3", {"sliding_window": 6, "sliding_window_pattern": 2},
+     "['sandwich_norms', 'activation', 'rope_local_theta']"),
+    ("phi3", {"pad_token_id": 0, "partial_rotary_factor": 0.5}, "['partial_rotary_factor']"),
+    ("smollm3", {"pad_token_id": 0, "num_hidden_layers": 4}, "['no_rope_layers']"),
+])
+def test_rope_switches_it_lacks_keep_decoder_layer_and_are_named(family, overrides, switches):
+    engine = fused_engine(make_hf_model(family, seed=14, **overrides))
+    why = f"the family's {switches} are not in fused_decode.c"
+    assert why_not(engine.model.config, CPU) == why and f"no C decode: {why}" in engine.plan.reasons
+    assert engine.model.fused_layers is None and engine.plan.decode == "torch"
 
 
 @needs_build

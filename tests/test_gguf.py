@@ -258,9 +258,9 @@ def test_unserved_type_is_refused_by_name(tmp_path):
 
 
 def test_other_architecture_is_refused_by_name(tmp_path):
-    write_tiny_gguf(tmp_path / "tiny.gguf", arch="gemma3")
-    with pytest.raises(ValueError, match=r"GGUF architecture 'gemma3' is not supported: nanoserve reads "
-                                         r"\('llama', 'qwen2', 'qwen3', 'gemma', 'gemma2'\)"):
+    write_tiny_gguf(tmp_path / "tiny.gguf", arch="phi2")
+    with pytest.raises(ValueError, match=r"GGUF architecture 'phi2' is not supported: nanoserve reads "
+                                         r"\('llama', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'gemma3', 'phi3', 'smollm3'\)"):
         read_gguf_config(tmp_path / "tiny.gguf")
 
 
@@ -397,3 +397,59 @@ def test_the_saved_tokenizer_is_the_converted_one(default_gguf, tmp_path):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert saved.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         converted.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+# ---- the metadata of Gemma 3's and Phi-3's files, as llama.cpp reads it -----------------------------------
+
+def test_gemma3_windowed_layers_and_local_base_are_read_as_llama_cpp_reads_them(tmp_path):
+    def gemma3(pattern=None, window=16):
+        def extra(writer):
+            writer.add_sliding_window(window)
+            writer.add_rope_freq_base_swa(77.0)
+            if pattern is not None:
+                writer.add_sliding_window_pattern(pattern)
+        path = tmp_path / f"g{len(list(tmp_path.iterdir()))}.gguf"
+        write_tiny_gguf(path, arch="gemma3", extra=extra)
+        return read_gguf_config(path)
+
+    default = gemma3()  # every sixth layer global: both of two layers windowed
+    assert (default.sliding_window, default.sliding_layers, default.rope_local_theta) == (16, (0, 1), 77.0)
+    assert (default.qk_norm, default.sandwich_norms, default.norm_offset, default.attn_logit_softcap) == (
+        True, True, True, None)
+    assert gemma3(pattern=[False, True]).sliding_layers == (1,)  # a flag a layer
+    assert gemma3(pattern=2).sliding_layers == (0,)  # local, global
+    assert gemma3(window=0).sliding_window is None  # no window: every layer global
+    with pytest.raises(ValueError, match=r"gemma3.attention.sliding_window_pattern has 3 flags for 2 layers"):
+        gemma3(pattern=[True, True, False])
+    with pytest.raises(ValueError, match=r"gemma3.attention.sliding_window_pattern=0 must be an integer >= 1"):
+        gemma3(pattern=0)
+
+
+def test_phi3_longrope_and_partial_rotary_are_read_from_the_file(tmp_path):
+    # rope on half of each head's D: D / 4 frequencies, each with a long and a short factor
+
+    def phi3(tensors, rotated=D // 2):
+        def extra(writer):
+            writer.add_rope_dimension_count(rotated)
+            writer.add_rope_scaling_orig_ctx_len(8)
+            writer.add_rope_scaling_attn_factors(1.5)
+            writer.add_sliding_window(0)
+            for name, values in tensors.items():
+                writer.add_tensor(name, values)
+        path = tmp_path / f"p{len(list(tmp_path.iterdir()))}.gguf"
+        write_tiny_gguf(path, arch="phi3", extra=extra)
+        return read_gguf_config(path)
+
+    long, short = np.arange(1, D // 4 + 1, dtype=np.float32), np.ones(D // 4, dtype=np.float32)
+    config = phi3({"rope_factors_long.weight": long, "rope_factors_short.weight": short})
+    assert (config.rotary_dim, config.sliding_window, config.architecture) == (D // 2, None, "Phi3ForCausalLM")
+    assert config.rope_scaling == {"rope_type": "longrope", "long_factor": long.tolist(), "short_factor": short.tolist(),
+                                   "attention_factor": 1.5, "original_max_position_embeddings": 8}
+    assert phi3({}).rope_scaling is None
+    with pytest.raises(ValueError, match=r"the file has \['long_factor'\] of LongRoPE's long_factor and short_factor"):
+        phi3({"rope_factors_long.weight": long})
+    with pytest.raises(ValueError, match=r"tensor 'rope_factors_short.weight' is F16: nanoserve reads it as F32"):
+        phi3({"rope_factors_long.weight": long, "rope_factors_short.weight": short.astype(np.float16)})
+    with pytest.raises(ValueError, match=r"rope_scaling\['short_factor'\] must be a list of 2 numbers \(one per rotated "
+                                         r"frequency of rotary_dim=4\)"):
+        phi3({"rope_factors_long.weight": long, "rope_factors_short.weight": short}, rotated=4)

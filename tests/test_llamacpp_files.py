@@ -3,9 +3,10 @@
 tensors are held to gguf-py's dequantization, and its logits, served by nanoserve, to transformers'
 model over the same file (transformers dequantizes GGUF itself). A Llama 3.2-shaped checkpoint, whose
 rope scaling the converter writes as the tensor rope_freqs.weight, is held to transformers on the
-original checkpoint, token for token; so are Qwen2, Qwen3, Mistral, Gemma and Gemma 2 checkpoints
-(with a small SentencePiece tokenizer trained in the test: Gemma's converter reads no other kind, and
-the others' refuse the default model's BPE tokenizer under a Qwen or Mistral config), and their
+original checkpoint, token for token; so are Qwen2, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3, Phi-3 and
+SmolLM3 checkpoints (with a small SentencePiece tokenizer trained in the test: Gemma's converter reads
+no other kind, and the others' refuse the default model's BPE tokenizer under a Qwen or Mistral
+config), and their
 Q4_K_M files to transformers over the same file where transformers reads that architecture.
 
 The tools come from peerbench's set-up (`python -m benchmarks.peerbench.llamacpp --setup-quantize`, or
@@ -122,10 +123,11 @@ def test_a_quantized_file_serves_transformers_logits_over_the_same_file(tiny_fil
     assert_serves_transformers_logits(tiny_files[file_type], PROMPT)
 
 
-def assert_serves_transformers_logits(file: Path, prompt: list[int]) -> None:
+def assert_serves_transformers_logits(file: Path, prompt: list[int], hf=None) -> None:
     """On the exact path, transformers' top-5 tokens and log-probabilities over the same file (1e-4);
-    on the default path (the file's blocks on nanoserve's kernels), its first token."""
-    hf = _hf_from_gguf(file)
+    on the default path (the file's blocks on nanoserve's kernels), its first token. hf: transformers'
+    model holding the file's weights (default: as transformers reads the file)."""
+    hf = _hf_from_gguf(file) if hf is None else hf
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0, -1]
     config, tensors = load_gguf(file)
@@ -184,6 +186,18 @@ FAMILIES = {
     "mistral": WIDE | dict(sliding_window=None),
     "gemma": WIDE | dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256),
     "gemma2": WIDE | dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256),
+    # llama.cpp's pattern of six (the converter writes none): layers 0-4 windowed on their own rope
+    # base, layer 5 global on rope_theta slowed 8x
+    "gemma3": WIDE | dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                          num_hidden_layers=6, sliding_window=16, rope_theta=10000.0, rope_local_base_freq=100.0,
+                          rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    # rope on half of each head's 64; LongRoPE past an original context of 8 (both prompts are
+    # longer: transformers takes the long factors from their prefill on, as nanoserve does)
+    "phi3": WIDE | dict(pad_token_id=0, partial_rotary_factor=0.5, sliding_window=24, max_position_embeddings=512,
+                        original_max_position_embeddings=8,
+                        rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 16 for i in range(16)],
+                                      "long_factor": [1.0 + i for i in range(16)]}),
+    "smollm3": WIDE | dict(pad_token_id=0, num_hidden_layers=4),  # layer 3 without rope
 }
 # transformers' GGUF loader reads these files' architectures ("llama" for Mistral's); not Gemma 1's.
 HF_READS_GGUF = ("qwen2", "qwen3", "mistral", "gemma2")
@@ -228,8 +242,13 @@ def test_a_family_file_is_token_identical_to_transformers_on_its_checkpoint(fami
         hf_config = dataclasses.replace(hf_config, architecture="LlamaForCausalLM")
     for field in ("architecture", "head_dim", "num_kv_heads", "rope_theta", "hidden_act", "qkv_bias", "qk_norm",
                   "norm_offset", "embed_scale", "sandwich_norms", "query_pre_attn_scalar", "attn_logit_softcap",
-                  "final_logit_softcap", "sliding_window", "sliding_layers", "tie_word_embeddings"):
+                  "final_logit_softcap", "sliding_window", "sliding_layers", "tie_word_embeddings",
+                  "partial_rotary_factor", "rope_local_theta", "no_rope_layers"):
         assert getattr(config, field) == getattr(hf_config, field), field
+    ours, theirs = config.rope_scaling or {}, hf_config.rope_scaling or {}
+    assert ours.keys() == theirs.keys()
+    for key, value in ours.items():  # LongRoPE's factors come back from float32 tensors
+        assert value == (pytest.approx(theirs[key], rel=1e-6) if key != "rope_type" else theirs[key]), key
     model = LlamaModel.from_state_dict(config, tensors, torch.float32, "cpu")
     engine = Engine(model, None, EngineConfig(dtype="float32", quantization=None, block_size=16, num_kv_blocks=64))
     original = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -248,6 +267,35 @@ def test_a_family_k_quant_file_serves_transformers_logits_over_the_same_file(fam
     kinds = {read_gguf_file(file).type_name(name) for name in read_gguf_file(file).tensors}
     assert {"Q4_K", "Q6_K"} <= kinds, kinds
     assert_serves_transformers_logits(file, [t % 1000 for t in PROMPT])
+
+
+@needs_tools
+@pytest.mark.parametrize("family", ["gemma3", "phi3", "smollm3"])
+def test_a_family_k_quant_file_serves_transformers_logits_on_its_weights(family_files, family):
+    # Families whose files transformers' GGUF loader misreads (Gemma 3's local rope base, Phi-3's
+    # LongRoPE) or does not read (SmolLM3): transformers' model of the checkpoint, its matrices
+    # replaced by the file's as gguf-py dequantizes them.
+    from transformers import AutoModelForCausalLM
+
+    from nanoserve.model.gguf import architecture_of, hf_name
+
+    checkpoint, _, file = family_files[family]
+    parsed = read_gguf_file(file)
+    assert {"Q4_K", "Q6_K"} <= {parsed.type_name(name) for name in parsed.tensors}
+    _, spec = architecture_of(parsed)
+    config = LlamaConfig.from_hf_dict(json.loads((checkpoint / "config.json").read_text()))
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    state = {}
+    for name, tensor in parsed.tensors.items():
+        if name.startswith("rope_"):
+            continue
+        weights = gguf.quants.dequantize(np.asarray(parsed.data(name)), gguf.GGMLQuantizationType(tensor.type_id))
+        hf_key = hf_name(name, spec.names)
+        state[hf_key] = spec.as_hf(hf_key, torch.from_numpy(weights.reshape(tensor.shape).astype(np.float32)),
+                                   config.head_dim)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # a tied head is the embedding
+    assert_serves_transformers_logits(file, [t % 1000 for t in PROMPT], hf)
 
 
 @needs_tools

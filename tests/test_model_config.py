@@ -4,6 +4,8 @@ model, and the refusals, each naming the value (and a near architecture's missin
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import LLAMA3_ROPE, make_hf_llama, make_hf_model
 from transformers import LlamaConfig as HFLlamaConfig
@@ -103,8 +105,10 @@ def test_unsupported_configs_are_refused_by_name(change, message):
 
 @pytest.mark.parametrize("change, message", [
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
-    ({"architectures": ["Gemma3ForCausalLM"]}, r"architecture 'Gemma3ForCausalLM' is not supported: it needs a second "
-                                                r"rope table \(local layers' own base frequency\)"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"]}, r"Gemma3ForConditionalGeneration's config has no "
+                                                             r"text_config object \(got NoneType\)"),
+    ({"architectures": None, "model_type": "gemma3", "text_config": {"vocab_size": 10, "hidden_size": 8}},
+     r"config has no 'intermediate_size'"),
     ({"architectures": ["MixtralForCausalLM"]}, "'MixtralForCausalLM' is not supported: it needs a mixture-of-experts MLP"),
     ({"architectures": ["GemmaForCausalLM"], "use_bidirectional_attention": True},
      "use_bidirectional_attention=True is not supported"),
@@ -115,9 +119,42 @@ def test_unsupported_configs_are_refused_by_name(change, message):
      r"layer_types \['chunked_attention'\] are not supported"),
     ({"architectures": ["LlamaForCausalLM", "BertModel"]}, r"\['LlamaForCausalLM', 'BertModel'\] is not supported"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
-     r"rope_scaling type 'dynamic' is not supported \(supported: \('default', 'linear', 'llama3'\)\)"),
+     r"rope_scaling type 'dynamic' is not supported \(supported: \('default', 'linear', 'llama3', 'longrope'\)\)"),
     ({"num_attention_heads": 4, "num_key_value_heads": 3},
      "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    # Phi-3: partial rotary and LongRoPE (head_dim 4: two frequencies at full rotary, one at half)
+    ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 1.5},
+     r"partial_rotary_factor=1.5 must be a number > 0 and <= 1"),
+    ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.25},
+     r"partial_rotary_factor=0.25 of head_dim=4 rotates 1 dimensions: rope needs an even number, at least 2"),
+    ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "longrope", "short_factor": [1.0],
+                                                             "long_factor": [1.0, 2.0]}},
+     r"rope_scaling\['short_factor'\] must be a list of 2 numbers \(one per rotated frequency of rotary_dim=4\)"),
+    ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "su", "short_factor": [1.0, -2.0],
+                                                             "long_factor": [1.0, 2.0]}},
+     r"rope_scaling\['short_factor'\]\[1\]=-2.0 must be a finite number > 0"),
+    ({"architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 0,
+      "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.0], "long_factor": [1.0, 2.0]}},
+     r"original_max_position_embeddings=0 must be an integer from 1 to 16777216"),
+    ({"architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 1,
+      "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.0], "long_factor": [1.0, 2.0]}},
+     r"original_max_position_embeddings=1 with factor 64.0: the attention factor divides by ln\(original\)"),
+    ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.0],
+                                                             "long_factor": [1.0, 2.0], "attention_factor": 0}},
+     r"rope_scaling\['attention_factor'\]=0 must be a finite number > 0"),
+    # Gemma 3: the local layers' base and pattern
+    ({"architectures": ["Gemma3ForCausalLM"], "rope_local_base_freq": -1.0}, r"rope_local_base_freq=-1.0 must be a "
+                                                                            r"finite number > 0"),
+    ({"architectures": ["Gemma3ForCausalLM"], "sliding_window": 4, "sliding_window_pattern": 0},
+     r"sliding_window_pattern=0 must be an integer from 1 to 4096"),
+    ({"architectures": ["Gemma3ForCausalLM"], "rope_parameters": {
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0}, "full_attention": {"rope_type": "default"}}},
+     r"Gemma 3's sliding_attention rope_type 'linear' is not supported"),
+    # SmolLM3: the NoPE layers
+    ({"architectures": ["SmolLM3ForCausalLM"], "no_rope_layers": [1, 1]},
+     r"no_rope_layers=\[1, 1\] must be a list of 1 entries, each 0 or 1"),
+    ({"architectures": ["SmolLM3ForCausalLM"], "no_rope_layer_interval": 0},
+     r"no_rope_layer_interval=0 must be an integer from 1 to 4096"),
 ])
 def test_more_unsupported_configs_are_refused_with_the_value_and_the_limit(change, message):
     with pytest.raises(ValueError, match=message):
@@ -130,21 +167,26 @@ def hf_config(family: str, **overrides) -> dict:
     import transformers
 
     name = {"mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma": "GemmaConfig",
-            "gemma2": "Gemma2Config"}[family]
+            "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config",
+            "smollm3": "SmolLM3Config"}[family]
     small = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=4, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=4)
+                 num_key_value_heads=1, head_dim=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return getattr(transformers, name)(**(small | overrides)).to_dict()
 
 
 def switches(config: LlamaConfig) -> dict:
     return {f: getattr(config, f) for f in ("qkv_bias", "o_bias", "qk_norm", "hidden_act", "embed_scale", "norm_offset",
                                             "sandwich_norms", "query_pre_attn_scalar", "attn_logit_softcap",
-                                            "final_logit_softcap", "sliding_window", "sliding_layers")}
+                                            "final_logit_softcap", "sliding_window", "sliding_layers",
+                                            "partial_rotary_factor", "rope_local_theta", "no_rope_layers")}
 
 
 OFF = {"qkv_bias": False, "o_bias": False, "qk_norm": False, "hidden_act": "silu", "embed_scale": False,
        "norm_offset": False, "sandwich_norms": False, "query_pre_attn_scalar": None, "attn_logit_softcap": None,
-       "final_logit_softcap": None, "sliding_window": None, "sliding_layers": ()}
+       "final_logit_softcap": None, "sliding_window": None, "sliding_layers": (), "partial_rotary_factor": 1.0,
+       "rope_local_theta": None, "no_rope_layers": ()}
+GEMMA3 = {"hidden_act": "gelu_pytorch_tanh", "embed_scale": True, "norm_offset": True, "sandwich_norms": True,
+          "qk_norm": True, "query_pre_attn_scalar": 256, "rope_local_theta": 10000.0}
 
 
 @pytest.mark.parametrize("family, overrides, on", [
@@ -165,6 +207,25 @@ OFF = {"qkv_bias": False, "o_bias": False, "qk_norm": False, "hidden_act": "silu
      {"hidden_act": "gelu_pytorch_tanh", "embed_scale": True, "norm_offset": True, "sandwich_norms": True,
       "query_pre_attn_scalar": 256, "attn_logit_softcap": 50.0, "final_logit_softcap": 30.0, "sliding_window": 3,
       "sliding_layers": (3,)}),
+    # Gemma 3: every sixth layer global unless layer_types or the pattern say otherwise; no soft-caps
+    # unless set; its local layers' own base
+    ("gemma3", {"num_hidden_layers": 7, "sliding_window": 3},
+     GEMMA3 | {"sliding_window": 3, "sliding_layers": (0, 1, 2, 3, 4, 6)}),
+    ("gemma3", {"sliding_window": 3, "sliding_window_pattern": 2, "rope_local_base_freq": 77.0,
+                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 7.0},
+     GEMMA3 | {"sliding_window": 3, "sliding_layers": (0, 2), "rope_local_theta": 77.0, "attn_logit_softcap": 5.0,
+               "final_logit_softcap": 7.0}),
+    ("gemma3", {"sliding_window": 3, "layer_types": ["full_attention"] * 3 + ["sliding_attention"]},
+     GEMMA3 | {"sliding_window": 3, "sliding_layers": (3,)}),
+    # Phi-3: every layer windowed when sliding_window is set; rope on a fraction of each head
+    ("phi3", {"sliding_window": 3, "partial_rotary_factor": 0.5},
+     {"sliding_window": 3, "sliding_layers": (0, 1, 2, 3), "partial_rotary_factor": 0.5}),
+    ("phi3", {"sliding_window": None}, {}),
+    # SmolLM3: every fourth layer without rope unless no_rope_layers says which
+    ("smollm3", {}, {"no_rope_layers": (3,)}),
+    ("smollm3", {"no_rope_layers": [0, 1, 0, 1]}, {"no_rope_layers": (0, 2)}),
+    ("smollm3", {"use_sliding_window": True, "sliding_window": 3},
+     {"no_rope_layers": (3,), "sliding_window": 3, "sliding_layers": (3,)}),
 ])
 def test_family_switches_are_read_as_transformers_reads_the_config(family, overrides, on):
     config = LlamaConfig.from_hf_dict(hf_config(family, **overrides))
@@ -182,7 +243,41 @@ def test_a_config_json_without_architectures_or_keys_gets_the_familys_defaults()
 @pytest.mark.parametrize("family, overrides", [
     ("mistral", {}), ("qwen2", {}), ("qwen2", {"tie_word_embeddings": True}), ("qwen3", {"head_dim": 12}),
     ("qwen3", {"attention_bias": True}), ("gemma", {}), ("gemma2", {}), ("llama", {"attention_bias": True}),
+    ("gemma3", {}), ("phi3", {"pad_token_id": 0}), ("smollm3", {"pad_token_id": 0}),
 ])
 def test_num_params_equals_transformers_parameter_count_for_every_family(family, overrides):
     hf = make_hf_model(family, **overrides)
     assert LlamaConfig.from_hf_dict(hf.config.to_dict()).num_params == sum(p.numel() for p in hf.parameters())
+
+
+def test_longrope_is_read_with_what_transformers_derives():
+    # Phi-3-mini-128k's spelling: rope_scaling "longrope" (or "su"), the original context at the top
+    # level; the attention factor sqrt(1 + ln(131072 / 4096) / ln 4096), as transformers computes it
+    import math
+
+    factors = {"short_factor": [1.0, 1.1], "long_factor": [2.0, 3.0]}
+    for kind in ("longrope", "su"):
+        config = LlamaConfig.from_hf_dict(BASE | {"architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 131072,
+                                                  "original_max_position_embeddings": 4096,
+                                                  "rope_scaling": {"type": kind} | factors})
+        assert config.rope_scaling == {"rope_type": "longrope", **factors, "original_max_position_embeddings": 4096,
+                                       "attention_factor": math.sqrt(1 + math.log(32) / math.log(4096))}
+    given = LlamaConfig.from_hf_dict(BASE | {"architectures": ["Phi3ForCausalLM"], "rope_scaling": {
+        "rope_type": "longrope", "attention_factor": 1.5, "original_max_position_embeddings": 16} | factors})
+    assert given.rope_scaling["attention_factor"] == 1.5 and given.rope_scaling["original_max_position_embeddings"] == 16
+
+
+def test_a_gemma3_multimodal_config_is_read_as_its_text_config():
+    import transformers
+
+    text = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=4, sliding_window=3, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    d = transformers.Gemma3Config(text_config=text, eos_token_id=[2, 5]).to_dict()
+    config = LlamaConfig.from_hf_dict(d)
+    assert (config.architecture, config.language_model_of) == ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+    assert dataclasses.replace(config, language_model_of=None) == LlamaConfig.from_hf_dict(d["text_config"] | {"architectures": ["Gemma3ForCausalLM"],
+                                                                  "eos_token_id": [2, 5], "tie_word_embeddings": True})
+    with pytest.raises(ValueError, match=r"language_model_of='Gemma3ForConditionalGeneration': nanoserve reads the "
+                                         r"language models of"):
+        LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=2,
+                    head_dim=4, language_model_of="Gemma3ForConditionalGeneration")

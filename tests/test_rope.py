@@ -121,3 +121,14 @@ def test_apply_rope_rotates_each_pair_by_its_angle():
     sin = torch.full((1, 1, 2), math.sin(a), dtype=torch.float64)
     out = apply_rope(x, cos, sin)[0, 0].tolist()
     assert out == pytest.approx([2 * math.cos(a) - 5 * math.sin(a), 5 * math.cos(a) + 2 * math.sin(a)], rel=1e-15)
+
+
+def test_partial_rope_rotates_the_first_dimensions_and_passes_the_rest():
+    # Phi-3's partial rotary by hand: D = 4, Dr = 2: the pair (x0, x1) rotated by a, x2 and x3 as they are.
+    a = 0.7
+    x = torch.tensor([[[2.0, 5.0, -3.0, 11.0]]], dtype=torch.float64)  # [T=1, heads=1, D=4]
+    cos = torch.full((1, 1, 2), math.cos(a), dtype=torch.float64)  # [T, 1, Dr]
+    sin = torch.full((1, 1, 2), math.sin(a), dtype=torch.float64)
+    out = apply_rope(x, cos, sin)[0, 0].tolist()
+    assert out[:2] == pytest.approx([2 * math.cos(a) - 5 * math.sin(a), 5 * math.cos(a) + 2 * math.sin(a)], rel=1e-15)
+    assert out[2:] == [-3.0, 11.0]

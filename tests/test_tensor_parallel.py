@@ -97,6 +97,10 @@ def test_splits_that_do_not_exist_are_refused_by_number():
         shard_of(config_of(num_heads=6, intermediate_size=96), 0, 3)
     with pytest.raises(ValueError, match="tensor_parallel_size=4 exceeds intermediate_size=64 in units of 32"):
         shard_of(config_of(num_heads=4, num_kv_heads=4), 0, 4)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: Phi3ForCausalLM's checkpoints hold q/k/v and "
+                                         r"gate/up fused \(qkv_proj, gate_up_proj\)"):
+        shard_of(config_of(architecture="Phi3ForCausalLM"), 0, 2)
+    assert shard_of(config_of(architecture="Phi3ForCausalLM"), 0, 1) == shard_of(config_of(), 0, 1)  # one rank: whole
     with pytest.raises(ValueError, match="tensor_parallel_size=0 must be an integer >= 1"):
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="compile=True with tensor_parallel_size=2"):

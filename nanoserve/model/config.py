@@ -11,11 +11,22 @@ architecture's name:
 - Qwen3: RMSNorm over each head of q and k before rope; head_dim given apart from hidden / heads;
 - Gemma: the embedding scaled by sqrt(E), norms scaling by (1 + w), tanh-approximated GELU gating;
 - Gemma 2: Gemma, with norms on attention's and the MLP's outputs too, the attention scale from
-  query_pre_attn_scalar, attention and final logits soft-capped, and alternating windowed layers.
+  query_pre_attn_scalar, attention and final logits soft-capped, and alternating windowed layers;
+- Gemma 3 (text): Gemma 2's sandwich norms and scale, q/k RMSNorm per head (by 1 + w), no soft-caps
+  unless the config sets them, the windowed layers from layer_types (or sliding_window_pattern) with
+  their own rope table (rope_local_base_freq, unscaled), the others rope_theta with its rope_scaling;
+- Phi-3 / Phi-4-mini: q/k/v and gate/up fused in the checkpoint (qkv_proj, gate_up_proj), rope on
+  the first partial_rotary_factor of each head's D, LongRoPE scaling (rope.py), every layer
+  windowed when sliding_window is set;
+- SmolLM3: Llama whose NoPE layers (no_rope_layers, or every no_rope_layer_interval-th) skip rope.
+
+A multimodal checkpoint in LANGUAGE_MODELS (Gemma3ForConditionalGeneration) is read as its language
+model: text_config, its tensors from under language_model (text_model_name), the vision tower left unread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,18 +34,24 @@ from typing import Any
 LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2 = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
     "Gemma2ForCausalLM")
-SUPPORTED_ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2)
+GEMMA3, PHI3, SMOLLM3 = "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM"
+SUPPORTED_ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3, SMOLLM3)
 # Architectures close to a supported one, refused with the feature the forward lacks.
 REFUSED_ARCHITECTURES = {
-    "Gemma3ForCausalLM": "a second rope table (local layers' own base frequency) and q/k norms scaling by (1 + w)",
-    "Gemma3ForConditionalGeneration": "an image encoder",
     "MixtralForCausalLM": "a mixture-of-experts MLP",
     "Qwen2MoeForCausalLM": "a mixture-of-experts MLP",
     "Qwen3MoeForCausalLM": "a mixture-of-experts MLP",
-    "Phi3ForCausalLM": "fused qkv_proj / gate_up_proj checkpoints and partial rotary embeddings",
 }
 MODEL_TYPES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "gemma": GEMMA, "gemma2": GEMMA2}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+MODEL_TYPES |= {"gemma3_text": GEMMA3, "phi3": PHI3, "smollm3": SMOLLM3}
+# Multimodal architectures served as their language model (text in, text out) -> that model's architecture.
+GEMMA3_MULTIMODAL = "Gemma3ForConditionalGeneration"
+LANGUAGE_MODELS = {GEMMA3_MULTIMODAL: GEMMA3}
+# Where such a checkpoint keeps its language model's tensors (transformers 4.x's layout, which 5.x
+# still saves, then 5.x's own), and the text model's names for them.
+LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                           ("model.language_model.", "model."))
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # What a checkpoint may claim (a file is untrusted input): each count's range, far past any released
 # model's, so that no size computed from them is absurd before anything is allocated.
@@ -77,6 +94,10 @@ class LlamaConfig:
     final_logit_softcap: float | None = None  # c: logits become c tanh(logits / c)
     sliding_window: int | None = None  # W: a windowed layer's query at p sees keys p - W + 1 .. p; None: no window
     sliding_layers: tuple[int, ...] = ()  # the layers whose attention is windowed; () when W is None
+    partial_rotary_factor: float = 1.0  # rope turns each head's first rotary_dim = int(D * this) dimensions (Phi-3)
+    rope_local_theta: float | None = None  # the windowed layers' own rope base, unscaled (Gemma 3); None: one table
+    no_rope_layers: tuple[int, ...] = ()  # the layers that skip rope (SmolLM3's NoPE layers)
+    language_model_of: str | None = None  # the multimodal architecture whose language model this is; None: none
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -108,9 +129,13 @@ class LlamaConfig:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
-        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+        self._check_rope_switches()
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.rotary_dim // 2:
             raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries; head_dim={self.head_dim} "
-                             f"rotates {self.head_dim // 2} frequencies")
+                             f"rotates {self.rotary_dim // 2} frequencies")
+        if self.language_model_of is not None and LANGUAGE_MODELS.get(self.language_model_of) != self.architecture:
+            raise ValueError(f"language_model_of={self.language_model_of!r}: nanoserve reads the language models of "
+                             f"{LANGUAGE_MODELS}, not a {self.architecture}")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r} is not one of {SUPPORTED_ARCHITECTURES}")
         if self.hidden_act not in ACTIVATIONS:
@@ -122,10 +147,36 @@ class LlamaConfig:
                              "a window needs windowed layers and windowed layers need a window")
         if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
             raise ValueError(f"sliding_layers={self.sliding_layers} name layers outside 0 .. {self.num_layers - 1}")
-        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "rope_local_theta"):
             value = getattr(self, name)
             if value is not None:
                 _check_positive(name, value)
+
+    def _check_rope_switches(self) -> None:
+        _check_fraction("partial_rotary_factor", self.partial_rotary_factor)
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={self.head_dim} rotates "
+                             f"{self.rotary_dim} dimensions: rope needs an even number, at least 2")
+        if any(not 0 <= i < self.num_layers for i in self.no_rope_layers):
+            raise ValueError(f"no_rope_layers={self.no_rope_layers} name layers outside 0 .. {self.num_layers - 1}")
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") != "longrope":
+            return
+        for key in ("short_factor", "long_factor"):
+            factors = scaling.get(key)
+            if not isinstance(factors, list | tuple) or len(factors) != self.rotary_dim // 2:
+                raise ValueError(f"rope_scaling[{key!r}] must be a list of {self.rotary_dim // 2} numbers (one per "
+                                 f"rotated frequency of rotary_dim={self.rotary_dim}), not {factors!r:.80}")
+            for i, value in enumerate(factors):
+                _check_positive(f"rope_scaling[{key!r}][{i}]", value)
+        _check_count("rope_scaling['original_max_position_embeddings']",
+                     scaling.get("original_max_position_embeddings"), LIMITS["max_position_embeddings"])
+        _check_positive("rope_scaling['attention_factor']", scaling.get("attention_factor"))
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dr: how many of each head's D dimensions rope turns (all but where partial_rotary_factor < 1)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def num_params(self) -> int:
@@ -158,6 +209,9 @@ class LlamaConfig:
     def _from_hf_dict(cls, d: dict[str, Any]) -> LlamaConfig:
         archs = d.get("architectures") or []
         model_type = d.get("model_type")
+        if archs == [GEMMA3_MULTIMODAL] or (not archs and model_type == "gemma3"):
+            return dataclasses.replace(cls._from_hf_dict(_language_model(d, GEMMA3_MULTIMODAL)),
+                                       language_model_of=GEMMA3_MULTIMODAL)
         if not archs and model_type in MODEL_TYPES:
             archs = [MODEL_TYPES[model_type]]
         refused = [a for a in archs if a in REFUSED_ARCHITECTURES]
@@ -170,7 +224,8 @@ class LlamaConfig:
                 f"architecture {archs or model_type!r} is not supported: nanoserve runs {SUPPORTED_ARCHITECTURES}"
             )
         arch = archs[0]
-        is_gemma = arch in (GEMMA, GEMMA2)
+        is_gemma = arch in (GEMMA, GEMMA2, GEMMA3)
+        has_sandwich = arch in (GEMMA2, GEMMA3)
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported")
         if d.get("use_bidirectional_attention"):
@@ -191,6 +246,10 @@ class LlamaConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         theta, scaling = _rope(d)
+        local_theta = None
+        if arch == GEMMA3:
+            theta, scaling, local_theta = _gemma3_rope(d)
+        scaling = _longrope(d, scaling)
         attention_bias = bool(d.get("attention_bias", False))
         return cls(
             vocab_size=d["vocab_size"],
@@ -204,24 +263,28 @@ class LlamaConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", is_gemma)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", is_gemma or arch == SMOLLM3)),
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
             architecture=arch,
             # Qwen2's q/k/v bias is in its modelling code, not its config (Mistral's modelling code has none).
             qkv_bias=arch == QWEN2 or (attention_bias and arch != MISTRAL),
             o_bias=attention_bias and arch not in (MISTRAL, QWEN2),
-            qk_norm=arch == QWEN3,
+            qk_norm=arch in (QWEN3, GEMMA3),
             hidden_act=_activation(d, arch),
             embed_scale=is_gemma,
             norm_offset=is_gemma,
-            sandwich_norms=arch == GEMMA2,
-            query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256) if arch == GEMMA2 else None,
-            attn_logit_softcap=d.get("attn_logit_softcapping", 50.0) if arch == GEMMA2 else None,
-            final_logit_softcap=d.get("final_logit_softcapping", 30.0) if arch == GEMMA2 else None,
+            sandwich_norms=has_sandwich,
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256) if has_sandwich else None,
+            # Gemma 2 caps unless told otherwise; Gemma 3 only where its config sets a cap
+            attn_logit_softcap=d.get("attn_logit_softcapping", 50.0 if arch == GEMMA2 else None) if has_sandwich else None,
+            final_logit_softcap=d.get("final_logit_softcapping", 30.0 if arch == GEMMA2 else None) if has_sandwich else None,
             sliding_window=window,
             sliding_layers=sliding_layers,
             rope_freq_factors=tuple(d["rope_freq_factors"]) if d.get("rope_freq_factors") else None,
+            partial_rotary_factor=_partial_rotary_factor(d) if arch == PHI3 else 1.0,
+            rope_local_theta=local_theta,
+            no_rope_layers=_no_rope_layers(d, num_layers) if arch == SMOLLM3 else (),
         )
 
 
@@ -232,15 +295,16 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, E), "model.norm.weight": (E,)}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
+        if config.architecture == PHI3:  # q/k/v and gate/up fused in the checkpoint, used as they are
+            shapes |= {p + "self_attn.qkv_proj.weight": ((H + 2 * Hkv) * D, E), p + "mlp.gate_up_proj.weight": (2 * I, E)}
+        else:
+            shapes |= {p + "self_attn.q_proj.weight": (H * D, E), p + "self_attn.k_proj.weight": (Hkv * D, E),
+                       p + "self_attn.v_proj.weight": (Hkv * D, E), p + "mlp.gate_proj.weight": (I, E),
+                       p + "mlp.up_proj.weight": (I, E)}
         shapes |= {
             p + "input_layernorm.weight": (E,),
-            p + "self_attn.q_proj.weight": (H * D, E),
-            p + "self_attn.k_proj.weight": (Hkv * D, E),
-            p + "self_attn.v_proj.weight": (Hkv * D, E),
             p + "self_attn.o_proj.weight": (E, H * D),
             p + "post_attention_layernorm.weight": (E,),
-            p + "mlp.gate_proj.weight": (I, E),
-            p + "mlp.up_proj.weight": (I, E),
             p + "mlp.down_proj.weight": (E, I),
         }
         if config.qkv_bias:
@@ -268,12 +332,17 @@ def _check_positive(name: str, value: Any, below: float = math.inf) -> None:
         raise ValueError(f"{name}={value!r} must be {limit}")
 
 
+def _check_fraction(name: str, value: Any) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1:
+        raise ValueError(f"{name}={value!r} must be a number > 0 and <= 1")
+
+
 # head_dim when config.json leaves it out: transformers' defaults for the families that set their own.
-_DEFAULT_HEAD_DIM = {QWEN3: 128, GEMMA: 256, GEMMA2: 256}
+_DEFAULT_HEAD_DIM = {QWEN3: 128, GEMMA: 256, GEMMA2: 256, GEMMA3: 256}
 
 
 def _activation(d: dict[str, Any], arch: str) -> str:
-    if arch == GEMMA2:
+    if arch in (GEMMA2, GEMMA3):
         return d.get("hidden_activation") or "gelu_pytorch_tanh"
     act = d.get("hidden_act") or d.get("hidden_activation") or ("gelu_pytorch_tanh" if arch == GEMMA else "silu")
     if arch == GEMMA and act == "gelu":  # Gemma's first releases wrote "gelu" and meant the tanh form
@@ -288,10 +357,10 @@ def _sliding_window(d: dict[str, Any], arch: str, num_layers: int) -> tuple[int 
     window = d.get("sliding_window")
     if arch in (LLAMA, GEMMA) or window is None:
         return None, ()  # Llama's and Gemma's modelling code never reads a window
-    if arch in (QWEN2, QWEN3) and not d.get("use_sliding_window", False):
+    if arch in (QWEN2, QWEN3, SMOLLM3) and not d.get("use_sliding_window", False):
         return None, ()
     layer_types = d.get("layer_types")
-    if arch == MISTRAL:
+    if arch in (MISTRAL, PHI3):
         layers = range(num_layers)
     elif layer_types is not None:
         if len(layer_types) != num_layers:
@@ -302,6 +371,10 @@ def _sliding_window(d: dict[str, Any], arch: str, num_layers: int) -> tuple[int 
         layers = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
     elif arch == GEMMA2:
         layers = range(0, num_layers, 2)  # local, global, local, ...
+    elif arch == GEMMA3:  # every pattern-th layer global, the rest local
+        pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+        _check_count("sliding_window_pattern", pattern, LIMITS["num_layers"])
+        layers = [i for i in range(num_layers) if (i + 1) % pattern]
     else:  # Qwen2 / Qwen3: the layers from max_window_layers on
         layers = range(d.get("max_window_layers", 28), num_layers)
     layers = tuple(layers)
@@ -321,3 +394,93 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             scaling = None
     return float(theta), scaling
 
+
+
+def _gemma3_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta and rope_scaling of the global layers, the local layers' base) as Gemma 3's configs
+    write them: transformers 5's rope_parameters per layer type, or rope_theta, rope_scaling and
+    rope_local_base_freq."""
+    rope = d.get("rope_parameters") or {}
+    full, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
+    local_type = local.get("rope_type", local.get("type", "default"))
+    if local_type != "default":
+        raise ValueError(f"Gemma 3's sliding_attention rope_type {local_type!r} is not supported (its local layers' "
+                         "rope is unscaled: 'default')")
+    theta = full.pop("rope_theta", d.get("rope_theta", 1_000_000.0))
+    local_theta = local.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))
+    _check_positive("rope_theta", theta)
+    _check_positive("rope_local_base_freq", local_theta)
+    scaling = d.get("rope_scaling") or full or None
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling.setdefault("rope_type", scaling.get("type", "default"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return float(theta), scaling, float(local_theta)
+
+
+def _longrope(d: dict[str, Any], scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """LongRoPE's rope_scaling ("longrope", or Phi-3's first name "su") with what transformers' rope init
+    derives made explicit: original_max_position_embeddings (the config's top-level value first, as
+    transformers takes it) and the attention factor that scales cos and sin, given or
+    sqrt(1 + ln(factor) / ln(original)) with factor = max_position_embeddings / original."""
+    if scaling is None or scaling.get("rope_type") not in ("longrope", "su"):
+        return scaling
+    scaling = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
+    scaling["rope_type"] = "longrope"
+    max_positions = d.get("max_position_embeddings", 2048)
+    original = next((v for v in (d.get("original_max_position_embeddings"),
+                                 scaling.get("original_max_position_embeddings")) if v is not None), max_positions)
+    _check_count("original_max_position_embeddings", original, LIMITS["max_position_embeddings"])
+    _check_count("max_position_embeddings", max_positions, LIMITS["max_position_embeddings"])
+    factor = scaling["factor"] if scaling.get("factor") is not None else max_positions / original
+    _check_positive("rope_scaling['factor']", factor)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if factor > 1.0 and original == 1:
+            raise ValueError(f"original_max_position_embeddings={original} with factor {factor}: the attention factor "
+                             "divides by ln(original); it must be >= 2")
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return scaling | {"original_max_position_embeddings": original, "attention_factor": attention_factor}
+
+
+def _partial_rotary_factor(d: dict[str, Any]) -> float:
+    factor = d.get("partial_rotary_factor", (d.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    _check_fraction("partial_rotary_factor", factor)
+    return float(factor)
+
+
+def _no_rope_layers(d: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's NoPE layers as transformers reads them: no_rope_layers holds 1 for a layer with rope
+    and 0 for one without; absent, every no_rope_layer_interval-th layer (default 4) has none."""
+    flags = d.get("no_rope_layers")
+    if flags is None:
+        interval = d.get("no_rope_layer_interval", 4)
+        _check_count("no_rope_layer_interval", interval, LIMITS["num_layers"])
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if not isinstance(flags, list) or len(flags) != num_layers or any(f not in (0, 1) for f in flags):
+        raise ValueError(f"no_rope_layers={flags!r:.80} must be a list of {num_layers} entries, each 0 or 1")
+    return tuple(i for i, uses_rope in enumerate(flags) if not uses_rope)
+
+
+def _language_model(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    """A multimodal config's text_config as its language model's own config, with the top level's
+    token ids and tying where it sets them."""
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{arch}'s config has no text_config object (got {type(text).__name__})")
+    merged = dict(text) | {"architectures": [LANGUAGE_MODELS[arch]]}
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if d.get(key) is not None:
+            merged[key] = d[key]
+    return merged
+
+
+def text_model_name(config: LlamaConfig, stored: str) -> str:
+    """A checkpoint's tensor name as the model reads it: a multimodal checkpoint's language model
+    tensors under the text model's names; any other name (the vision tower's) as it is, and unread."""
+    if config.language_model_of is not None:
+        for prefix, name in LANGUAGE_MODEL_PREFIXES:
+            if stored.startswith(prefix):
+                return name + stored[len(prefix):]
+    return stored

@@ -20,7 +20,9 @@ attends its own context read back from there, so a row's arithmetic does not dep
 came in. The embedding, the final norm and the head stay in llama.py's forward. It applies to the
 Llama family's switches that SmolLM, Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 use (a qkv bias,
 per-head q/k norms, a sliding window on some or all layers, SiLU), the model computing in float32 or
-bfloat16 on the CPU; Gemma's (sandwich norms, GELU, soft-capping) and an o bias keep decoder_layer
+bfloat16 on the CPU (LongRoPE included: its factors and attention factor are in the rope table it
+reads); Gemma's (sandwich norms, GELU, soft-capping), an o bias, rope on part of each head
+(Phi-4-mini), a second rope table (Gemma 3) and layers without rope (SmolLM3) keep decoder_layer
 (`why_not`).
 """
 
@@ -57,7 +59,10 @@ def why_not(config: LlamaConfig, device: torch.device) -> str | None:
     if blockdot.library() is None:
         return f"fused_decode.c could not be built: {blockdot.failure()}"
     switches = {"o_bias": config.o_bias, "sandwich_norms": config.sandwich_norms,
-                "attn_logit_softcap": config.attn_logit_softcap is not None, "activation": config.hidden_act != "silu"}
+                "attn_logit_softcap": config.attn_logit_softcap is not None, "activation": config.hidden_act != "silu",
+                # fused_decode.c rotates whole heads by one table, in every layer
+                "partial_rotary_factor": config.rotary_dim != config.head_dim,
+                "rope_local_theta": config.rope_local_theta is not None, "no_rope_layers": bool(config.no_rope_layers)}
     if any(switches.values()):
         return f"the family's {[name for name, on in switches.items() if on]} are not in fused_decode.c"
     return None

@@ -362,6 +362,14 @@ GEMMA2_NAMES = LLAMA_NAMES | {
     "blk.{i}.ffn_norm": "model.layers.{i}.pre_feedforward_layernorm",
     "blk.{i}.post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm",
 }
+GEMMA3_NAMES = GEMMA2_NAMES | {
+    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
+    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
+}
+PHI3_NAMES = LLAMA_NAMES | {  # Phi-3's fused matrices keep their fusion in the file: attn_qkv, and gate/up as ffn_up
+    "blk.{i}.attn_qkv": "model.layers.{i}.self_attn.qkv_proj",
+    "blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj",
+}
 # Mistral's files are written as "llama" (with no sliding window: llama.cpp's converter drops it).
 # Qwen's and Gemma's rope is HF's rotate-half layout already, so llama.cpp stores their q/k rows as
 # they are; a bias (blk.N.attn_q.bias) takes its weight's name.
@@ -371,7 +379,12 @@ ARCHITECTURES = {
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", permutes_qk=False, names=QWEN3_NAMES),
     "gemma": GGUFArchitecture("GemmaForCausalLM", permutes_qk=False, names=LLAMA_NAMES, norm_shift=1.0),
     "gemma2": GGUFArchitecture("Gemma2ForCausalLM", permutes_qk=False, names=GEMMA2_NAMES, norm_shift=1.0),
+    "gemma3": GGUFArchitecture("Gemma3ForCausalLM", permutes_qk=False, names=GEMMA3_NAMES, norm_shift=1.0),
+    "phi3": GGUFArchitecture("Phi3ForCausalLM", permutes_qk=False, names=PHI3_NAMES),
+    "smollm3": GGUFArchitecture("SmolLM3ForCausalLM", permutes_qk=True, names=LLAMA_NAMES),
 }
+# Tensors that hold rope's numbers, read into the config rather than the model: [Dr / 2] each.
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def find_gguf(path: str | Path) -> Path:
@@ -460,15 +473,21 @@ def _config_from_gguf(parsed: GGUFFile) -> LlamaConfig:
     }
     if arch == "gemma2":
         d |= gemma2_keys(arch_key, d)
+    if arch == "gemma3":
+        d |= gemma3_keys(arch_key, d)
+    if arch == "phi3":
+        d |= phi3_keys(parsed, arch_key, d)
+    if arch == "smollm3":
+        d["no_rope_layer_interval"] = 4  # llama.cpp's: every fourth layer without rope (the file says nothing)
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if d[k] is None]
     if missing:
         raise ValueError(f"GGUF metadata gives no value for {missing} (architecture {arch!r})")
     config = LlamaConfig.from_hf_dict(d)
     rotated = arch_key("rope.dimension_count")
-    if rotated is not None and rotated != config.head_dim:
-        raise ValueError(f"{arch}.rope.dimension_count={rotated!r}: nanoserve rotates whole heads of "
-                         f"head_dim={config.head_dim}")
+    if rotated is not None and rotated != config.rotary_dim:
+        raise ValueError(f"{arch}.rope.dimension_count={rotated!r}: nanoserve rotates {config.rotary_dim} of each "
+                         f"head's head_dim={config.head_dim} (only phi3 files rotate part of a head)")
     return config
 
 
@@ -482,8 +501,8 @@ def check_tensor_infos(parsed: GGUFFile, config: LlamaConfig, names: dict[str, s
     expected = expected_shapes(config)
     found = set()
     for gguf_name, tensor in parsed.tensors.items():
-        if gguf_name == ROPE_FREQS:
-            want = (config.head_dim // 2,)
+        if gguf_name in ROPE_TENSORS:
+            want = (config.rotary_dim // 2,)
         else:
             name = hf_name(gguf_name, names)
             if name not in expected:
@@ -511,6 +530,60 @@ def gemma2_keys(arch_key, d: dict[str, Any]) -> dict[str, Any]:
     keys["query_pre_attn_scalar"] = (d["hidden_size"] // d["num_attention_heads"] if d["num_hidden_layers"] == 46
                                      else head_dim)
     return {k: v for k, v in keys.items() if v is not None}
+
+
+def gemma3_keys(arch_key, d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's windowed layers and their rope as llama.cpp reads them: a window only where the file
+    has attention.sliding_window > 0; the windowed layers from attention.sliding_window_pattern (a
+    flag a layer, or n: every n-th layer global), 6 where absent; the local layers' base from
+    rope.freq_base_swa (10000 where absent). The query scale is llama.cpp's, 1 / sqrt(head_dim) (or
+    1 / sqrt(E / H) for the 62-layer 27B model), as for Gemma 2; no attention soft-cap."""
+    head_dim = d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
+    keys = {"rope_local_base_freq": arch_key("rope.freq_base_swa", 10000.0),
+            "query_pre_attn_scalar": (d["hidden_size"] // d["num_attention_heads"] if d["num_hidden_layers"] == 62
+                                      else head_dim),
+            "final_logit_softcapping": arch_key("final_logit_softcapping")}
+    window = arch_key("attention.sliding_window")
+    if window:
+        pattern = arch_key("attention.sliding_window_pattern", 6)
+        num_layers = d["num_hidden_layers"]
+        if isinstance(pattern, list):
+            if len(pattern) != num_layers:
+                raise ValueError(f"gemma3.attention.sliding_window_pattern has {len(pattern)} flags for {num_layers} layers")
+            windowed = [bool(flag) for flag in pattern]
+        else:
+            if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+                raise ValueError(f"gemma3.attention.sliding_window_pattern={pattern!r} must be an integer >= 1")
+            windowed = [i % pattern < pattern - 1 for i in range(num_layers)]
+        keys |= {"sliding_window": window,
+                 "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed]}
+    else:
+        keys["sliding_window"] = None
+    return {k: v for k, v in keys.items() if v is not None or k == "sliding_window"}
+
+
+def phi3_keys(parsed: GGUFFile, arch_key, d: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's partial rotary (rope.dimension_count of each head's D), its window (attention.sliding_window,
+    0 for none; llama.cpp's own Phi-3 graph ignores it, transformers does not) and LongRoPE: the
+    factors as the tensors rope_factors_long / rope_factors_short, rope.scaling.attn_factor and
+    rope.scaling.original_context_length."""
+    head_dim = d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
+    keys: dict[str, Any] = {"partial_rotary_factor": arch_key("rope.dimension_count", head_dim) / head_dim,
+                            "sliding_window": arch_key("attention.sliding_window") or None}
+    factors = {}
+    for which in ("long", "short"):
+        name = f"rope_factors_{which}.weight"
+        if name in parsed.tensors:
+            if parsed.tensors[name].type_id != 0:
+                raise ValueError(f"tensor {name!r} is {parsed.type_name(name)}: nanoserve reads it as F32")
+            factors[f"{which}_factor"] = np.asarray(parsed.data(name), dtype=np.float64).tolist()
+    if factors:
+        if len(factors) != 2:
+            raise ValueError(f"the file has {sorted(factors)} of LongRoPE's long_factor and short_factor; both or neither")
+        keys["original_max_position_embeddings"] = arch_key("rope.scaling.original_context_length")
+        keys["rope_scaling"] = {"rope_type": "longrope", **factors, "attention_factor": arch_key("rope.scaling.attn_factor")}
+        keys["rope_scaling"] = {k: v for k, v in keys["rope_scaling"].items() if v is not None}
+    return keys
 
 
 def rope_scaling(arch_key) -> dict[str, Any] | None:
@@ -606,7 +679,7 @@ def load_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor | B
     check_tensor_infos(parsed, config, spec.names)
     tensors: dict[str, torch.Tensor | BlockQuantized] = {}
     for gguf_name in parsed.tensors:
-        if gguf_name == ROPE_FREQS:
+        if gguf_name in ROPE_TENSORS:
             continue
         name = hf_name(gguf_name, spec.names)
         tensors[name] = spec.as_hf(name, load_tensor(parsed, gguf_name), config.head_dim)

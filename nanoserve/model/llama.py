@@ -2,8 +2,9 @@
 
 Every family nanoserve runs (nanoserve.model.config) is this one forward with switches: a bias after
 a projection, a per-head norm of q and k, norms on the sublayers' outputs, a scaled embedding, the
-gate's activation, soft-capped scores and logits, and a sliding window on some layers. A switch that
-is off costs nothing: its weight is None or its number is the plain one.
+gate's activation, soft-capped scores and logits, a sliding window on some layers, rope on part of
+each head, a second rope table for the windowed layers, and layers without rope. A switch that is
+off costs nothing: its weight is None or its number is the plain one.
 
 Dimension names: T tokens this step, R rows that sample, E hidden, H / Hkv heads, D head dim,
 I the gated MLP's width, V vocabulary.
@@ -27,12 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.model.attention import AttentionMetadata, paged_attention
-from nanoserve.model.config import LlamaConfig, expected_shapes
+from nanoserve.model.config import PHI3, LlamaConfig, expected_shapes
 from nanoserve.model.driver import Driver
 from nanoserve.model.forms import Weight, as_weight
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.quant import Stored, cat_rows, embedding
-from nanoserve.model.rope import apply_rope, rope_table
+from nanoserve.model.rope import apply_rope, local_rope_table, rope_table
 
 
 @dataclass
@@ -79,7 +80,8 @@ class LayerShape:
 
 def decoder_layer(h: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, attn_meta: AttentionMetadata, shape: LayerShape) -> torch.Tensor:
-    """One pre-norm block: h [T, E] -> [T, E]. Attention writes this layer's K/V into its cache."""
+    """One pre-norm block: h [T, E] -> [T, E]. Attention writes this layer's K/V into its cache.
+    cos, sin [T, 1, Dr]: this layer's rope (Dr < D rotates each head's first Dr); None: no rope."""
     H, Hkv, D, eps = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps
     T = h.shape[0]
     x = F.rms_norm(h, layer.input_norm.shape, layer.input_norm, eps).to(shape.dtype)  # [T, E]
@@ -94,7 +96,9 @@ def decoder_layer(h: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: 
                         F.rms_norm(k.float(), layer.k_norm.shape, layer.k_norm, eps)], dim=1).to(shape.dtype)
     # One rotation for the query and key heads together: the same elementwise arithmetic as two, in
     # half the operations (a decode step's glue is dozens of small operations a layer).
-    q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=1)  # [T, H, D], [T, Hkv, D]
+    if cos is not None:  # None: a layer without rope (SmolLM3's NoPE layers)
+        qk = apply_rope(qk, cos, sin)
+    q, k = qk.split([H, Hkv], dim=1)  # [T, H, D], [T, Hkv, D]
     attn = paged_attention(q, k, v.view(T, Hkv, D), k_cache, v_cache, attn_meta,
                            shape.attn_scale, shape.attn_softcap)  # [T, H, D]
     out = layer.o(attn.reshape(T, H * D))  # [T, E]
@@ -120,12 +124,20 @@ def run_layers(model: LlamaModel, h: torch.Tensor, inputs: ModelInputs, kv: KVCa
                layer_fn: Callable[..., torch.Tensor] = decoder_layer) -> torch.Tensor:
     """The torch drivers: every layer through `layer_fn` (decoder_layer, or its compiled graph)."""
     windowed = inputs.attn.windowed or inputs.attn  # windowed None: no context in this step is longer than the window
-    cos = model.cos[inputs.positions].unsqueeze(1)  # [T, 1, D]
-    sin = model.sin[inputs.positions].unsqueeze(1)  # [T, 1, D]
+    ropes = layer_ropes(model, inputs.positions)
     for i, layer in enumerate(model.layers):
         attn = windowed if i in model.sliding_layers else inputs.attn
-        h = layer_fn(h, layer, cos, sin, kv.k[i], kv.v[i], attn, model.shape)
+        h = layer_fn(h, layer, *ropes[i], kv.k[i], kv.v[i], attn, model.shape)
     return h
+
+
+def layer_ropes(model: LlamaModel, positions: torch.Tensor) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Each layer's (cos, sin) [T, 1, Dr] at positions [T]: the model's table, the windowed layers' own
+    where it has one (Gemma 3), (None, None) for a layer without rope (SmolLM3)."""
+    full = (model.cos[positions].unsqueeze(1), model.sin[positions].unsqueeze(1))  # [T, 1, Dr] each
+    local = full if model.local_rope is None else tuple(t[positions].unsqueeze(1) for t in model.local_rope)
+    return [(None, None) if i in model.no_rope_layers else local if i in model.sliding_layers else full
+            for i in range(len(model.layers))]
 
 
 def layer_shape(config: LlamaConfig, dtype: torch.dtype) -> LayerShape:
@@ -155,7 +167,9 @@ class LlamaModel:
         self.device = norm.device
         # The table covers the positions the engine will use, not the model's 128k maximum.
         num_positions = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
-        self.cos, self.sin = rope_table(config, num_positions, self.dtype, self.device)  # [P, D]
+        self.cos, self.sin = rope_table(config, num_positions, self.dtype, self.device)  # [P, Dr]
+        self.local_rope = local_rope_table(config, num_positions, self.dtype, self.device)  # windowed layers' (cos, sin), or None
+        self.no_rope_layers = frozenset(config.no_rope_layers)
         self.shape = layer_shape(config, self.dtype)
         self.embed_scale = embedding_scale(config, self.dtype)
         self.sliding_layers = frozenset(config.sliding_layers)  # layers that attend within config.sliding_window
@@ -197,12 +211,15 @@ class LlamaModel:
             # Gemma 2's post_attention_layernorm norms attention's output; its pre_feedforward_layernorm
             # is what Llama calls post_attention_layernorm, the norm before the MLP.
             sandwich = config.sandwich_norms
+            fused = config.architecture == PHI3  # Phi-3's checkpoints hold qkv and gate_up fused already
             layers.append(LayerWeights(
                 input_norm=norm(p + "input_layernorm.weight"),
-                qkv=as_weight(cat_rows([get(attn + f"{n}_proj.weight") for n in "qkv"])),
+                qkv=as_weight(get(attn + "qkv_proj.weight") if fused else
+                              cat_rows([get(attn + f"{n}_proj.weight") for n in "qkv"])),
                 o=as_weight(get(attn + "o_proj.weight")),
                 post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
-                gate_up=as_weight(cat_rows([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
+                gate_up=as_weight(get(p + "mlp.gate_up_proj.weight") if fused else
+                                  cat_rows([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
                 down=as_weight(get(p + "mlp.down_proj.weight")),
                 qkv_bias=torch.cat([get(attn + f"{n}_proj.bias") for n in "qkv"]) if config.qkv_bias else None,
                 o_bias=get(attn + "o_proj.bias") if config.o_bias else None,

@@ -29,7 +29,7 @@ from nanoserve.model.llama import (
 from nanoserve.model.plan import STEPS, ExecutionPlan, check_laid_out
 from nanoserve.model.precision import DTYPES
 from nanoserve.model.quant import QuantLinear, quant_linear, quantize_int4, quantize_int8
-from nanoserve.model.rope import rope_table
+from nanoserve.model.rope import local_rope_table, rope_table
 
 
 def _laid_out_weight(w: Weight, form: Form, pack_weights: bool) -> Weight:
@@ -98,6 +98,7 @@ def laid_out(model: LlamaModel, plan: ExecutionPlan) -> LlamaModel:
     prepared.embed_scale = embedding_scale(model.config, dtype)
     if dtype != model.dtype:
         prepared.cos, prepared.sin = rope_table(model.config, model.cos.shape[0], dtype, model.device)
+        prepared.local_rope = local_rope_table(model.config, model.cos.shape[0], dtype, model.device)
     return prepared
 
 

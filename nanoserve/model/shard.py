@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanoserve.model.config import LlamaConfig
+from nanoserve.model.config import PHI3, LlamaConfig
 from nanoserve.model.forms import Form, Regroup, Weight
 from nanoserve.model.gguf import BLOCK
 from nanoserve.model.llama import LlamaModel
@@ -60,10 +60,14 @@ def shard_of(config: LlamaConfig, rank: int, world_size: int) -> Shard:
 
     Raises:
         ValueError: when N exceeds H, exceeds Hkv without being a multiple of it, or exceeds the
-            MLP's or the vocabulary's units, naming the numbers.
+            MLP's or the vocabulary's units, naming the numbers; for a checkpoint whose q/k/v and
+            gate/up are fused (Phi-3), which the slices do not cut apart.
     """
     H, Hkv, I, V = config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size
     N = world_size
+    if config.architecture == PHI3 and N > 1:
+        raise ValueError(f"tensor_parallel_size={N}: {PHI3}'s checkpoints hold q/k/v and gate/up fused (qkv_proj, "
+                         "gate_up_proj), which nanoserve's tensor-parallel slices do not cut apart; serve it on one rank")
     if not 0 <= rank < N:
         raise ValueError(f"rank={rank} is outside 0 .. {N - 1}")
     if N > H:

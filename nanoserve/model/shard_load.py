@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from nanoserve.model.config import LlamaConfig
+from nanoserve.model.config import LlamaConfig, text_model_name
 from nanoserve.model.ggml_blocks import BY_ID
 from nanoserve.model.gguf import (
-    ROPE_FREQS,
+    ROPE_TENSORS,
     BlockQuantized,
     GGUFFile,
     architecture_of,
@@ -66,13 +66,16 @@ def read_shard(source: Path, is_gguf: bool, rank: int, world_size: int) -> tuple
     tensors: Tensors = {}
     for file in safetensors_files(source):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                name = text_model_name(config, stored)
+                if config.language_model_of is not None and name == stored:
+                    continue  # a multimodal checkpoint's vision tower: unread
                 cut = slice_of(name, config, shard)
                 if cut is None:
-                    tensors[name] = f.get_tensor(name)
+                    tensors[name] = f.get_tensor(stored)
                 else:
                     dim, start, end = cut
-                    tensors[name] = f.get_slice(name)[start:end] if dim == 0 else f.get_slice(name)[:, start:end]
+                    tensors[name] = f.get_slice(stored)[start:end] if dim == 0 else f.get_slice(stored)[:, start:end]
     return config, shard, tensors
 
 
@@ -80,7 +83,7 @@ def _gguf_slices(parsed: GGUFFile, config: LlamaConfig, shard: Shard) -> Tensors
     _, spec = architecture_of(parsed)
     tensors: Tensors = {}
     for gguf_name in parsed.tensors:
-        if gguf_name == ROPE_FREQS:  # in the config
+        if gguf_name in ROPE_TENSORS:  # in the config
             continue
         name = hf_name(gguf_name, spec.names)
         cut = slice_of(name, config, shard)

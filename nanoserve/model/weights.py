@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from nanoserve.model.config import LlamaConfig, expected_shapes
+from nanoserve.model.config import LlamaConfig, expected_shapes, text_model_name
 from nanoserve.model.llama import LlamaModel
 
 
@@ -66,10 +66,12 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-def load_tensors(path: str | Path, shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
+def load_tensors(path: str | Path, shapes: dict[str, tuple[int, ...]] | None = None,
+                 config: LlamaConfig | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint's safetensors files. shapes: the tensors the model reads and their
     shapes (expected_shapes), held to the files' headers before any tensor is read; tensors the
-    model does not read are left unread.
+    model does not read are left unread. config: names the tensors as the model reads them
+    (text_model_name: a multimodal checkpoint's language model).
 
     Raises:
         ValueError: a file whose header safetensors refuses, or a tensor of another shape than the
@@ -79,14 +81,16 @@ def load_tensors(path: str | Path, shapes: dict[str, tuple[int, ...]] | None = N
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
-                names = [name for name in f.keys() if shapes is None or name in shapes]  # noqa: SIM118
-                for name in names:
-                    got = tuple(f.get_slice(name).get_shape())
+                names = {name: text_model_name(config, name) if config is not None else name
+                         for name in f.keys()}  # noqa: SIM118
+                names = {stored: name for stored, name in names.items() if shapes is None or name in shapes}
+                for stored, name in names.items():
+                    got = tuple(f.get_slice(stored).get_shape())
                     if shapes is not None and got != shapes[name]:
-                        raise ValueError(f"{file}: tensor {name!r} has shape {list(got)}, expected "
+                        raise ValueError(f"{file}: tensor {stored!r} has shape {list(got)}, expected "
                                          f"{list(shapes[name])} (the config's)")
-                for name in names:
-                    tensors[name] = f.get_tensor(name)
+                for stored, name in names.items():
+                    tensors[name] = f.get_tensor(stored)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{file} is not a safetensors file nanoserve reads: {e}") from None
     return tensors  # one the config implies and no file holds: LlamaModel.from_state_dict names it
@@ -95,7 +99,7 @@ def load_tensors(path: str | Path, shapes: dict[str, tuple[int, ...]] | None = N
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,
                max_positions: int | None = None) -> LlamaModel:
     config = load_config(path)
-    return LlamaModel.from_state_dict(config, load_tensors(path, expected_shapes(config)), dtype, device,
+    return LlamaModel.from_state_dict(config, load_tensors(path, expected_shapes(config), config), dtype, device,
                                       max_positions)
 
 
