@@ -10,6 +10,7 @@ a tiny engine (httpx's ASGI transport), where a fault can be injected into the m
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import signal
 import threading
@@ -29,7 +30,11 @@ from conftest import (
 
 from nanoserve.serving.server.app import create_app
 from nanoserve.serving.server.guard import ServerConfig
-from nanoserve.serving.server.unimplemented import IGNORED_FIELDS, UNIMPLEMENTED_FIELDS
+from nanoserve.serving.server.unimplemented import (
+    CHAT_UNIMPLEMENTED_FIELDS,
+    IGNORED_FIELDS,
+    UNIMPLEMENTED_FIELDS,
+)
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -178,7 +183,7 @@ def test_the_api_key_guards_v1_and_tokenize_not_health_or_metrics(server, client
         assert e.value.status_code == 401 and error_of(e.value)["code"] == "invalid_api_key"
     # Without any Authorization header:
     for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
-                         ("POST", "/detokenize")):
+                         ("POST", "/detokenize"), ("GET", "/tokenizer_info")):
         r = httpx.request(method, f"{server}{path}", json={}, timeout=10)
         assert r.status_code == 401, path
         assert r.headers["www-authenticate"] == "Bearer"
@@ -187,7 +192,7 @@ def test_the_api_key_guards_v1_and_tokenize_not_health_or_metrics(server, client
     assert [m.id for m in client.models.list().data] == [MODEL]  # with the key
     r = httpx.post(f"{server}/tokenize", json={"prompt": "hi"}, headers={"authorization": f"bearer {KEY}"}, timeout=10)
     assert r.status_code == 200  # the scheme is case-insensitive
-    assert server_metrics(server)["nanoserve_requests_rejected_total"] - before == 7
+    assert server_metrics(server)["nanoserve_requests_rejected_total"] - before == 8
 
 
 @pytest.mark.weights
@@ -220,10 +225,10 @@ def test_past_the_queue_bound_a_request_gets_503_with_retry_after(server, client
 
 REFUSED = [  # (endpoint, field, a value that asks for something)
     ("completions", "logit_bias", {"50": 100}),
-    ("completions", "echo", True),
+    ("chat", "echo", True),  # served on completions (tests/test_prompt_logprobs.py)
     ("completions", "suffix", " the end"),
     ("completions", "best_of", 3),
-    ("completions", "prompt_logprobs", 1),
+    ("chat", "prompt_logprobs", 1),
     ("chat", "functions", [{"name": "f", "parameters": {"type": "object"}}]),
     ("chat", "function_call", "auto"),
     ("chat", "audio", {"voice": "alloy", "format": "wav"}),
@@ -238,7 +243,7 @@ REFUSED = [  # (endpoint, field, a value that asks for something)
 
 @pytest.mark.weights
 def test_a_field_the_server_does_not_implement_is_a_400_naming_it(server, client):
-    assert {field for _, field, _ in REFUSED} <= set(UNIMPLEMENTED_FIELDS)
+    assert {field for _, field, _ in REFUSED} <= set(UNIMPLEMENTED_FIELDS) | set(CHAT_UNIMPLEMENTED_FIELDS)
     before = wait_idle(server)
     for endpoint, field, value in REFUSED:
         with pytest.raises(openai.BadRequestError) as e:
@@ -298,6 +303,13 @@ def test_tokenize_and_detokenize_agree_with_the_tokenizer(server, client, defaul
     assert usage.prompt_tokens == len(chat_ids)
 
     assert post("/detokenize", {"model": MODEL, "tokens": chat_ids}) == {"prompt": tok.decode(chat_ids)}
+    info = httpx.get(f"{server}/tokenizer_info", headers=auth, timeout=10).json()
+    assert info["eos_token"] == tok.eos_token and info["bos_token"] == tok.bos_token
+    assert info["chat_template"] == tok.chat_template and info["model_max_length"] == default_engine.max_model_len
+    if importlib.util.find_spec("lm_eval") is not None:  # lm-evaluation-harness' own check, where installed
+        from lm_eval.utils import check_remote_tokenizer_support
+
+        assert check_remote_tokenizer_support(server, auth_token=KEY)
     assert post("/detokenize", {"tokens": ids})["prompt"] == tok.decode(ids)
     bad = httpx.post(f"{server}/detokenize", json={"tokens": [1, 10**9]}, headers=auth, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"

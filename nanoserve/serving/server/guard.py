@@ -1,7 +1,7 @@
 """What an operator sets between clients and the engine: the API key, the queue bound, the drain.
 
 `ServerConfig` holds the settings. `ApiKeyMiddleware` answers 401 to a request for a protected
-path (every `/v1` route, `/tokenize`, `/detokenize`) without `Authorization: Bearer <key>`;
+path (every `/v1` route, `/tokenize`, `/detokenize`, `/tokenizer_info`) without `Authorization: Bearer <key>`;
 `/health` and `/metrics` stay open, for load balancers and scrapers. It is plain ASGI, not
 Starlette's BaseHTTPMiddleware, so a streamed response and the non-streaming route's wait for
 `http.disconnect` pass through it untouched. `DrainingServer` is uvicorn's server with the drain
@@ -27,7 +27,7 @@ from nanoserve.serving.server.reasoning import PARSERS
 if TYPE_CHECKING:
     from nanoserve.serving.async_engine import AsyncEngine
 
-PROTECTED_PATHS = ("/tokenize", "/detokenize")  # beside everything under /v1
+PROTECTED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")  # beside everything under /v1
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,15 @@ def tokenize_routes(engine: Engine, check_model: Callable[[str | None], None]) -
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}
 
+    @router.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """vLLM's: the tokenizer's special tokens, class and chat template, and the context limit
+        (what lm-evaluation-harness' remote tokenizer reads before it tokenizes through /tokenize)."""
+        tok = tokenizer()
+        info = {name: getattr(tok, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        return info | {"tokenizer_class": type(tok).__name__, "chat_template": getattr(tok, "chat_template", None),
+                       "model_max_length": engine.max_model_len}
+
     @router.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, str]:
         body: DetokenizeRequest = protocol.parse_body(await request.body(), DetokenizeRequest)
