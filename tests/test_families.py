@@ -33,6 +33,18 @@ FAMILIES = {
     "gemma": ("gemma", {"initializer_range": 0.2}),
     "gemma2": ("gemma2", {"sliding_window": 6, "query_pre_attn_scalar": 12, "attn_logit_softcapping": 2.0,
                           "final_logit_softcapping": 3.0, "initializer_range": 0.2}),
+    # Mixtures of experts: 4-8 experts, top 2 or 3; weights 10x wider than transformers' init, so the
+    # routers' choices are not near-ties. Qwen3-MoE's layer 1 and Qwen2-MoE's layer 0 are dense.
+    "qwen3-moe": ("qwen3_moe", {"num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 16, "norm_topk_prob": True, "mlp_only_layers": [1],
+                                "head_dim": 12, "initializer_range": 0.2}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24,
+                            "sliding_window": 5, "initializer_range": 0.2}),
+    "qwen2-moe": ("qwen2_moe", {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                "shared_expert_intermediate_size": 24, "decoder_sparse_step": 2,
+                                "initializer_range": 0.2}),
+    "olmoe": ("olmoe", {"num_experts": 8, "num_experts_per_tok": 3, "intermediate_size": 16, "eos_token_id": 2,
+                        "pad_token_id": 0, "initializer_range": 0.2}),
 }
 PROMPTS = [[5, 9, 13, 22, 7, 41, 3, 8, 60, 33, 21], [17, 4], [30 + i % 50 for i in range(40)], [11, 12, 13, 14, 15]]
 MAX_TOKENS = 12
@@ -84,6 +96,13 @@ def test_logits_and_greedy_tokens_equal_transformers(name, max_num_seqs):
     ("gemma2", "attn_logit_softcap", None),
     ("gemma2", "final_logit_softcap", None),
     ("gemma2", "sliding_window", None),
+    ("qwen3-moe", "norm_topk_prob", False),
+    ("qwen3-moe", "num_experts_per_tok", 1),
+    ("mixtral", "norm_topk_prob", False),
+    ("mixtral", "sliding_window", None),
+    ("qwen2-moe", "shared_expert_intermediate_size", None),
+    ("qwen2-moe", "qkv_bias", False),
+    ("olmoe", "qk_norm_whole", False),
 ])
 def test_each_switch_matters(name, switch, off):
     # The same weights with one switch off no longer give transformers' logits: the tiny configs
