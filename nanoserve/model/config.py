@@ -104,6 +104,7 @@ class LlamaConfig:
         """
         for name, high in LIMITS.items():
             _check_count(name, getattr(self, name), high)
+        self._check_experts()
         if self.num_params > MAX_PARAMS:
             raise ValueError(f"the config implies {self.num_params} parameters, over the {MAX_PARAMS} nanoserve reads")
         if self.head_dim % 2:
@@ -142,7 +143,6 @@ class LlamaConfig:
             value = getattr(self, name)
             if value is not None:
                 _check_positive(name, value)
-        self._check_experts()
 
     def _check_experts(self) -> None:
         if self.num_experts is None:
