@@ -233,3 +233,14 @@ def test_a_q4_k_m_file_serves_transformers_logits_over_its_dequantized_tensors(m
         else:
             assert engine.plan.form_of(0, "experts.gate_up").name in ("blockdot", "blockdot-int8"), engine.plan.render()
             assert out.token_ids[0] == want.indices[0].item(), engine.plan.render()
+
+
+def test_tensor_parallelism_refuses_a_mixture_of_experts_before_any_process_starts():
+    from nanoserve.model.shard import shard_of
+
+    hf = make_hf_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    config = LlamaConfig.from_hf_dict(hf.config.to_dict())
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 with a mixture-of-experts model "
+                                         r"\(Qwen3MoeForCausalLM\): nanoserve does not cut experts across ranks"):
+        shard_of(config, 0, 2)
+    assert shard_of(config, 0, 1) is not None

@@ -60,12 +60,15 @@ def shard_of(config: LlamaConfig, rank: int, world_size: int) -> Shard:
 
     Raises:
         ValueError: when N exceeds H, exceeds Hkv without being a multiple of it, or exceeds the
-            MLP's or the vocabulary's units, naming the numbers.
+            MLP's or the vocabulary's units, naming the numbers; N > 1 for a mixture of experts.
     """
     H, Hkv, I, V = config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size
     N = world_size
     if not 0 <= rank < N:
         raise ValueError(f"rank={rank} is outside 0 .. {N - 1}")
+    if N > 1 and config.is_moe:
+        raise ValueError(f"tensor_parallel_size={N} with a mixture-of-experts model ({config.architecture}): nanoserve "
+                         "does not cut experts across ranks; use 1")
     if N > H:
         raise ValueError(f"tensor_parallel_size={N} exceeds the model's {H} attention heads")
     group = H // Hkv  # query heads per key/value head
