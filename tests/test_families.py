@@ -35,15 +35,16 @@ FAMILIES = {
                           "final_logit_softcapping": 3.0, "initializer_range": 0.2}),
     # Mixtures of experts: 4-8 experts, top 2 or 3; weights 10x wider than transformers' init, so the
     # routers' choices are not near-ties. Qwen3-MoE's layer 1 and Qwen2-MoE's layer 0 are dense.
+    # Widths multiples of 32, so test_plan quantizes every matrix to int4.
     "qwen3-moe": ("qwen3_moe", {"num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
-                                "moe_intermediate_size": 16, "norm_topk_prob": True, "mlp_only_layers": [1],
-                                "head_dim": 12, "initializer_range": 0.2}),
-    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24,
+                                "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1],
+                                "head_dim": 16, "initializer_range": 0.2}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                             "sliding_window": 5, "initializer_range": 0.2}),
-    "qwen2-moe": ("qwen2_moe", {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                                "shared_expert_intermediate_size": 24, "decoder_sparse_step": 2,
+    "qwen2-moe": ("qwen2_moe", {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 64, "decoder_sparse_step": 2,
                                 "initializer_range": 0.2}),
-    "olmoe": ("olmoe", {"num_experts": 8, "num_experts_per_tok": 3, "intermediate_size": 16, "eos_token_id": 2,
+    "olmoe": ("olmoe", {"num_experts": 8, "num_experts_per_tok": 3, "intermediate_size": 32, "eos_token_id": 2,
                         "pad_token_id": 0, "initializer_range": 0.2}),
 }
 PROMPTS = [[5, 9, 13, 22, 7, 41, 3, 8, 60, 33, 21], [17, 4], [30 + i % 50 for i in range(40)], [11, 12, 13, 14, 15]]

@@ -260,7 +260,8 @@ def test_unserved_type_is_refused_by_name(tmp_path):
 def test_other_architecture_is_refused_by_name(tmp_path):
     write_tiny_gguf(tmp_path / "tiny.gguf", arch="gemma3")
     with pytest.raises(ValueError, match=r"GGUF architecture 'gemma3' is not supported: nanoserve reads "
-                                         r"\('llama', 'qwen2', 'qwen3', 'gemma', 'gemma2'\)"):
+                                         r"\('llama', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'qwen3moe', 'qwen2moe', "
+                                         r"'olmoe'\)"):
         read_gguf_config(tmp_path / "tiny.gguf")
 
 

@@ -97,6 +97,10 @@ GGUF_FAMILIES = {
     # llama.cpp renormalises Qwen3-MoE's top k weights always (as Qwen3-MoE's releases do)
     "qwen3_moe": WIDE | dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True),
     "mixtral": WIDE | dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=256),  # written as "llama"
+    # llama.cpp's converter maps no dense layer of Qwen2-MoE: every layer sparse
+    "qwen2_moe": WIDE | dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                             shared_expert_intermediate_size=256, intermediate_size=256),
+    "olmoe": WIDE | dict(num_experts=4, num_experts_per_tok=2, intermediate_size=256, eos_token_id=2, pad_token_id=0),
 }
 PROMPT = [1, 504, 3303, 314, 253, 1345, 2617, 30, 378, 2060, 314]
 
@@ -126,7 +130,8 @@ def test_a_mixture_of_experts_file_is_token_identical_to_transformers_on_its_che
     config, tensors = load_gguf(f32)
     hf_config = LlamaConfig.from_hf_dict(json.loads((checkpoint / "config.json").read_text()))
     for field in ("architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                  "dense_layers", "qk_norm", "head_dim", "tie_word_embeddings"):
+                  "dense_layers", "shared_expert_intermediate_size", "qk_norm", "qk_norm_whole", "qkv_bias",
+                  "head_dim", "tie_word_embeddings"):
         assert getattr(config, field) == getattr(hf_config, field), field
     engine = Engine(LlamaModel.from_state_dict(config, tensors, torch.float32, "cpu"), None,
                     EngineConfig(dtype="float32", quantization=None, block_size=16, num_kv_blocks=64))
@@ -188,15 +193,19 @@ def dequantized_state_dict(file: Path, family: str) -> dict[str, torch.Tensor]:
     names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"}
     layer = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-             "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate"}
+             "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
+             "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+             "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
     out = {}
     for name in parsed.tensors:
-        stem = name.removesuffix(".weight")
+        stem, suffix = name.rsplit(".", 1)  # suffix: weight or bias
         if stem in names:
-            out[names[stem] + ".weight"] = tensor(name)
+            out[f"{names[stem]}.{suffix}"] = tensor(name)
         elif stem.split(".")[2] in layer:
             i = stem.split(".")[1]
-            out[f"model.layers.{i}.{layer[stem.split('.')[2]]}.weight"] = tensor(name)
+            out[f"model.layers.{i}.{layer[stem.split('.')[2]]}.{suffix}"] = tensor(name)
+    for key in [k for k in out if k.endswith("shared_expert_gate.weight")]:
+        out[key] = out[key].reshape(1, -1)  # the file's [E], transformers' [1, E]
     for i in range(2):
         gate, up = tensor(f"blk.{i}.ffn_gate_exps.weight"), tensor(f"blk.{i}.ffn_up_exps.weight")
         out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
