@@ -253,3 +253,25 @@ def test_tensor_parallelism_refuses_a_mixture_of_experts_before_any_process_star
                                          r"\(Qwen3MoeForCausalLM\): nanoserve does not cut experts across ranks"):
         shard_of(config, 0, 2)
     assert shard_of(config, 0, 1) is not None
+
+
+def test_off_the_invariant_plan_a_mixture_runs_on_torch_and_the_plan_says_why():
+    from conftest import CharTokenizer, config_of, nanoserve_model_from_hf
+
+    from nanoserve.model.driver import Driver
+
+    hf = make_hf_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    engine = Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size),
+                    config_of(dtype="bfloat16", quantization="int4", batch_invariant=False, block_size=4,
+                              num_kv_blocks=16))
+    plan = engine.plan
+    assert plan.drivers == {Driver.TORCH} and engine.model.fused_layers is None
+    assert "no C decode: fused_decode.c's one call has no mixture-of-experts MLP" in plan.render()
+    # the experts laid out as every other matrix of their width; the router dense in the plan's dtype
+    assert plan.form_of(0, "experts.gate_up") == plan.form_of(0, "qkv")
+    assert plan.form_of(0, "router").name in ("torch", "onednn") and plan.form_of(0, "router").dtype == "bfloat16"
+    moe = engine.model.layers[0].moe
+    assert [w.form for w in moe.gate_up + moe.down] == [plan.form_of(0, "experts.gate_up")] * 4 + [
+        plan.form_of(0, "experts.down")] * 4
+    (out,) = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out.token_ids) == 4
