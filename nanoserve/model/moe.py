@@ -13,7 +13,8 @@ execution plan laid them out (dense, dense panels, blockdot's panels over a GGUF
 each row's result is written at that row's slot [T, k, E]; then each row sums its k results in
 rank order, weighted by its routing weights. A row's output thus depends on its own x alone,
 whatever other rows share the step, wherever the matmuls' kernels are row-invariant (the
-batch-invariant plan's are).
+batch-invariant plan's are). Grouping reads each sparse layer's per-expert row counts back once a
+step (as transformers' own loop over the experts hit does).
 
 Dimension names: T tokens this step, E hidden, X experts, k experts a token runs (top_k),
 Ie an expert's gated MLP width.
