@@ -179,6 +179,25 @@ def test_stacked_experts_are_views_of_one_decode_equal_to_gguf_pys_dequantize(mo
     assert "Q4_K" in kinds, kinds
 
 
+@needs_tools
+@pytest.mark.parametrize("key, value, message", [
+    ("qwen3moe.expert_used_count", 5, "num_experts_per_tok=5 must be an integer from 1 to 4"),
+    ("qwen3moe.expert_used_count", 0, "num_experts_per_tok=0 must be an integer from 1 to 4"),
+    ("qwen3moe.expert_count", 3, r"GGUF tensor 'blk.0.ffn_down_exps.weight' has shape \[4, 256, 256\], expected "
+                                 r"\[3, 256, 256\]"),
+    ("qwen3moe.expert_count", 2**20, f"num_experts={2**20} must be an integer from 1 to {2**12}"),
+    ("qwen3moe.expert_feed_forward_length", 128, r"ffn_down_exps.weight. has shape \[4, 256, 256\], expected "
+                                                 r"\[4, 256, 128\]"),
+])
+def test_a_file_whose_experts_disagree_with_its_metadata_is_refused_by_name(moe_files, tmp_path, key, value, message):
+    from test_untrusted_files import with_value
+
+    _, f32, _ = moe_files["qwen3_moe"]
+    (tmp_path / "bad.gguf").write_bytes(with_value(f32.read_bytes(), tmp_path / "o.gguf", key, value))
+    with pytest.raises(ValueError, match=message):
+        load_gguf(tmp_path / "bad.gguf")
+
+
 def dequantized_state_dict(file: Path, family: str) -> dict[str, torch.Tensor]:
     """The file's tensors by gguf-py's dequantize, under transformers' in-memory names (its fused
     experts [X, 2 Ie, E] and [X, E, Ie]), written out here from llama.cpp's tensor names."""
