@@ -294,3 +294,32 @@ def test_off_the_invariant_plan_a_mixture_runs_on_torch_and_the_plan_says_why():
         plan.form_of(0, "experts.down")] * 4
     (out,) = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out.token_ids) == 4
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "mlp_only_layers": [0]}),
+    ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                   "shared_expert_intermediate_size": 24}),
+    ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "eos_token_id": 2, "pad_token_id": 0}),
+])
+def test_a_saved_checkpoint_loads_its_per_expert_tensors_as_transformers_wrote_them(tmp_path, family, overrides):
+    from safetensors import safe_open
+
+    from nanoserve.model.weights import load_model
+
+    hf = make_hf_model(family, seed=5, initializer_range=0.2, **overrides)
+    hf.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        stored = set(f.keys())
+    assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in stored)  # one per expert
+    model = load_model(tmp_path, torch.float32, "cpu")
+    engine = Engine(model, None, EngineConfig(dtype="float32", quantization=None, block_size=4, num_kv_blocks=32))
+    prompt = [5, 9, 13, 22, 7, 41, 3, 8, 60, 33, 21]
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1).topk(5)
+    top = sorted(out.logprobs[0].items(), key=lambda kv: -kv[1])
+    assert [t for t, _ in top] == expected.indices.tolist()
+    for (_, got), want in zip(top, expected.values.tolist(), strict=True):
+        assert abs(got - want) < 1e-4
