@@ -237,3 +237,22 @@ def test_k_tokens_scored_as_one_chunk_get_a_decodes_logits(path_name):
     one_a_step = teacher_forced_logits(model, token_ids, chunk=1)
     for k in (2, 5, 90):
         assert torch.equal(teacher_forced_logits(model, token_ids, chunk=k), one_a_step), k
+
+
+# A mixture of experts (Qwen3-MoE, 8 experts, top 2, its layers' MLPs one sparse and one dense): the
+# rows of a step choose different experts, so each expert's matmul takes a different subset of them
+# at every step; a row's answer must not move.
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+       "mlp_only_layers": [1], "initializer_range": 0.2}
+
+
+@needs_build
+@pytest.mark.parametrize("path_name", ["float32-dense", "bf16-int4-int16"])
+def test_a_mixture_of_experts_answer_is_the_same_under_the_hard_load(path_name):
+    hf, path = tiny_model("qwen3_moe", **MOE), PATHS[path_name]
+    busy = engine(hf, path, max_num_seqs=6, max_num_batched_tokens=5, num_kv_blocks=POOL["small"],
+                  deferred_output=True)
+    assert any(m.name == "experts.gate_up" for m in busy.plan.matrices)
+    finals = run_load(busy, HARD_LOAD)
+    assert sum(f.num_preemptions for f in finals.values()) > 0
+    assert_as_quiet(hf, path_name, path, HARD_LOAD, finals)

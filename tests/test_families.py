@@ -40,6 +40,19 @@ FAMILIES = {
     "phi3": ("phi3", {"partial_rotary_factor": 0.5, "sliding_window": 6, "pad_token_id": 0}),  # rope on 4 of D = 8
     "smollm3": ("smollm3", {"num_hidden_layers": 4, "no_rope_layer_interval": 2, "tie_word_embeddings": True,
                             "pad_token_id": 0, "initializer_range": 0.2}),  # layers 1 and 3 without rope
+    # Mixtures of experts: 4-8 experts, top 2 or 3; weights 10x wider than transformers' init, so the
+    # routers' choices are not near-ties. Qwen3-MoE's layer 1 and Qwen2-MoE's layer 0 are dense.
+    # Widths multiples of 32, so test_plan quantizes every matrix to int4.
+    "qwen3-moe": ("qwen3_moe", {"num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1],
+                                "head_dim": 16, "initializer_range": 0.2}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                            "sliding_window": 5, "initializer_range": 0.2}),
+    "qwen2-moe": ("qwen2_moe", {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 64, "decoder_sparse_step": 2,
+                                "initializer_range": 0.2}),
+    "olmoe": ("olmoe", {"num_experts": 8, "num_experts_per_tok": 3, "intermediate_size": 32, "eos_token_id": 2,
+                        "pad_token_id": 0, "initializer_range": 0.2}),
 }
 PROMPTS = [[5, 9, 13, 22, 7, 41, 3, 8, 60, 33, 21], [17, 4], [30 + i % 50 for i in range(40)], [11, 12, 13, 14, 15]]
 MAX_TOKENS = 12
@@ -99,6 +112,13 @@ def test_logits_and_greedy_tokens_equal_transformers(name, max_num_seqs):
     ("phi3", "partial_rotary_factor", 1.0),
     ("phi3", "sliding_window", None),
     ("smollm3", "no_rope_layers", ()),
+    ("qwen3-moe", "norm_topk_prob", False),
+    ("qwen3-moe", "num_experts_per_tok", 1),
+    ("mixtral", "norm_topk_prob", False),
+    ("mixtral", "sliding_window", None),
+    ("qwen2-moe", "shared_expert_intermediate_size", None),
+    ("qwen2-moe", "qkv_bias", False),
+    ("olmoe", "qk_norm_whole", False),
 ])
 def test_each_switch_matters(name, switch, off):
     # The same weights with one switch off no longer give transformers' logits: the tiny configs

@@ -59,15 +59,37 @@ def load_engine_weights_into(hf, engine: Engine) -> None:
     with torch.no_grad():
         for ours, theirs in zip(engine.model.layers, hf.model.layers, strict=True):
             q, k, v = dense(ours.qkv).split([H * D, Hkv * D, Hkv * D])
-            gate, up = dense(ours.gate_up).split([I, I])
             attn, mlp = theirs.self_attn, theirs.mlp
             if hasattr(attn, "qkv_proj"):  # Phi-3's fused projections, as its checkpoint holds them
-                pairs = ((attn.qkv_proj, dense(ours.qkv)), (mlp.gate_up_proj, dense(ours.gate_up)))
+                attn.qkv_proj.weight.copy_(dense(ours.qkv).float())
             else:
-                pairs = ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v), (mlp.gate_proj, gate), (mlp.up_proj, up))
-            for module, weight in pairs + ((attn.o_proj, dense(ours.o)), (mlp.down_proj, dense(ours.down))):
+                for module, weight in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v)):
+                    module.weight.copy_(weight.float())
+            attn.o_proj.weight.copy_(dense(ours.o).float())
+            if ours.moe is not None:  # transformers' experts: [X, 2 Ie, E] and [X, E, Ie]
+                load_moe_weights_into(mlp, ours.moe)
+                continue
+            if hasattr(mlp, "gate_up_proj"):
+                pairs = ((mlp.gate_up_proj, dense(ours.gate_up)),)
+            else:
+                gate, up = dense(ours.gate_up).split([I, I])
+                pairs = ((mlp.gate_proj, gate), (mlp.up_proj, up))
+            for module, weight in pairs + ((mlp.down_proj, dense(ours.down)),):
                 module.weight.copy_(weight.float())
         hf.lm_head.weight.copy_(dense(engine.model.lm_head_weight))
+
+
+def load_moe_weights_into(mlp, moe) -> None:
+    """A transformers sparse MLP's weights become a MoeWeights', dequantized."""
+    mlp.gate.weight.copy_(dense(moe.router).float())
+    mlp.experts.gate_up_proj.copy_(torch.stack([dense(w).float() for w in moe.gate_up]))
+    mlp.experts.down_proj.copy_(torch.stack([dense(w).float() for w in moe.down]))
+    if moe.shared_gate_up is not None:
+        gate, up = dense(moe.shared_gate_up).float().chunk(2)
+        for module, weight in ((mlp.shared_expert.gate_proj, gate), (mlp.shared_expert.up_proj, up),
+                               (mlp.shared_expert.down_proj, dense(moe.shared_down)),
+                               (mlp.shared_expert_gate, dense(moe.shared_gate))):
+            module.weight.copy_(weight.float())
 
 
 def count_fused_steps(engine: Engine) -> list[int]:

@@ -260,7 +260,8 @@ def test_unserved_type_is_refused_by_name(tmp_path):
 def test_other_architecture_is_refused_by_name(tmp_path):
     write_tiny_gguf(tmp_path / "tiny.gguf", arch="phi2")
     with pytest.raises(ValueError, match=r"GGUF architecture 'phi2' is not supported: nanoserve reads "
-                                         r"\('llama', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'gemma3', 'phi3', 'smollm3'\)"):
+                                         r"\('llama', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'gemma3', 'phi3', 'smollm3', "
+                                         r"'qwen3moe', 'qwen2moe', 'olmoe'\)"):
         read_gguf_config(tmp_path / "tiny.gguf")
 
 

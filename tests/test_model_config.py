@@ -109,7 +109,8 @@ def test_unsupported_configs_are_refused_by_name(change, message):
                                                              r"text_config object \(got NoneType\)"),
     ({"architectures": None, "model_type": "gemma3", "text_config": {"vocab_size": 10, "hidden_size": 8}},
      r"config has no 'intermediate_size'"),
-    ({"architectures": ["MixtralForCausalLM"]}, "'MixtralForCausalLM' is not supported: it needs a mixture-of-experts MLP"),
+    ({"architectures": ["DeepseekV3ForCausalLM"]}, "'DeepseekV3ForCausalLM' is not supported: it needs multi-head "
+                                                    "latent attention"),
     ({"architectures": ["GemmaForCausalLM"], "use_bidirectional_attention": True},
      "use_bidirectional_attention=True is not supported"),
     ({"hidden_act": "relu"}, r"hidden_act='relu' is not supported \(supported: \('silu', 'gelu_pytorch_tanh'\)\)"),
@@ -281,3 +282,69 @@ def test_a_gemma3_multimodal_config_is_read_as_its_text_config():
                                          r"language models of"):
         LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=2,
                     head_dim=4, language_model_of="Gemma3ForConditionalGeneration")
+
+
+# ---- mixtures of experts -------------------------------------------------------------------------------
+
+MOE_FAMILIES = {
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 6, "mlp_only_layers": [1]},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 6,
+                  "shared_expert_intermediate_size": 10, "decoder_sparse_step": 2},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 1, "eos_token_id": 2, "pad_token_id": 0},
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_num_params_equals_transformers_parameter_count_for_every_mixture_of_experts(family):
+    hf = make_hf_model(family, num_hidden_layers=3, **MOE_FAMILIES[family])
+    assert LlamaConfig.from_hf_dict(hf.config.to_dict()).num_params == sum(p.numel() for p in hf.parameters())
+
+
+def test_mixture_of_experts_fields_are_read_as_transformers_reads_them():
+    import transformers
+
+    small = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=4, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=4)
+    qwen3 = LlamaConfig.from_hf_dict(transformers.Qwen3MoeConfig(**small, num_experts=8, num_experts_per_tok=2,
+                                                                  moe_intermediate_size=6, norm_topk_prob=True,
+                                                                  mlp_only_layers=[0]).to_dict())
+    assert (qwen3.num_experts, qwen3.num_experts_per_tok, qwen3.moe_intermediate_size, qwen3.norm_topk_prob,
+            qwen3.dense_layers, qwen3.qk_norm) == (8, 2, 6, True, (0,), True)
+    qwen2 = LlamaConfig.from_hf_dict(transformers.Qwen2MoeConfig(**small, num_experts=4, num_experts_per_tok=2,
+                                                                  moe_intermediate_size=6, decoder_sparse_step=2,
+                                                                  shared_expert_intermediate_size=12).to_dict())
+    # transformers' layer i is sparse where (i + 1) % decoder_sparse_step == 0
+    assert (qwen2.dense_layers, qwen2.shared_expert_intermediate_size, qwen2.qkv_bias, qwen2.norm_topk_prob) == (
+        (0, 2), 12, True, False)
+    mixtral = LlamaConfig.from_hf_dict(transformers.MixtralConfig(**small, num_local_experts=4).to_dict())
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.norm_topk_prob, mixtral.dense_layers) == (
+        4, 16, True, ())
+    olmoe = LlamaConfig.from_hf_dict(transformers.OlmoeConfig(**small, num_experts=4, num_experts_per_tok=3,
+                                                              eos_token_id=2).to_dict())
+    assert (olmoe.qk_norm_whole, olmoe.qk_norm, olmoe.num_experts_per_tok, olmoe.moe_intermediate_size) == (
+        True, False, 3, 16)
+
+
+MOE_BASE = BASE | {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 8}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok=5 must be an integer from 1 to 4"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok=0 must be an integer from 1 to 4"),
+    ({"num_experts": 0, "num_local_experts": None}, "gives no num_experts"),
+    ({"num_experts": 2**13}, f"num_experts={2**13} must be an integer from 1 to {2**12}"),
+    ({"moe_intermediate_size": -1}, "moe_intermediate_size=-1 must be an integer from 1 to"),
+    ({"moe_intermediate_size": None}, "moe_intermediate_size=None must be an integer"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step=0 must be an integer from 1 to"),
+    ({"mlp_only_layers": [7]}, r"mlp_only_layers=\[7\] name layers outside 0 .. 0"),
+    ({"norm_topk_prob": "yes"}, "norm_topk_prob='yes' must be true or false"),
+    ({"architectures": ["Qwen2MoeForCausalLM"]}, "gives no shared_expert_intermediate_size"),
+    ({"architectures": ["OlmoeForCausalLM"], "clip_qkv": 8.0}, "clip_qkv=8.0 is not supported"),
+    ({"num_experts": 2**12, "moe_intermediate_size": 2**22, "hidden_size": 2**16, "num_attention_heads": 32},
+     "parameters, over the"),
+])
+def test_mixture_of_experts_configs_out_of_bounds_are_refused_with_the_value_and_the_limit(change, message):
+    with pytest.raises(ValueError, match=message):
+        LlamaConfig.from_hf_dict(MOE_BASE | change)

@@ -702,6 +702,16 @@ def test_greedy_tokens_are_the_same_with_and_without_speculation(name, path, met
 
 
 @needs_build
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_tokens_on_a_mixture_of_experts_are_the_same_with_and_without_speculation(method):
+    # Qwen3-MoE, 8 experts, top 2: verifying k drafts as k + 1 rows sends them to other experts'
+    # groups than one row at a time would, and changes nothing (the draft model: its first layer).
+    hf = tiny_model("qwen3_moe", 43, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                    norm_topk_prob=True)
+    compare(hf, PROMPTS, [greedy(40)] * len(PROMPTS), "float32-dense", spec_for(method, hf))
+
+
+@needs_build
 def test_greedy_with_default_lookup_and_wide_batches():
     # vLLM's default lookup (5..5), k = 2, and more requests than max_step_rows leaves drafts for.
     hf = tiny_model(seed=44)

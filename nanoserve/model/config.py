@@ -22,6 +22,12 @@ architecture's name:
 
 A multimodal checkpoint in LANGUAGE_MODELS (Gemma3ForConditionalGeneration) is read as its language
 model: text_config, its tensors from under language_model (text_model_name), the vision tower left unread.
+- the mixture-of-experts families (nanoserve.model.moe): the MLP a router over num_experts gated
+  MLPs, each token's top_k of them run and summed by their routing weights. Qwen3-MoE: Qwen3's
+  attention, some layers dense (mlp_only_layers, decoder_sparse_step); Mixtral: Mistral's
+  attention, every layer sparse, the top_k weights renormalised; Qwen2-MoE: Qwen2's attention, a
+  shared expert beside the routed ones, gated by sigmoid(shared_expert_gate(x)); OLMoE: Llama's
+  attention with an RMSNorm over the whole q and k projections (not each head) before rope.
 """
 
 from __future__ import annotations
@@ -35,14 +41,17 @@ LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2 = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
     "Gemma2ForCausalLM")
 GEMMA3, PHI3, SMOLLM3 = "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM"
-SUPPORTED_ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3, SMOLLM3)
+QWEN3_MOE, MIXTRAL, QWEN2_MOE, OLMOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                                        "OlmoeForCausalLM")
+MOE_ARCHITECTURES = (QWEN3_MOE, MIXTRAL, QWEN2_MOE, OLMOE)
+SUPPORTED_ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3, SMOLLM3) + MOE_ARCHITECTURES
 # Architectures close to a supported one, refused with the feature the forward lacks.
 REFUSED_ARCHITECTURES = {
-    "MixtralForCausalLM": "a mixture-of-experts MLP",
-    "Qwen2MoeForCausalLM": "a mixture-of-experts MLP",
-    "Qwen3MoeForCausalLM": "a mixture-of-experts MLP",
+    "DeepseekV3ForCausalLM": "multi-head latent attention (keys and values through a low-rank latent)",
+    "Gemma3nForCausalLM": "per-layer embeddings and AltUp's several residual streams",
 }
-MODEL_TYPES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "gemma": GEMMA, "gemma2": GEMMA2}
+MODEL_TYPES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "gemma": GEMMA, "gemma2": GEMMA2,
+               "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE, "olmoe": OLMOE}
 MODEL_TYPES |= {"gemma3_text": GEMMA3, "phi3": PHI3, "smollm3": SMOLLM3}
 # Multimodal architectures served as their language model (text in, text out) -> that model's architecture.
 GEMMA3_MULTIMODAL = "Gemma3ForConditionalGeneration"
@@ -59,6 +68,7 @@ LIMITS = {
     "vocab_size": 2**24, "hidden_size": 2**20, "intermediate_size": 2**22, "num_layers": 2**12,
     "num_heads": 2**12, "num_kv_heads": 2**12, "head_dim": 2**12, "max_position_embeddings": 2**24,
 }
+MOE_LIMITS = {"num_experts": 2**12, "moe_intermediate_size": 2**22, "shared_expert_intermediate_size": 2**22}
 MAX_PARAMS = 2**42  # the parameters the counts imply, all together
 
 
@@ -98,6 +108,14 @@ class LlamaConfig:
     rope_local_theta: float | None = None  # the windowed layers' own rope base, unscaled (Gemma 3); None: one table
     no_rope_layers: tuple[int, ...] = ()  # the layers that skip rope (SmolLM3's NoPE layers)
     language_model_of: str | None = None  # the multimodal architecture whose language model this is; None: none
+    qk_norm_whole: bool = False  # q and k pass an RMSNorm over the whole projection (H D, Hkv D) before rope (OLMoE)
+    # Mixture of experts (nanoserve.model.moe), all None / off for a dense model.
+    num_experts: int | None = None  # X, the routed experts of a sparse layer
+    num_experts_per_tok: int | None = None  # k, the experts each token runs (top_k)
+    moe_intermediate_size: int | None = None  # Ie, each expert's gated MLP width
+    norm_topk_prob: bool = False  # the top k routing weights renormalised to sum to 1
+    shared_expert_intermediate_size: int | None = None  # Is: a shared expert, gated by sigmoid(w . x) (Qwen2-MoE)
+    dense_layers: tuple[int, ...] = ()  # in a model with experts, the layers whose MLP is the dense one of width I
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +127,7 @@ class LlamaConfig:
         """
         for name, high in LIMITS.items():
             _check_count(name, getattr(self, name), high)
+        self._check_experts()
         if self.num_params > MAX_PARAMS:
             raise ValueError(f"the config implies {self.num_params} parameters, over the {MAX_PARAMS} nanoserve reads")
         if self.head_dim % 2:
@@ -178,15 +197,46 @@ class LlamaConfig:
         """Dr: how many of each head's D dimensions rope turns (all but where partial_rotary_factor < 1)."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def _check_experts(self) -> None:
+        if self.num_experts is None:
+            if (self.num_experts_per_tok, self.moe_intermediate_size, self.shared_expert_intermediate_size,
+                    self.dense_layers) != (None, None, None, ()):
+                raise ValueError("num_experts_per_tok, moe_intermediate_size, shared_expert_intermediate_size and "
+                                 "dense_layers describe experts, and num_experts is None")
+            return
+        for name, high in MOE_LIMITS.items():
+            if name != "shared_expert_intermediate_size" or self.shared_expert_intermediate_size is not None:
+                _check_count(name, getattr(self, name), high)
+        _check_count("num_experts_per_tok", self.num_experts_per_tok, self.num_experts)  # top_k <= num_experts
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise ValueError(f"dense_layers={self.dense_layers} name layers outside 0 .. {self.num_layers - 1}")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layer's MLP is a mixture of experts."""
+        return self.num_experts is not None and len(self.dense_layers) < self.num_layers
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer's MLP is a mixture of experts."""
+        return self.num_experts is not None and layer not in self.dense_layers
+
     @property
     def num_params(self) -> int:
         E, I, D = self.hidden_size, self.intermediate_size, self.head_dim
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * D
         attn = E * qkv_rows + self.num_heads * D * E
         attn += qkv_rows * self.qkv_bias + E * self.o_bias + 2 * D * self.qk_norm
-        per_layer = attn + 3 * E * I + (4 if self.sandwich_norms else 2) * E
+        attn += (self.num_heads + self.num_kv_heads) * D * self.qk_norm_whole
+        per_layer = attn + (4 if self.sandwich_norms else 2) * E
+        num_sparse = 0 if self.num_experts is None else self.num_layers - len(self.dense_layers)
+        mlps = (self.num_layers - num_sparse) * 3 * E * I
+        if num_sparse:  # the router, the experts and a shared expert with its gate
+            sparse = self.num_experts * E + self.num_experts * 3 * E * self.moe_intermediate_size
+            if self.shared_expert_intermediate_size is not None:
+                sparse += 3 * E * self.shared_expert_intermediate_size + E
+            mlps += num_sparse * sparse
         embed = self.vocab_size * E * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + E
+        return self.num_layers * per_layer + mlps + embed + E
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> LlamaConfig:
@@ -226,6 +276,8 @@ class LlamaConfig:
         arch = archs[0]
         is_gemma = arch in (GEMMA, GEMMA2, GEMMA3)
         has_sandwich = arch in (GEMMA2, GEMMA3)
+        if d.get("clip_qkv") is not None:
+            raise ValueError(f"clip_qkv={d['clip_qkv']!r} is not supported: nanoserve does not clamp q, k and v")
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported")
         if d.get("use_bidirectional_attention"):
@@ -268,9 +320,10 @@ class LlamaConfig:
             bos_token_id=d.get("bos_token_id"),
             architecture=arch,
             # Qwen2's q/k/v bias is in its modelling code, not its config (Mistral's modelling code has none).
-            qkv_bias=arch == QWEN2 or (attention_bias and arch != MISTRAL),
-            o_bias=attention_bias and arch not in (MISTRAL, QWEN2),
-            qk_norm=arch in (QWEN3, GEMMA3),
+            qkv_bias=arch in (QWEN2, QWEN2_MOE) or (attention_bias and arch not in (MISTRAL, MIXTRAL)),
+            o_bias=attention_bias and arch not in (MISTRAL, QWEN2, MIXTRAL, QWEN2_MOE),
+            qk_norm=arch in (QWEN3, GEMMA3, QWEN3_MOE),
+            qk_norm_whole=arch == OLMOE,
             hidden_act=_activation(d, arch),
             embed_scale=is_gemma,
             norm_offset=is_gemma,
@@ -285,6 +338,7 @@ class LlamaConfig:
             partial_rotary_factor=_partial_rotary_factor(d) if arch == PHI3 else 1.0,
             rope_local_theta=local_theta,
             no_rope_layers=_no_rope_layers(d, num_layers) if arch == SMOLLM3 else (),
+            **_experts(d, arch, num_layers),
         )
 
 
@@ -316,9 +370,72 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
         if config.sandwich_norms:
             shapes |= {p + "pre_feedforward_layernorm.weight": (E,), p + "post_feedforward_layernorm.weight": (E,)}
+        if config.qk_norm_whole:
+            shapes |= {p + "self_attn.q_norm.weight": (H * D,), p + "self_attn.k_norm.weight": (Hkv * D,)}
+        if config.is_sparse(i):
+            for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+                del shapes[p + name]
+            shapes |= expert_shapes(config, i)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, E)
     return shapes
+
+
+def expert_shapes(config: LlamaConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """A sparse layer's tensors as a checkpoint stores them (one tensor per expert and projection),
+    with their shapes: Mixtral's block_sparse_moe.experts.{j}.w1 (gate), w3 (up), w2 (down) and
+    block_sparse_moe.gate; the others' mlp.experts.{j}.gate_proj, up_proj, down_proj and mlp.gate,
+    Qwen2-MoE's mlp.shared_expert.* and mlp.shared_expert_gate."""
+    E, Ie, X = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    p = f"model.layers.{layer}."
+    if config.architecture == MIXTRAL:
+        shapes = {p + "block_sparse_moe.gate.weight": (X, E)}
+        for j in range(X):
+            q = p + f"block_sparse_moe.experts.{j}."
+            shapes |= {q + "w1.weight": (Ie, E), q + "w3.weight": (Ie, E), q + "w2.weight": (E, Ie)}
+        return shapes
+    shapes = {p + "mlp.gate.weight": (X, E)}
+    for j in range(X):
+        q = p + f"mlp.experts.{j}."
+        shapes |= {q + "gate_proj.weight": (Ie, E), q + "up_proj.weight": (Ie, E), q + "down_proj.weight": (E, Ie)}
+    Is = config.shared_expert_intermediate_size
+    if Is is not None:
+        q = p + "mlp.shared_expert."
+        shapes |= {q + "gate_proj.weight": (Is, E), q + "up_proj.weight": (Is, E), q + "down_proj.weight": (E, Is),
+                   p + "mlp.shared_expert_gate.weight": (1, E)}
+    return shapes
+
+
+def _experts(d: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config.json as transformers' modelling code for `arch`
+    reads them (none for a dense family)."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    num_experts = d.get("num_experts") or d.get("num_local_experts")  # transformers 5 writes the latter for some
+    if num_experts is None or "num_experts_per_tok" not in d:
+        raise ValueError(f"{arch}'s config gives no num_experts (or num_local_experts) and num_experts_per_tok")
+    for key in ("norm_topk_prob",):
+        if d.get(key) is not None and not isinstance(d[key], bool):
+            raise ValueError(f"{key}={d[key]!r} must be true or false")
+    fields: dict[str, Any] = {"num_experts": num_experts, "num_experts_per_tok": d["num_experts_per_tok"],
+                              "norm_topk_prob": arch == MIXTRAL or bool(d.get("norm_topk_prob", False))}
+    if arch in (QWEN3_MOE, QWEN2_MOE):
+        fields["moe_intermediate_size"] = d.get("moe_intermediate_size")
+        step = d.get("decoder_sparse_step", 1)
+        _check_count("decoder_sparse_step", step, num_layers)
+        only = d.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+            raise ValueError(f"mlp_only_layers={only!r} must be a list of layer indices")
+        fields["dense_layers"] = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+        if any(not 0 <= i < num_layers for i in only):
+            raise ValueError(f"mlp_only_layers={only} name layers outside 0 .. {num_layers - 1}")
+    else:  # Mixtral's and OLMoE's experts are intermediate_size wide, and every layer is sparse
+        fields["moe_intermediate_size"] = d["intermediate_size"]
+    if arch == QWEN2_MOE:
+        fields["shared_expert_intermediate_size"] = d.get("shared_expert_intermediate_size")
+        if fields["shared_expert_intermediate_size"] is None:
+            raise ValueError("Qwen2-MoE's config gives no shared_expert_intermediate_size")
+    return fields
 
 
 def _check_count(name: str, value: Any, high: int) -> None:
@@ -355,12 +472,12 @@ def _activation(d: dict[str, Any], arch: str) -> str:
 def _sliding_window(d: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
     """(W, the windowed layers) as transformers' modelling code for `arch` reads the config."""
     window = d.get("sliding_window")
-    if arch in (LLAMA, GEMMA) or window is None:
+    if arch in (LLAMA, GEMMA, OLMOE) or window is None:
         return None, ()  # Llama's and Gemma's modelling code never reads a window
-    if arch in (QWEN2, QWEN3, SMOLLM3) and not d.get("use_sliding_window", False):
+    if arch in (QWEN2, QWEN3, SMOLLM3, QWEN2_MOE, QWEN3_MOE) and not d.get("use_sliding_window", False):
         return None, ()
     layer_types = d.get("layer_types")
-    if arch in (MISTRAL, PHI3):
+    if arch in (MISTRAL, PHI3, MIXTRAL):
         layers = range(num_layers)
     elif layer_types is not None:
         if len(layer_types) != num_layers:

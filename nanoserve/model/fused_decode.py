@@ -22,8 +22,10 @@ Llama family's switches that SmolLM, Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 use
 per-head q/k norms, a sliding window on some or all layers, SiLU), the model computing in float32 or
 bfloat16 on the CPU (LongRoPE included: its factors and attention factor are in the rope table it
 reads); Gemma's (sandwich norms, GELU, soft-capping), an o bias, rope on part of each head
-(Phi-4-mini), a second rope table (Gemma 3) and layers without rope (SmolLM3) keep decoder_layer
-(`why_not`).
+(Phi-4-mini), a second rope table (Gemma 3), layers without rope (SmolLM3) and OLMoE's norm over
+the whole q and k projections keep decoder_layer (`why_not`). A mixture-of-experts layer runs on
+`per_layer` only: its MLP (nanoserve.model.moe) in torch between the C calls, its experts' matmuls
+in their forms; the one call has no place for it (the plan never routes such a model there).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from nanoserve.model.config import LlamaConfig
 from nanoserve.model.forms import CForm
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.llama import MATMULS, LayerWeights, LlamaModel, ModelInputs
+from nanoserve.model.moe import moe_mlp
 from nanoserve.model.rope import rope_table
 
 # fused_decode.c's KV_F32, KV_BF16, KV_F16: the cache dtypes it reads and writes
@@ -62,7 +65,8 @@ def why_not(config: LlamaConfig, device: torch.device) -> str | None:
                 "attn_logit_softcap": config.attn_logit_softcap is not None, "activation": config.hidden_act != "silu",
                 # fused_decode.c rotates whole heads by one table, in every layer
                 "partial_rotary_factor": config.rotary_dim != config.head_dim,
-                "rope_local_theta": config.rope_local_theta is not None, "no_rope_layers": bool(config.no_rope_layers)}
+                "rope_local_theta": config.rope_local_theta is not None, "no_rope_layers": bool(config.no_rope_layers),
+                "qk_norm_whole": config.qk_norm_whole}
     if any(switches.values()):
         return f"the family's {[name for name, on in switches.items() if on]} are not in fused_decode.c"
     return None
@@ -138,11 +142,15 @@ class FusedDecode:
                                    io_bf16, *rows, torch.get_num_threads()):
                 raise MemoryError(f"fused_attention: no memory for the scratch of a {T}-row step")
             x = add_norm(layer.o(att), layer.post_norm)  # [T, E]
-            gate_up = layer.gate_up(x).contiguous()  # [T, 2 I]
-            act = torch.empty(T, shape.I, dtype=self.dtype)  # [T, I]
-            lib.fused_silu_mul(gate_up.data_ptr(), act.data_ptr(), io_bf16, T, shape.I, torch.get_num_threads())
+            if layer.moe is not None:  # its experts' matmuls grouped by expert, in torch between the C calls
+                out = moe_mlp(x, layer.moe)  # [T, E]
+            else:
+                gate_up = layer.gate_up(x).contiguous()  # [T, 2 I]
+                act = torch.empty(T, shape.I, dtype=self.dtype)  # [T, I]
+                lib.fused_silu_mul(gate_up.data_ptr(), act.data_ptr(), io_bf16, T, shape.I, torch.get_num_threads())
+                out = layer.down(act)
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
-            x = add_norm(layer.down(act), following)
+            x = add_norm(out, following)
         return h
 
     def _layer_table(self, kv: KVCache) -> ctypes.Array:

@@ -105,6 +105,12 @@ class BlockQuantized:
             w = w + self.mins.unsqueeze(-1)
         return w.view(N, K).to(dtype)
 
+    def row_range(self, start: int, stop: int) -> BlockQuantized:
+        """Rows start .. stop - 1 as a BlockQuantized [stop - start, K] over the same memory (a view:
+        one expert of a stacked [X N, K] tensor)."""
+        return BlockQuantized(self.kind, self.codes[start:stop], self.scales[start:stop],
+                              None if self.mins is None else self.mins[start:stop])
+
     def rows(self, index: torch.Tensor) -> BlockQuantized:
         """The rows index [M] int64 of this matrix, as a BlockQuantized [M, K]."""
         return BlockQuantized(self.kind, self.codes.index_select(0, index), self.scales.index_select(0, index),
@@ -357,6 +363,24 @@ QWEN3_NAMES = LLAMA_NAMES | {
     "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
     "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
 }
+# A sparse layer's tensors ("{{j}}": one per expert, stacked [X, N, K] in the file as llama.cpp's
+# converter writes them, cut into per-expert views on load); Mixtral's under its own names.
+MOE_NAMES = {
+    "blk.{i}.ffn_gate_inp": "model.layers.{i}.mlp.gate",
+    "blk.{i}.ffn_gate_exps": "model.layers.{i}.mlp.experts.{{j}}.gate_proj",
+    "blk.{i}.ffn_up_exps": "model.layers.{i}.mlp.experts.{{j}}.up_proj",
+    "blk.{i}.ffn_down_exps": "model.layers.{i}.mlp.experts.{{j}}.down_proj",
+    "blk.{i}.ffn_gate_shexp": "model.layers.{i}.mlp.shared_expert.gate_proj",
+    "blk.{i}.ffn_up_shexp": "model.layers.{i}.mlp.shared_expert.up_proj",
+    "blk.{i}.ffn_down_shexp": "model.layers.{i}.mlp.shared_expert.down_proj",
+    "blk.{i}.ffn_gate_inp_shexp": "model.layers.{i}.mlp.shared_expert_gate",
+}
+MIXTRAL_NAMES = {
+    "blk.{i}.ffn_gate_inp": "model.layers.{i}.block_sparse_moe.gate",
+    "blk.{i}.ffn_gate_exps": "model.layers.{i}.block_sparse_moe.experts.{{j}}.w1",
+    "blk.{i}.ffn_up_exps": "model.layers.{i}.block_sparse_moe.experts.{{j}}.w3",
+    "blk.{i}.ffn_down_exps": "model.layers.{i}.block_sparse_moe.experts.{{j}}.w2",
+}
 GEMMA2_NAMES = LLAMA_NAMES | {
     "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
     "blk.{i}.ffn_norm": "model.layers.{i}.pre_feedforward_layernorm",
@@ -382,9 +406,20 @@ ARCHITECTURES = {
     "gemma3": GGUFArchitecture("Gemma3ForCausalLM", permutes_qk=False, names=GEMMA3_NAMES, norm_shift=1.0),
     "phi3": GGUFArchitecture("Phi3ForCausalLM", permutes_qk=False, names=PHI3_NAMES),
     "smollm3": GGUFArchitecture("SmolLM3ForCausalLM", permutes_qk=True, names=LLAMA_NAMES),
+    # Mixtral's files are "llama" with {arch}.expert_count (config_from_gguf reads them as Mixtral).
+    "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM", permutes_qk=False, names=QWEN3_NAMES | MOE_NAMES),
+    "qwen2moe": GGUFArchitecture("Qwen2MoeForCausalLM", permutes_qk=False, names=LLAMA_NAMES | MOE_NAMES),
+    "olmoe": GGUFArchitecture("OlmoeForCausalLM", permutes_qk=False, names=QWEN3_NAMES | MOE_NAMES),
 }
 # Tensors that hold rope's numbers, read into the config rather than the model: [Dr / 2] each.
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+EXPERTS = "{j}"  # in an HF name: a stacked tensor's expert index
+
+
+def names_of(spec: GGUFArchitecture, config: LlamaConfig) -> dict[str, str]:
+    """The file's tensor stems -> HF names, for this architecture and config (Mixtral's names where
+    a "llama" file has experts)."""
+    return spec.names | MIXTRAL_NAMES if config.architecture == "MixtralForCausalLM" else spec.names
 
 
 def find_gguf(path: str | Path) -> Path:
@@ -479,6 +514,8 @@ def _config_from_gguf(parsed: GGUFFile) -> LlamaConfig:
         d |= phi3_keys(parsed, arch_key, d)
     if arch == "smollm3":
         d["no_rope_layer_interval"] = 4  # llama.cpp's: every fourth layer without rope (the file says nothing)
+    if arch_key("expert_count"):
+        d |= moe_keys(parsed, arch, arch_key, d)
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if d[k] is None]
     if missing:
@@ -489,6 +526,27 @@ def _config_from_gguf(parsed: GGUFFile) -> LlamaConfig:
         raise ValueError(f"{arch}.rope.dimension_count={rotated!r}: nanoserve rotates {config.rotary_dim} of each "
                          f"head's head_dim={config.head_dim} (only phi3 files rotate part of a head)")
     return config
+
+
+def moe_keys(parsed: GGUFFile, arch: str, arch_key, d: dict[str, Any]) -> dict[str, Any]:
+    """A mixture of experts' config.json keys from {arch}.expert_* and the tensors: a layer is sparse
+    where the file has its router (blk.N.ffn_gate_inp). Whether the top k weights are renormalised
+    is llama.cpp's choice for the architecture (Mixtral's and Qwen3-MoE's are, Qwen2-MoE's and
+    OLMoE's are not) unless {arch}.expert_weights_norm says."""
+    num_layers = d["num_hidden_layers"]
+    sparse = [i for i in range(num_layers or 0) if f"blk.{i}.ffn_gate_inp.weight" in parsed.tensors]
+    keys = {"num_experts": arch_key("expert_count"), "num_experts_per_tok": arch_key("expert_used_count"),
+            "moe_intermediate_size": arch_key("expert_feed_forward_length", d["intermediate_size"]),
+            "norm_topk_prob": arch_key("expert_weights_norm", arch in ("llama", "qwen3moe")),
+            "mlp_only_layers": [i for i in range(num_layers or 0) if i not in sparse]}
+    if arch == "llama":
+        keys["architectures"] = ["MixtralForCausalLM"]
+        keys["intermediate_size"] = keys["moe_intermediate_size"]
+    if arch_key("expert_shared_feed_forward_length") is not None:
+        keys["shared_expert_intermediate_size"] = arch_key("expert_shared_feed_forward_length")
+    if d["intermediate_size"] is None:  # every layer sparse: no dense MLP width in the file
+        keys["intermediate_size"] = keys["moe_intermediate_size"]
+    return keys
 
 
 def check_tensor_infos(parsed: GGUFFile, config: LlamaConfig, names: dict[str, str]) -> None:
@@ -505,11 +563,14 @@ def check_tensor_infos(parsed: GGUFFile, config: LlamaConfig, names: dict[str, s
             want = (config.rotary_dim // 2,)
         else:
             name = hf_name(gguf_name, names)
-            if name not in expected:
+            each = [name.format(j=j) for j in range(config.num_experts or 0)] if EXPERTS in name else [name]
+            if not all(n in expected for n in each):
                 raise ValueError(f"GGUF tensor {gguf_name!r} ({name}) is not one a {config.architecture} with this "
                                  "config reads")
-            found.add(name)
-            want = expected[name]
+            found.update(each)
+            want = (len(each),) + expected[each[0]] if EXPERTS in name else expected[name]
+            if name.endswith("shared_expert_gate.weight") and tensor.shape == want[1:]:
+                want = want[1:]  # a [1, E] row the converter may write as [E]
         if tensor.shape != want:
             raise ValueError(f"GGUF tensor {gguf_name!r} has shape {list(tensor.shape)}, expected "
                              f"{list(want)} (the config's)")
@@ -650,9 +711,10 @@ def load_tensor(parsed: GGUFFile, name: str) -> torch.Tensor | BlockQuantized:
                          f"nanoserve reads {', '.join(GGUF_TYPES_SERVED)}")
     kind, data = parsed.type_name(name), parsed.data(name)
     if kind in BLOCK_TYPES:
-        if len(tensor.shape) != 2:
-            raise ValueError(f"tensor {name!r} is {kind} of shape {tensor.shape}: only matrices are read")
-        return decode_blocks(data, kind)
+        if len(tensor.shape) not in (2, 3):
+            raise ValueError(f"tensor {name!r} is {kind} of shape {tensor.shape}: only matrices and stacks of them "
+                             "are read")
+        return decode_blocks(data, kind)  # a stack [X, N, K] as its [X N, K] rows
     dense = torch.from_numpy(np.array(data))  # a copy: writable memory the tensor owns, not the file's pages
     return dense.view(torch.bfloat16) if kind == "BF16" else dense
 
@@ -676,13 +738,23 @@ def load_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor | B
     parsed.check_types()
     config = config_from_gguf(parsed)
     _, spec = architecture_of(parsed)
-    check_tensor_infos(parsed, config, spec.names)
+    names = names_of(spec, config)
+    check_tensor_infos(parsed, config, names)
     tensors: dict[str, torch.Tensor | BlockQuantized] = {}
     for gguf_name in parsed.tensors:
         if gguf_name in ROPE_TENSORS:
             continue
-        name = hf_name(gguf_name, spec.names)
-        tensors[name] = spec.as_hf(name, load_tensor(parsed, gguf_name), config.head_dim)
+        name = hf_name(gguf_name, names)
+        value = load_tensor(parsed, gguf_name)
+        if EXPERTS in name:  # [X, N, K] stacked: expert j is a view of its rows, decoded once for all
+            X, N = parsed.tensors[gguf_name].shape[:2]
+            for j in range(X):
+                tensors[name.format(j=j)] = (value.row_range(j * N, (j + 1) * N) if isinstance(value, BlockQuantized)
+                                             else value[j])
+            continue
+        if name.endswith("shared_expert_gate.weight"):
+            value = value.reshape(1, -1)
+        tensors[name] = spec.as_hf(name, value, config.head_dim)
     return config, tensors
 
 

@@ -3,8 +3,9 @@
 Every family nanoserve runs (nanoserve.model.config) is this one forward with switches: a bias after
 a projection, a per-head norm of q and k, norms on the sublayers' outputs, a scaled embedding, the
 gate's activation, soft-capped scores and logits, a sliding window on some layers, rope on part of
-each head, a second rope table for the windowed layers, and layers without rope. A switch that is
-off costs nothing: its weight is None or its number is the plain one.
+each head, a second rope table for the windowed layers, layers without rope, a norm over the whole q
+and k projections, and a mixture of experts in place of the MLP (nanoserve.model.moe). A switch that
+is off costs nothing: its weight is None or its number is the plain one.
 
 Dimension names: T tokens this step, R rows that sample, E hidden, H / Hkv heads, D head dim,
 I the gated MLP's width, V vocabulary.
@@ -32,6 +33,7 @@ from nanoserve.model.config import PHI3, LlamaConfig, expected_shapes
 from nanoserve.model.driver import Driver
 from nanoserve.model.forms import Weight, as_weight
 from nanoserve.model.kv_cache import KVCache
+from nanoserve.model.moe import MoeWeights, from_tensors, moe_mlp, unfuse_experts
 from nanoserve.model.quant import Stored, cat_rows, embedding
 from nanoserve.model.rope import apply_rope, local_rope_table, rope_table
 
@@ -55,8 +57,8 @@ class LayerWeights:
     qkv: Weight  # [(H + 2 Hkv) D, E]: q, k, v projections fused into one matmul
     o: Weight  # [E, H D]
     post_norm: torch.Tensor  # [E]: the norm before the MLP (Gemma 2's pre_feedforward_layernorm)
-    gate_up: Weight  # [2 I, E]: gate and up fused into one matmul
-    down: Weight  # [E, I]
+    gate_up: Weight | None  # [2 I, E]: gate and up fused into one matmul; None where `moe` is the MLP
+    down: Weight | None  # [E, I]
     # Family switches: None where the family has no such weight.
     qkv_bias: torch.Tensor | None = None  # [(H + 2 Hkv) D] in the model's dtype (Qwen2)
     o_bias: torch.Tensor | None = None  # [E] in the model's dtype
@@ -64,6 +66,9 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [D]: the same over each key head
     attn_out_norm: torch.Tensor | None = None  # [E]: on attention's output, before the residual add (Gemma 2)
     mlp_out_norm: torch.Tensor | None = None  # [E]: on the MLP's output, before the residual add (Gemma 2)
+    q_whole_norm: torch.Tensor | None = None  # [H D]: RMSNorm over the whole query projection, before rope (OLMoE)
+    k_whole_norm: torch.Tensor | None = None  # [Hkv D]: the same over the key projection
+    moe: MoeWeights | None = None  # the mixture of experts in place of gate_up and down (a sparse layer)
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,8 @@ def decoder_layer(h: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: 
     qkv = layer.qkv(x)  # [T, (H + 2 Hkv) D]
     if layer.qkv_bias is not None:  # after the matmul, so it holds for every form of the weight
         qkv = qkv + layer.qkv_bias
+    if layer.q_whole_norm is not None:
+        qkv = whole_qk_norm(qkv, layer, eps)
     qk, v = qkv.split([(H + Hkv) * D, Hkv * D], dim=-1)  # [T, (H + Hkv) D], [T, Hkv D]
     qk = qk.view(T, H + Hkv, D)  # the query heads, then the key heads
     if layer.q_norm is not None:  # each head's D normed, in float32 as every norm
@@ -108,12 +115,24 @@ def decoder_layer(h: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: 
         out = F.rms_norm(out.float(), layer.attn_out_norm.shape, layer.attn_out_norm, eps)
     h = h + out  # [T, E] float32
     x = F.rms_norm(h, layer.post_norm.shape, layer.post_norm, eps).to(shape.dtype)
-    gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, I] each
-    gate = F.silu(gate) if shape.activation == "silu" else F.gelu(gate, approximate="tanh")
-    out = layer.down(gate * up)  # [T, E]
+    if layer.moe is not None:
+        out = moe_mlp(x, layer.moe, shape.activation)  # [T, E]
+    else:
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, I] each
+        gate = F.silu(gate) if shape.activation == "silu" else F.gelu(gate, approximate="tanh")
+        out = layer.down(gate * up)  # [T, E]
     if layer.mlp_out_norm is not None:
         out = F.rms_norm(out.float(), layer.mlp_out_norm.shape, layer.mlp_out_norm, eps)
     return h + out  # [T, E] float32: h + the dtype's output
+
+
+def whole_qk_norm(qkv: torch.Tensor, layer: LayerWeights, eps: float) -> torch.Tensor:
+    """qkv [T, (H + 2 Hkv) D] with q and k each normed over its whole projection, in float32 as every norm."""
+    q_width, k_width = layer.q_whole_norm.shape[0], layer.k_whole_norm.shape[0]  # H D, Hkv D
+    q, k, v = qkv.split([q_width, k_width, qkv.shape[-1] - q_width - k_width], dim=-1)
+    return torch.cat([F.rms_norm(q.float(), layer.q_whole_norm.shape, layer.q_whole_norm, eps).to(qkv.dtype),
+                      F.rms_norm(k.float(), layer.k_whole_norm.shape, layer.k_whole_norm, eps).to(qkv.dtype), v],
+                     dim=-1)
 
 
 # A step's decoder layers: (model, h [T, E] float32 after the embedding, inputs, kv) -> h after the last layer.
@@ -189,6 +208,7 @@ class LlamaModel:
         Raises:
             ValueError: naming a missing tensor, or a tensor whose shape differs, with both shapes.
         """
+        tensors = unfuse_experts(tensors, config)  # a state_dict's [X, ...] experts as a checkpoint stores them
         for name, shape in expected_shapes(config).items():
             if name not in tensors:
                 raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
@@ -210,7 +230,7 @@ class LlamaModel:
             attn = p + "self_attn."
             # Gemma 2's post_attention_layernorm norms attention's output; its pre_feedforward_layernorm
             # is what Llama calls post_attention_layernorm, the norm before the MLP.
-            sandwich = config.sandwich_norms
+            sandwich, sparse, whole = config.sandwich_norms, config.is_sparse(i), config.qk_norm_whole
             fused = config.architecture == PHI3  # Phi-3's checkpoints hold qkv and gate_up fused already
             layers.append(LayerWeights(
                 input_norm=norm(p + "input_layernorm.weight"),
@@ -218,15 +238,19 @@ class LlamaModel:
                               cat_rows([get(attn + f"{n}_proj.weight") for n in "qkv"])),
                 o=as_weight(get(attn + "o_proj.weight")),
                 post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
-                gate_up=as_weight(get(p + "mlp.gate_up_proj.weight") if fused else
-                                  cat_rows([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
-                down=as_weight(get(p + "mlp.down_proj.weight")),
+                gate_up=None if sparse else as_weight(get(p + "mlp.gate_up_proj.weight") if fused else
+                                                      cat_rows([get(p + "mlp.gate_proj.weight"),
+                                                                get(p + "mlp.up_proj.weight")])),
+                down=None if sparse else as_weight(get(p + "mlp.down_proj.weight")),
                 qkv_bias=torch.cat([get(attn + f"{n}_proj.bias") for n in "qkv"]) if config.qkv_bias else None,
                 o_bias=get(attn + "o_proj.bias") if config.o_bias else None,
                 q_norm=norm(attn + "q_norm.weight") if config.qk_norm else None,
                 k_norm=norm(attn + "k_norm.weight") if config.qk_norm else None,
                 attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
                 mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
+                q_whole_norm=norm(attn + "q_norm.weight") if whole else None,
+                k_whole_norm=norm(attn + "k_norm.weight") if whole else None,
+                moe=from_tensors(config, i, get, as_weight, cat_rows) if sparse else None,
             ))
         embed = get("model.embed_tokens.weight")
         lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
@@ -255,8 +279,12 @@ class LlamaModel:
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def matrices(self) -> list[tuple[int | None, str, Weight]]:
-        """Every matmul weight: (layer index, or None for the head; its name; the weight)."""
-        return [(i, name, getattr(layer, name)) for i, layer in enumerate(self.layers) for name in MATMULS] + [
-            (None, "head", self.lm_head_weight)]
+        """Every matmul weight: (layer index, or None for the head; its name; the weight). A sparse
+        layer's experts share a name (MoeWeights.matrices), one entry each."""
+        found = []
+        for i, layer in enumerate(self.layers):
+            found += [(i, name, getattr(layer, name)) for name in MATMULS if getattr(layer, name) is not None]
+            found += [(i, name, w) for name, w in (layer.moe.matrices() if layer.moe is not None else ())]
+        return found + [(None, "head", self.lm_head_weight)]
 
     __call__ = forward

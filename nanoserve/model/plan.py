@@ -33,6 +33,7 @@ from nanoserve.model.driver import EVERY_WIDTH, Driver
 from nanoserve.model.forms import C_DTYPES, STORED, Form, FormKind, can_pack, dtype_name
 from nanoserve.model.fused_decode import DENSE_ONE_CALL_ROWS, run_one_call, run_per_layer, why_not
 from nanoserve.model.llama import LlamaModel, Step, run_layers
+from nanoserve.model.moe import DENSE_ONLY
 from nanoserve.model.precision import DTYPES, Precision, Probe, resolve
 from nanoserve.model.quant import torch_runs
 
@@ -63,7 +64,7 @@ class Route:
 @dataclass(frozen=True)
 class MatrixPlan:
     layer: int | None  # None: the head
-    name: str  # "qkv", "o", "gate_up", "down" or "head"
+    name: str  # "qkv", "o", "gate_up", "down", "head", or a sparse layer's (moe.MoeWeights.matrices: all experts one)
     stored: str  # what the loaded model holds: a dtype ("float32"), a quantized kind ("Q4_1", "int8"), or a form
     form: Form  # what it runs as
 
@@ -273,6 +274,9 @@ def resolve_plan(config: Any, model: LlamaModel, world_size: int = 1, probe: Any
             whose plan is not batch-invariant, named.
     """
     refuse(config, world_size)
+    if world_size > 1 and model.config.is_moe:
+        raise ValueError(f"tensor_parallel_size={world_size} with a mixture-of-experts model "
+                         f"({model.config.architecture}): nanoserve does not cut experts across ranks; use 1")
     plan = _plan(config, model, world_size, probe)
     spec = config.speculative_config
     if spec is not None and not plan.is_batch_invariant:
@@ -364,6 +368,10 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
     if c_parallel:
         reasons.append("batch invariant: every step in three C calls a layer between the matmuls at every width, "
                        "every matmul on blockdot's or dense panels, o and down summed over the ranks in rank order")
+    elif invariant and model.config.is_moe:
+        reasons.append("batch invariant: every step in three C calls a layer between the matmuls at every width (the "
+                       "one call has no mixture-of-experts MLP), every matmul on blockdot's or dense panels, each "
+                       "row's experts summed in rank order")
     elif invariant:
         reasons.append("batch invariant: every step in one C call at every width, every matmul on blockdot's or "
                        "dense panels")
@@ -378,6 +386,10 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
                        else "torch.compile: torch's kernels, the compiled decoder_layer")
     if c_decode and c_reason is not None:
         reasons.append(f"no C decode: {c_reason}")
+        c_decode = False
+    if c_decode and not invariant and model.config.is_moe:
+        reasons.append("no C decode: fused_decode.c's one call has no mixture-of-experts MLP; every step on "
+                       "decoder_layer, the experts' matmuls grouped by expert")
         c_decode = False
 
     # Stage 2: the precision.
@@ -410,10 +422,14 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
         dense = Form(FormKind.ONEDNN if pack_weights and can_pack(dtype, device) else FormKind.TORCH, precision.dtype)
     unrun: set[str] = set()  # stored kinds no kernel here runs: dequantized at load
     int16_rows = overrides.blockdot_int16_rows
+    named = {}  # (layer, name) -> its first weight: a sparse layer's experts share a name and a form
+    for layer, name, w in model.matrices():
+        named.setdefault((layer, name), w)
     matrices = tuple(MatrixPlan(layer, name, _stored(w.form),
+                                dataclasses.replace(dense, all_reduced=w.form.all_reduced) if name in DENSE_ONLY else
                                 _form_of(layer, w.form, precision, dense, invariant, int16_rows,
                                          overrides.blockdot_int8 and blockdot.can_pack_int8(w), unrun))
-                     for layer, name, w in model.matrices())
+                     for (layer, name), w in named.items())
     if unrun:
         kinds = ", ".join(sorted(unrun))
         reasons.append(f"{kinds} dequantized at load to {dense.dtype}: no {precision.kernels} kernel here runs "
@@ -422,7 +438,7 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
     amx_rows = precision.amx_rows if any(m.form.name == FormKind.BLOCKDOT_INT8 for m in matrices) else None
 
     # Stage 4: the routes.
-    routes, copies = _routes(matrices, precision, parallel, compiled, invariant, c_decode)
+    routes, copies = _routes(matrices, precision, parallel, compiled, invariant, c_decode, model.config.is_moe)
     exact_run = routes == _one_driver(Driver.TORCH) and all(
         m.form.name in (FormKind.TORCH, FormKind.ONEDNN) and m.form.dtype == "float32" for m in matrices)
     return ExecutionPlan(str(device), precision.dtype, precision.kv_cache_dtype, precision.quantization, matrices,
@@ -473,10 +489,13 @@ def _one_driver(driver: Driver) -> tuple[Route, ...]:
 
 
 def _routes(matrices: tuple[MatrixPlan, ...], precision: Precision, parallel: bool, compiled: bool, invariant: bool,
-            c_decode: bool) -> tuple[tuple[Route, ...], bool]:
-    """Stage 4: the step table, and whether the one call reads dense copies of matrices torch runs."""
+            c_decode: bool, moe: bool = False) -> tuple[tuple[Route, ...], bool]:
+    """Stage 4: the step table, and whether the one call reads dense copies of matrices torch runs
+    (moe: the model has a mixture-of-experts layer, which the one call does not run)."""
     if parallel and invariant:  # fused_decode.c's one call has no place for an all-reduce
         return _one_driver(Driver.C_TENSOR_PARALLEL), False
+    if moe and invariant:  # nor for a mixture of experts: per_layer runs it between its C calls
+        return _one_driver(Driver.C_PER_LAYER), False
     if invariant:
         return _one_driver(Driver.C_ONE_CALL), False
     torch_driver = (Driver.TORCH_TENSOR_PARALLEL if parallel else Driver.TORCH_COMPILED if compiled else Driver.TORCH)
@@ -504,7 +523,7 @@ def _batch_invariance(matrices: tuple[MatrixPlan, ...], routes: tuple[Route, ...
     forms = {m.form for m in matrices}
     entries = []
     one_call = routes == _one_driver(Driver.C_ONE_CALL)
-    per_layer = routes == _one_driver(Driver.C_TENSOR_PARALLEL)
+    per_layer = routes in (_one_driver(Driver.C_TENSOR_PARALLEL), _one_driver(Driver.C_PER_LAYER))
     if one_call:
         entries.append(("every step in one C call at every width, prompts too", True,
                         "a prompt's token is a row like a decode's: its K/V written to the cache, then its query "
@@ -513,6 +532,7 @@ def _batch_invariance(matrices: tuple[MatrixPlan, ...], routes: tuple[Route, ...
         entries.append(("every step in three C calls a layer at every width, prompts too", True,
                         "the one call's glue, row by row, and its attention: a prompt's token is a row like a "
                         "decode's, whatever the chunk or step it came in"))
+    if routes == _one_driver(Driver.C_TENSOR_PARALLEL):
         entries.append(("o and down summed over the ranks in rank order", True,
                         "every rank's partials gathered and added rank 0 first, on every rank, whatever the step's "
                         "width"))
@@ -520,6 +540,10 @@ def _batch_invariance(matrices: tuple[MatrixPlan, ...], routes: tuple[Route, ...
         entries.append(("attention over parts of a row's context cut by its length alone", True,
                         "a row's context cut where its own length says, the parts merged in order, whatever the "
                         "step's width or the threads"))
+    if any(m.name.startswith("experts.") for m in matrices):
+        entries.append(("the experts' matmuls grouped by expert over the step's rows", True,
+                        "each row's k results written at its own slots and summed in rank order by its own routing "
+                        "weights: a row's sums do not depend on which rows chose the same expert"))
     for rows, wide in sorted({(f.kernel_rows, f.wide) for f in forms if f.kernel_rows is not None}):
         entries.append((f"quantized kernels up to {rows} rows, {wide} past", False,
                         f"a row's sums change when its step passes {rows} rows"))

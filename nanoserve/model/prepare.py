@@ -76,14 +76,17 @@ def laid_out(model: LlamaModel, plan: ExecutionPlan) -> LlamaModel:
 
     def layer_of(i: int, layer: LayerWeights) -> LayerWeights:
         weights = {name: _laid_out_weight(getattr(layer, name), plan.form_of(i, name), plan.pack_weights)
-                   for name in MATMULS}
+                   for name in MATMULS if getattr(layer, name) is not None}
+        if layer.moe is not None:  # each expert's matrices in their name's form, like any other matrix
+            weights["moe"] = layer.moe.map(lambda name, w: _laid_out_weight(w, plan.form_of(i, name), plan.pack_weights))
         biases = {name: getattr(layer, name).to(dtype) for name in ("qkv_bias", "o_bias") if getattr(layer, name) is not None}
         return dataclasses.replace(layer, **weights, **biases)
 
     layers = [layer_of(i, layer) for i, layer in enumerate(model.layers)]
     head = _laid_out_weight(model.lm_head_weight, plan.form_of(None, "head"), plan.pack_weights)
     unchanged = dtype == model.dtype and head is model.lm_head_weight and all(
-        getattr(new, name) is getattr(old, name) for new, old in zip(layers, model.layers, strict=True) for name in MATMULS)
+        getattr(new, name) is getattr(old, name) for new, old in zip(layers, model.layers, strict=True)
+        for name in MATMULS + ("moe",))
     if unchanged:
         return model
     prepared = copy.copy(model)
@@ -148,7 +151,8 @@ def weight_bytes(model: LlamaModel) -> dict[str, int]:
              "fused_copies": getattr(model.fused_layers, "copy_bytes", 0)}
     tensors = [model.norm] + [t for layer in model.layers
                               for t in (layer.input_norm, layer.post_norm, layer.qkv_bias, layer.o_bias, layer.q_norm,
-                                        layer.k_norm, layer.attn_out_norm, layer.mlp_out_norm) if t is not None]
+                                        layer.k_norm, layer.attn_out_norm, layer.mlp_out_norm, layer.q_whole_norm,
+                                        layer.k_whole_norm) if t is not None]
     total["dense"] += sum(t.nbytes for t in tensors)
     parts = [as_weight(model.embed).nbytes_by_kind()] + [w.nbytes_by_kind() for _, _, w in model.matrices()
                                                          if w is not model.embed]

@@ -61,7 +61,7 @@ def shard_of(config: LlamaConfig, rank: int, world_size: int) -> Shard:
     Raises:
         ValueError: when N exceeds H, exceeds Hkv without being a multiple of it, or exceeds the
             MLP's or the vocabulary's units, naming the numbers; for a checkpoint whose q/k/v and
-            gate/up are fused (Phi-3), which the slices do not cut apart.
+            gate/up are fused (Phi-3), which the slices do not cut apart; N > 1 for a mixture of experts.
     """
     H, Hkv, I, V = config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size
     N = world_size
@@ -70,6 +70,9 @@ def shard_of(config: LlamaConfig, rank: int, world_size: int) -> Shard:
                          "gate_up_proj), which nanoserve's tensor-parallel slices do not cut apart; serve it on one rank")
     if not 0 <= rank < N:
         raise ValueError(f"rank={rank} is outside 0 .. {N - 1}")
+    if N > 1 and config.is_moe:
+        raise ValueError(f"tensor_parallel_size={N} with a mixture-of-experts model ({config.architecture}): nanoserve "
+                         "does not cut experts across ranks; use 1")
     if N > H:
         raise ValueError(f"tensor_parallel_size={N} exceeds the model's {H} attention heads")
     group = H // Hkv  # query heads per key/value head
