@@ -104,13 +104,13 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
     async def submit(prompt: list[int], params: SamplingParams, request_id: str) -> RequestStream:
         return await refused_as_api_errors(async_engine.add_request(prompt, params, request_id=request_id))
 
-    async def refused_as_api_errors(call, prompt_param: str = "prompt"):
+    async def refused_as_api_errors(call, input_param: str | None = None):
         """Awaits an engine call; what it refuses becomes an ApiError (a ValueError: a 400 naming
-        the parameter, `prompt_param` for the prompt's own)."""
+        the parameter it names, else `input_param`, else "prompt" where it is about the prompt)."""
         try:
             return await call
         except ValueError as e:
-            param = protocol.param_of(str(e)) or (prompt_param if "prompt" in str(e) else None)
+            param = protocol.param_of(str(e)) or input_param or ("prompt" if "prompt" in str(e) else None)
             raise ApiError(str(e), param=param) from None
         except EngineDeadError as e:
             raise ApiError(str(e), status_code=503, type="server_error") from None
