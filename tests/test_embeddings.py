@@ -21,8 +21,10 @@ import torch
 from conftest import CharTokenizer, config_of, greedy, make_hf_model, nanoserve_model_from_hf
 
 from nanoserve import Engine, PoolingParams
+from nanoserve.inputs import TokenRun, lay_out
 from nanoserve.model import default
 from nanoserve.model.weights import checkpoint_source
+from nanoserve.parallel import TensorParallelModel
 from nanoserve.pooling import DEFAULT_POOLING, checkpoint_pooling, gguf_pooling
 
 PROMPTS = [[5, 9, 13, 22, 7, 41, 3, 8, 60, 33, 21], [17, 4], [30 + i % 50 for i in range(40)], [11]]
@@ -66,6 +68,7 @@ def assert_all_blocks_free(engine: Engine) -> None:
     {},
     {"max_num_batched_tokens": 7},  # long prompts in chunks: a mean sums each chunk's rows as they come
     {"deferred_output": True, "max_num_batched_tokens": 7},  # the vector comes home a step later
+    {"batch_invariant": True, "max_num_batched_tokens": 7},  # every step's layers in C (fused_decode.c)
 ])
 def test_embeddings_equal_transformers(hf, pooling, config):
     engine = engine_of(hf, **config)
@@ -138,6 +141,19 @@ def test_embeddings_beside_generation_preempted_and_in_chunks(hf, monkeypatch, d
     assert all(out.embedding is None for out in outputs[:2])
     alone = engine_of(hf, **config).generate(generations, greedy(48))
     assert [out.token_ids for out in outputs[:2]] == [out.token_ids for out in alone]
+    assert_all_blocks_free(engine)
+
+
+def test_a_tensor_parallel_model_refuses_embeddings_by_name(hf):
+    engine = engine_of(hf)
+    step = lay_out([TokenRun([5, 6, 7], 0, [0], 1, pooled=(0, 3))], 4, torch.device("cpu"))
+    assert step.pooled_indices.tolist() == [0, 1, 2] and step.logits_indices.tolist() == [2]
+    # the refusal comes before the group is touched: any model's weights will do
+    with pytest.raises(ValueError, match="embedding requests"):
+        TensorParallelModel.forward(engine.model, step, engine.kv)
+    engine.model.__class__ = TensorParallelModel  # as rank 0's model looks to the engine
+    with pytest.raises(ValueError, match="embedding requests \\(PoolingParams\\) are not served with tensor_parallel"):
+        engine.embed([PROMPTS[0]])
     assert_all_blocks_free(engine)
 
 
