@@ -87,7 +87,7 @@ class OutputProcessor:
         now = time.perf_counter()  # the tokens of one step arrive together, after its one readback
         outputs, finished = self._pool(batch, now)
         if not token_ids:
-            self.num_steps += bool(outputs)
+            self.num_steps += batch.pooled is not None  # embedding rows only: their sums made the journey
             return StepOutputs(outputs, finished)
         self.num_steps += 1
         logprobs = batch.resolve_logprobs()

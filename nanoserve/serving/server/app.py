@@ -123,9 +123,9 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
             raise ApiError(str(e), status_code=503, type="server_error", code="draining",
                            headers={"Connection": "close"}) from None
 
-    def tokenize(text: str) -> list[int]:
+    def tokenize(text: str, param: str = "prompt") -> list[int]:
         if engine.tokenizer is None:
-            raise ApiError("this model has no tokenizer: send the prompt as token ids", param="prompt")
+            raise ApiError(f"this model has no tokenizer: send the {param} as token ids", param=param)
         return list(engine.tokenizer.encode(text))
 
     # ---- routes ----------------------------------------------------------------------------------
@@ -223,7 +223,7 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
             params = PoolingParams(pooling.pooling, pooling.normalize, body.dimensions)
         except ValueError as e:
             raise ApiError(str(e), param="dimensions") from None
-        inputs = [tokenize(item) if isinstance(item, str) else item for item in protocol.embedding_inputs(body)]
+        inputs = [tokenize(item, "input") if isinstance(item, str) else item for item in protocol.embedding_inputs(body)]
         rid = responses.new_id("embd")
         calls = [asyncio.ensure_future(refused_as_api_errors(async_engine.embed(ids, params, f"{rid}-{i}"), "input"))
                  for i, ids in enumerate(inputs)]
