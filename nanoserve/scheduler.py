@@ -2,7 +2,9 @@
 
 Plain Python over request counters and block ids, no torch. One rule covers prefill, chunked
 prefill, decode and recompute after preemption: a scheduled request forwards the tokens from
-`num_computed_tokens` up to at most `num_tokens`, within the step's token budget.
+`num_computed_tokens` up to at most `num_tokens`, within the step's token budget. An embedding
+request (`request.pooling`) is a prompt that never samples: it is scheduled, chunked and preempted
+like any other, and once its prompt is forwarded it waits, scheduled no more, for its vector.
 """
 
 from __future__ import annotations
