@@ -81,6 +81,21 @@ def test_embeddings_equal_transformers(hf, pooling, config):
     assert_all_blocks_free(engine)
 
 
+def test_no_head_is_run_for_embedding_rows(hf, monkeypatch):
+    engine = engine_of(hf, max_num_batched_tokens=7)
+    head, rows = engine.model.lm_head_weight, []
+
+    def counted(x):
+        rows.append(x.shape[0])
+        return head(x)
+
+    monkeypatch.setattr(engine.model, "lm_head_weight", counted)
+    engine.embed(PROMPTS, pooling="mean")
+    assert rows and set(rows) == {0}  # every step ran the head on no row at all
+    engine.generate([PROMPTS[1]], greedy(3))
+    assert rows[-3:] == [1, 1, 1]  # and a generation's rows still go through it
+
+
 def test_dimensions_cut_the_vector_and_normalise_it_again(hf):
     engine = engine_of(hf)
     (out,) = engine.embed([PROMPTS[0]], pooling="mean", dimensions=5)
