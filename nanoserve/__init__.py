@@ -2,7 +2,7 @@
 
 from nanoserve.config import EngineConfig, PlanOverrides
 from nanoserve.engine import Engine, EngineStats
-from nanoserve.params import SamplingParams
+from nanoserve.params import PoolingParams, SamplingParams
 from nanoserve.request import RequestOutput
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "PlanOverrides", "RequestOutput", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "EngineStats", "PlanOverrides", "PoolingParams", "RequestOutput", "SamplingParams"]

@@ -19,7 +19,7 @@ from nanoserve.chat import as_conversations, encode_chat, render_chat
 from nanoserve.config import EngineConfig
 from nanoserve.detokenize import IncrementalDetokenizer
 from nanoserve.draft import DraftModel, load_draft
-from nanoserve.inputs import TokenRun, build_inputs, lay_out, prompt_scoring
+from nanoserve.inputs import TokenRun, build_inputs, lay_out, pooling_rows, prompt_scoring
 from nanoserve.model.kv_cache import KVCache, bytes_per_block
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.plan import check_laid_out, resolve_plan, with_draft
@@ -27,11 +27,19 @@ from nanoserve.model.precision import DTYPES
 from nanoserve.model.prepare import prepare_model, weight_bytes
 from nanoserve.output_processor import OutputProcessor, make_output
 from nanoserve.parallel import TensorParallelModel, WorkerFailure, load_tensor_parallel, start
-from nanoserve.params import SamplingParams
+from nanoserve.params import PoolingParams, SamplingParams
+from nanoserve.pooling import DEFAULT_POOLING, checkpoint_pooling
 from nanoserve.readback import TokenBatch
 from nanoserve.reasoning import ReasoningGrammar
 from nanoserve.recorder import NULL_RECORDER
-from nanoserve.request import FinishReason, Request, RequestOutput, check_request, prompt_token_ids
+from nanoserve.request import (
+    EMBEDDING_PARAMS,
+    FinishReason,
+    Request,
+    RequestOutput,
+    check_request,
+    prompt_token_ids,
+)
 from nanoserve.sampling import BatchedSampler, RowHistory, packed_logprobs, packed_prompt_logprobs
 from nanoserve.scheduler import Scheduler, SchedulerOutput
 from nanoserve.speculator import Speculator
@@ -60,6 +68,8 @@ class Engine:
             loads it: the engine then starts the workers' step loops, and close() ends them.
         tokenizer: a Hugging Face tokenizer, or None (then prompts must be token ids and text is "").
         config: the EngineConfig.
+        pooling: what `embed` pools when asked for nothing else (from_pretrained reads the
+            checkpoint's: nanoserve.pooling); None: "last", normalised.
     Raises:
         ValueError: when config.max_model_len exceeds what the model can position, the model's
             device differs from the config's, a quantization has no kernels on the device, or
@@ -67,9 +77,11 @@ class Engine:
         WorkerFailure: a tensor-parallel worker failed to lay its shard out.
     """
 
-    def __init__(self, model: LlamaModel, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: LlamaModel, tokenizer: Any = None, config: EngineConfig | None = None,
+                 pooling: PoolingParams | None = None) -> None:
         config = config or EngineConfig()
         self.tokenizer, self.config = tokenizer, config
+        self.pooling = pooling or DEFAULT_POOLING
         self.device = torch.device(config.device)
         if model.device.type != self.device.type:
             raise ValueError(f"the model is on {model.device}, the config asks for device={config.device!r}")
@@ -143,15 +155,16 @@ class Engine:
         holding one and no config.json), served as it is stored; None serves the embedded default
         model from its own GGUF file. With config.tensor_parallel_size > 1 it starts the workers
         (or joins torchrun's ranks) and every rank reads only its own slices of the checkpoint."""
-        from nanoserve.model.weights import load_checkpoint, return_freed_memory
+        from nanoserve.model.weights import checkpoint_source, load_checkpoint, return_freed_memory
 
         config = config or EngineConfig()
+        pooling = checkpoint_pooling(*checkpoint_source(path))
         if config.tensor_parallel_size > 1:
             model, tokenizer = load_tensor_parallel(path, config)
         else:
             model, tokenizer = load_checkpoint(path, config.device, max_positions=config.max_model_len)
         try:
-            engine = cls(model, tokenizer, config)
+            engine = cls(model, tokenizer, config, pooling)
         except BaseException:
             if isinstance(model, TensorParallelModel):
                 model.group.close()
@@ -162,20 +175,28 @@ class Engine:
 
     # ---- requests in -------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Validates and queues one request; returns its id.
+        """Validates and queues one request; returns its id. With PoolingParams it is an embedding
+        request: it forwards its prompt beside the others, samples nothing, and finishes with its
+        vector (RequestOutput.embedding) in the step its last prompt rows come home.
 
         Raises:
             ValueError: empty prompt, token id outside the vocabulary, prompt plus max_tokens over
-                max_model_len, a request the whole KV pool could not hold, a duplicate id, or
-                structured outputs that do not compile (compiled here, in the caller's thread).
+                max_model_len, a request the whole KV pool could not hold, a duplicate id,
+                structured outputs that do not compile (compiled here, in the caller's thread), or
+                an embedding request on a tensor-parallel engine or with dimensions over the
+                model's hidden size.
         """
-        params = params or SamplingParams()
+        pooling = params if isinstance(params, PoolingParams) else None
+        params = EMBEDDING_PARAMS if pooling is not None else params or SamplingParams()
+        if pooling is not None:
+            self._check_pooling(pooling)
         token_ids = prompt_token_ids(prompt, self.tokenizer)
         check_request(token_ids, params, has_tokenizer=self.tokenizer is not None,
                       vocab_size=self.model.config.vocab_size, max_model_len=self.max_model_len,
-                      block_size=self.config.block_size, num_blocks=self.allocator.num_blocks)
+                      block_size=self.config.block_size, num_blocks=self.allocator.num_blocks,
+                      is_embedding=pooling is not None)
         if request_id is None:
             request_id = str(next(self._ids))
             while self._in_use(request_id, params.n):  # a caller may have chosen the next number already
@@ -184,7 +205,7 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         structured = params.structured_outputs
         compiled = self.grammars.compile(structured) if structured is not None else None
-        copies = self.scheduler.add(Request(request_id, token_ids, params, self.eos_token_ids, arrival_time))
+        copies = self.scheduler.add(Request(request_id, token_ids, params, self.eos_token_ids, arrival_time, pooling))
         for request in copies:
             if compiled is not None:
                 request.grammar = self.grammars.matcher(compiled)  # each copy walks the grammar alone
@@ -196,6 +217,34 @@ class Engine:
                 self._generators[request.request_id] = torch.Generator(self.device).manual_seed(request.params.seed)
             self.requests[request.request_id] = request
         return request_id
+
+    def _check_pooling(self, pooling: PoolingParams) -> None:
+        if isinstance(self.model, TensorParallelModel):
+            raise ValueError(f"embedding requests (PoolingParams) are not served with tensor_parallel_size="
+                             f"{self.config.tensor_parallel_size}: serve the model with tensor_parallel_size=1")
+        hidden = self.model.config.hidden_size
+        if pooling.dimensions is not None and pooling.dimensions > hidden:
+            raise ValueError(f"dimensions={pooling.dimensions} exceeds the model's hidden size {hidden}")
+
+    def embed(self, prompts: str | Sequence[str | Sequence[int]], pooling: str | None = None,
+              normalize: bool | None = None, dimensions: int | None = None,
+              use_tqdm: bool = False) -> list[RequestOutput]:
+        """Embeds every prompt (vLLM's `LLM.embed`): one finished output each, in input order,
+        whose `embedding` is the vector (a list of floats) and `prompt_token_ids` the tokens it
+        pooled. A single str is one prompt.
+
+        Args:
+            pooling: "last", "mean" or "cls" (PoolingParams); None: the engine's (`self.pooling`,
+                the checkpoint's own where from_pretrained found one).
+            normalize: L2-normalise the vector; None: as the engine's pooling does.
+            dimensions: keep the first `dimensions` values, normalised again (needs normalize).
+        Raises:
+            ValueError: whatever PoolingParams or add_request refuses (then no prompt is left queued).
+        """
+        default = self.pooling
+        params = PoolingParams(pooling or default.pooling, default.normalize if normalize is None else normalize,
+                               dimensions)
+        return self.generate(prompts, [params] * (1 if isinstance(prompts, str) else len(prompts)), use_tqdm)
 
     def _in_use(self, request_id: str, n: int) -> bool:
         ids = [request_id] if n == 1 else [f"{request_id}.{i}" for i in range(n)]
@@ -262,6 +311,8 @@ class Engine:
                 spec.make_drafts(sched, self.scheduler, self.model.config.vocab_size, self.grammars)
         in_flight = self._in_flight[1].spans if self._in_flight else ()
         homing = [span.request for span in in_flight if not span.request.is_finished]  # not overshoot
+        if self._in_flight and self._in_flight[0].pooled:  # embeddings whose last rows are on their way home
+            homing += [request for request, _, _ in self._in_flight[0].pooled[0] if not request.is_finished]
         self._step_requests = [item.request for item in sched.scheduled] + homing
         if sched.is_empty:  # idle: what is left in flight comes home after the step, ending the loop
             rec.end_step(num_rows=0, num_tokens=0, num_decode_rows=0)
@@ -286,6 +337,10 @@ class Engine:
                                   self.config.decode_group_min_rows, self.model.config.sliding_window)
         with rec.phase("forward"):
             logits = self.model.forward(inputs, self.kv)  # [rows, V], then the prompt-logprob rows'
+        pooled = None
+        if inputs.pooled_indices is not None:  # embedding requests' rows came back beside the logits, normed
+            logits, hidden = logits
+            pooled = self._pool(sched, hidden)
         prompt = None
         if logits.shape[0] > rows.num_rows:  # rows scoring prompt tokens follow the sampling rows
             scored = [(item.request, *prompt_scoring(item)) for item in sched.scheduled]
@@ -297,7 +352,7 @@ class Engine:
             with rec.phase("grammar_mask"):
                 bitmask = self.grammars.fill_bitmask(rows)  # [rows, ceil(V / 32)]
         with rec.phase("sample"):
-            batch = self._sample(logits, rows, bitmask, prompt)
+            batch = self._sample(logits, rows, bitmask, prompt, pooled)
         with rec.phase("collect", syncs=not deferred):
             sampled = (batch, rows)
             if deferred:
@@ -381,12 +436,30 @@ class Engine:
             self.speculation.after_resolve(result, self.scheduler, self._generators)
         return result.outputs
 
+    def _pool(self, sched: SchedulerOutput, hidden: torch.Tensor) -> tuple[list, torch.Tensor]:
+        """Each scheduled embedding request's (request, rows pooled, prompt done) and the sum of its
+        pooled rows of `hidden` [P, E] (its rows in order, as pooling_rows laid them out), [N, E]
+        on the device; the positions pooled are marked done (num_pooled_tokens)."""
+        runs, counts = [], []
+        for item in sched.scheduled:
+            found = pooling_rows(item)
+            if found is None:
+                continue
+            request = item.request
+            end = request.num_computed_tokens + item.num_new_tokens
+            runs.append((request, found[1], end == request.num_prompt_tokens))
+            counts.append(found[1])
+            request.num_pooled_tokens = max(request.num_pooled_tokens, end)
+        return runs, torch.stack([part.sum(dim=0) for part in hidden.split(counts)])  # [N, E]
+
     def _sample(self, logits: torch.Tensor, rows: StepRows, bitmask: torch.Tensor | None = None,
-                prompt: tuple[list, torch.Tensor] | None = None) -> TokenBatch:
+                prompt: tuple[list, torch.Tensor] | None = None,
+                pooled: tuple[list, torch.Tensor] | None = None) -> TokenBatch:
         """Samples every row's next token, within its grammar where the bitmask says; the tokens
         stay on the device. Logprobs are the model's own, read before the mask. A row verifying a
         draft sees, as its history, the drafts before it on its request's earlier rows. `prompt`:
-        the step's prompt logprobs, packed, riding home with the tokens."""
+        the step's prompt logprobs, packed, and `pooled` its embedding sums (_pool), riding home
+        with the tokens."""
         requests = rows.requests
         params = [r.params for r in requests]
         generators = [self._generators.get(r.request_id) for r in requests] if self._generators else None
@@ -403,7 +476,7 @@ class Engine:
             for r in requests:
                 r.num_pending_tokens += 1  # sampled, not yet home: the scheduler may already decode it
         logprobs = packed_logprobs(logits, tokens, params)
-        return TokenBatch(tokens, rows.request_ids, self.output.readback, logprobs, prompt)
+        return TokenBatch(tokens, rows.request_ids, self.output.readback, logprobs, prompt, pooled)
 
     # ---- convenience -------------------------------------------------------------------------
 
@@ -456,10 +529,12 @@ class Engine:
         """Every KV block is free xor owned by exactly the requests that list it."""
         self.allocator.check_invariants(self.scheduler.owners())
 
-    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | PoolingParams | Sequence[SamplingParams | PoolingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Runs every prompt to completion; returns the final outputs in input order (a prompt with
-        n > 1 contributes its n completions, in index order). A single str is one prompt.
+        n > 1 contributes its n completions, in index order). A single str is one prompt. A prompt
+        with PoolingParams is embedded (see add_request), in the same steps as the others.
 
         Raises:
             ValueError: as many SamplingParams as prompts were not given, or whatever add_request
@@ -475,7 +550,8 @@ class Engine:
         try:
             for prompt, sp in zip(prompts, params_list, strict=True):
                 added.append(self.add_request(prompt, sp))
-                ids += [added[-1]] if sp.n == 1 else [f"{added[-1]}.{i}" for i in range(sp.n)]
+                n = sp.n if isinstance(sp, SamplingParams) else 1  # PoolingParams: an embedding, one output
+                ids += [added[-1]] if n == 1 else [f"{added[-1]}.{i}" for i in range(n)]
         except ValueError:
             for request_id in added:  # all or nothing: no orphans left queued
                 self.abort(request_id)

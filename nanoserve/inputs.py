@@ -23,6 +23,7 @@ class TokenRun:
     num_sampling: int = 0  # its last rows that sample: 1 + drafts, or 0 (a prompt chunk short of its end)
     pending: tuple[int, int] | None = None  # (index in token_ids, row of the pending batch): a token not home yet
     scored: tuple[int, int] = (0, 0)  # (first index in token_ids, count): rows whose logits score the next prompt token
+    pooled: tuple[int, int] | None = None  # an embedding's (first index in token_ids, count): rows it pools; None: not one
 
 
 def prompt_scoring(item: ScheduledRequest) -> tuple[int, int]:
@@ -37,6 +38,21 @@ def prompt_scoring(item: ScheduledRequest) -> tuple[int, int]:
     first = max(start, len(request.prompt_logprobs) - 1)
     end = min(start + item.num_new_tokens - len(item.draft_token_ids), request.num_prompt_tokens - 1)
     return (first, end - first) if end > first else (0, 0)
+
+
+def pooling_rows(item: ScheduledRequest) -> tuple[int, int] | None:
+    """(first position, count): the prompt positions of an embedding request's scheduled chunk
+    whose final-normed rows it pools (PoolingParams.positions), each once (positions before
+    request.num_pooled_tokens were pooled before a preemption, and are skipped); None for a request
+    that is not an embedding."""
+    request = item.request
+    if request.pooling is None:
+        return None
+    start = request.num_computed_tokens
+    wanted = request.pooling.positions(request.num_prompt_tokens)
+    first = max(start, request.num_pooled_tokens, wanted.start)
+    end = min(start + item.num_new_tokens, wanted.stop)
+    return (first, end - first) if end > first else (first, 0)
 
 
 def token_runs(sched: SchedulerOutput, pending: TokenBatch | None = None) -> list[TokenRun]:
@@ -54,8 +70,9 @@ def token_runs(sched: SchedulerOutput, pending: TokenBatch | None = None) -> lis
             where = (len(token_ids), pending.request_ids.index(request.request_id))
             token_ids.append(0)
         first, count = prompt_scoring(item)
+        pooled = pooling_rows(item)
         runs.append(TokenRun(token_ids + drafts, start, request.block_ids, (1 + len(drafts)) * item.samples, where,
-                             (first - start, count)))
+                             (first - start, count), pooled and (pooled[0] - start, pooled[1])))
     return runs
 
 
@@ -73,7 +90,8 @@ def lay_out(runs: list[TokenRun], block_size: int, device: torch.device, pending
     Each run's context for attention is everything up to its last token. A pending token's value is
     copied into input_ids from the pending batch's device tensor: it never visits the host. Every
     sampling row is in logits_indices, in order, and after them each run's scored rows (prompt
-    logprobs), in order. With a sliding_window W (the model's
+    logprobs), in order; each embedding run's pooled rows are in pooled_indices, in order (None
+    when no run is an embedding's). With a sliding_window W (the model's
     config.sliding_window), the metadata also holds the step as windowed layers attend it, where a
     query at position p sees keys p - W + 1 .. p.
     """
@@ -82,6 +100,7 @@ def lay_out(runs: list[TokenRun], block_size: int, device: torch.device, pending
     slot_mapping: list[int] = []
     logits_indices: list[int] = []
     scored_rows: list[int] = []
+    pooled_rows: list[int] | None = None
     query_lens: list[int] = []
     context_lens: list[int] = []
     block_tables: list[list[int]] = []
@@ -99,6 +118,9 @@ def lay_out(runs: list[TokenRun], block_size: int, device: torch.device, pending
         logits_indices.extend(range(len(input_ids) - run.num_sampling, len(input_ids)))
         first = len(input_ids) - len(run.token_ids) + run.scored[0]
         scored_rows.extend(range(first, first + run.scored[1]))
+        if run.pooled is not None:
+            first = len(input_ids) - len(run.token_ids) + run.pooled[0]
+            pooled_rows = (pooled_rows or []) + list(range(first, first + run.pooled[1]))
         query_lens.append(end - start)
         context_lens.append(end)
         block_tables.append(blocks)
@@ -141,7 +163,8 @@ def lay_out(runs: list[TokenRun], block_size: int, device: torch.device, pending
     attn.block_tables = torch.tensor([b + [0] * (nb - len(b)) for b in block_tables], dtype=torch.int64,
                                      device=device)  # [S, nb]
     attn.row_seqs = torch.repeat_interleave(torch.arange(num_seqs, device=device), tensor(query_lens))  # [T]
-    return ModelInputs(input_ids_t, positions_t, tensor(logits_indices + scored_rows), attn)
+    return ModelInputs(input_ids_t, positions_t, tensor(logits_indices + scored_rows), attn,
+                       None if pooled_rows is None else tensor(pooled_rows))
 
 
 def split_by_length(num_blocks: list[int], max_groups: int = 4, min_saving: float = 0.15) -> list[list[int]]:

@@ -23,7 +23,7 @@ from nanoserve.step_rows import RowSpan, StepRows
 class StepOutputs:
     """What one step's tokens did, in row order."""
 
-    outputs: list[RequestOutput]  # one per request still live, in row order
+    outputs: list[RequestOutput]  # the embeddings finished, then one per request still live, in row order
     finished: list[Request]  # requests this step finished: the engine releases their blocks
     # Speculative decoding: (span, drafts it forwarded that were rejected) for each live request
     # that verified drafts; the engine rolls their K/V back (Scheduler.rollback).
@@ -84,13 +84,13 @@ class OutputProcessor:
         for request, position, entry in batch.resolve_prompt_logprobs():  # once each: a recomputed prompt skips
             if request.prompt_logprobs is not None and len(request.prompt_logprobs) == position:
                 request.prompt_logprobs.append(entry)
-        if not token_ids:
-            return StepOutputs([], [])
-        self.num_steps += 1
         now = time.perf_counter()  # the tokens of one step arrive together, after its one readback
+        outputs, finished = self._pool(batch, now)
+        if not token_ids:
+            self.num_steps += batch.pooled is not None  # embedding rows only: their sums made the journey
+            return StepOutputs(outputs, finished)
+        self.num_steps += 1
         logprobs = batch.resolve_logprobs()
-        outputs: list[RequestOutput] = []
-        finished: list[Request] = []
         rejected: list[tuple[RowSpan, int]] = []
         total_accepted = 0
         for span in rows.spans:
@@ -113,6 +113,23 @@ class OutputProcessor:
                 finished.append(request)
             outputs.append(make_output(request))
         return StepOutputs(outputs, finished, rejected, total_accepted)
+
+    @staticmethod
+    def _pool(batch: TokenBatch, now: float) -> tuple[list[RequestOutput], list[Request]]:
+        """Adds each embedding request's pooled sum to its own; one whose prompt is done gets its
+        vector (PoolingParams.finish) and finishes. A request already finished (aborted after its
+        rows were launched) gets nothing."""
+        outputs, finished = [], []
+        for request, num_rows, done, part in batch.resolve_pooled():
+            if request.is_finished:
+                continue
+            request.add_pooled(part, num_rows)
+            if done:
+                request.embedding = request.pooling.finish(request.pooled_sum, request.num_pooled_rows)
+                request.finish(FinishReason.STOP, now)
+                finished.append(request)
+                outputs.append(make_output(request))
+        return outputs, finished
 
     @staticmethod
     def _apply(request: Request, token_id: int, logprobs: dict[int, float] | None, now: float) -> bool:
@@ -197,4 +214,5 @@ def make_output(request: Request) -> RequestOutput:
         num_drafts=request.num_drafts,
         num_draft_tokens=request.num_draft_tokens,
         num_accepted_tokens=request.num_accepted_tokens,
+        embedding=request.embedding,
     )

@@ -1,8 +1,10 @@
-"""SamplingParams: what one request asks of the sampler, validated at construction."""
+"""SamplingParams: what one request asks of the sampler; PoolingParams: what an embedding request
+asks of the pooler. Both validated at construction."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,3 +174,52 @@ class SamplingParams:
     @property
     def has_filters(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """What an embedding request asks (vLLM's PoolingParams): no token is sampled; the prompt's
+    final-normed hidden states (the model's last_hidden_state) are pooled into one vector.
+
+    pooling: "last" (the last prompt token's row: Qwen3-Embedding's), "mean" (every row's mean) or
+    "cls" (the first token's row). normalize: the vector divided by its L2 norm. dimensions: the
+    vector cut to its first `dimensions` values, then normalised again (OpenAI's `dimensions`, for
+    Matryoshka-trained models); needs normalize, and at most the model's hidden size (checked at
+    Engine.add_request).
+    """
+
+    pooling: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling={self.pooling!r} must be one of {POOLING_TYPES}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize={self.normalize!r} must be a bool")
+        if self.dimensions is not None:
+            if not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool) or self.dimensions < 1:
+                raise ValueError(f"dimensions={self.dimensions!r} must be None or an integer >= 1")
+            if not self.normalize:
+                raise ValueError(f"dimensions={self.dimensions} needs normalize=True: a cut vector is "
+                                 "normalised again, and this pooling does not normalise")
+
+    def positions(self, num_prompt_tokens: int) -> range:
+        """The prompt positions whose rows are pooled."""
+        if self.pooling == "mean":
+            return range(num_prompt_tokens)
+        return range(1) if self.pooling == "cls" else range(num_prompt_tokens - 1, num_prompt_tokens)
+
+    def finish(self, total: list[float], num_rows: int) -> list[float]:
+        """The embedding from the sum of its pooled rows (`num_rows` of them), in float64: the mean
+        for "mean", cut to `dimensions`, L2-normalised where asked (a zero vector stays zero)."""
+        vector = [x / num_rows for x in total] if self.pooling == "mean" else list(total)
+        if self.dimensions is not None:
+            vector = vector[:self.dimensions]
+        if self.normalize:
+            norm = math.sqrt(math.fsum(x * x for x in vector))
+            vector = [x / norm for x in vector] if norm > 0 else vector
+        return vector

@@ -106,6 +106,9 @@ class TokenBatch:
     # Prompt logprobs (SamplingParams.prompt_logprobs): each scored run's (request, first position,
     # count) and per row [the next prompt token's, k values, k ids] on the device; None: no run.
     prompt_logprobs: tuple[list[tuple[Any, int, int]], torch.Tensor] | None = None
+    # Embedding requests (PoolingParams): each scheduled one's (request, rows pooled, whether its
+    # prompt is done) and per request the sum of its pooled rows [N, E] float32 on the device; None: none.
+    pooled: tuple[list[tuple[Any, int, bool]], torch.Tensor] | None = None
     _token_ids: list[int] | None = field(default=None, init=False)  # the memo: None until resolved
     _copies: tuple[HostCopy | None, ...] | None = field(default=None, init=False)  # started at build
 
@@ -126,7 +129,8 @@ class TokenBatch:
             )
         # The journey home starts now, right after sampling; resolve() waits for it.
         self._copies = (HostCopy(self.tokens), HostCopy(self.logprobs[1].flatten()) if self.logprobs else None,
-                        HostCopy(self.prompt_logprobs[1].flatten()) if self.prompt_logprobs else None)
+                        HostCopy(self.prompt_logprobs[1].flatten()) if self.prompt_logprobs else None,
+                        HostCopy(self.pooled[1].flatten()) if self.pooled else None)
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -177,7 +181,6 @@ class TokenBatch:
             entries[row] = entry
         return entries
 
-
     def resolve_prompt_logprobs(self) -> list[tuple[Any, int, dict[int, float]]]:
         """(request, prompt position p, {token id: logprob}) for each scored row: prompt token p's
         own logprob and its request's top k at that position (one more journey home, counted); []
@@ -197,6 +200,17 @@ class TokenBatch:
                 entries.append((request, p + 1, top | {request.prompt_token_ids[p + 1]: chunk[0]}))
                 row += 1
         return entries
+
+    def resolve_pooled(self) -> list[tuple[Any, int, bool, list[float]]]:
+        """(request, rows pooled, prompt done, the rows' sum [E]) for each embedding request of the
+        step (one more journey home, counted); [] when there was none."""
+        if self.pooled is None:
+            return []
+        runs, sums = self.pooled
+        values = self.readback.fetch(self._copies[3])
+        width = sums.shape[1]
+        return [(request, count, done, values[n * width:(n + 1) * width])
+                for n, (request, count, done) in enumerate(runs)]
 
 
 class RowOrderMismatch(ValueError):

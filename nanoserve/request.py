@@ -1,4 +1,4 @@
-"""Request: one generation's token ids, progress counters and timestamps; RequestOutput."""
+"""Request: one generation's (or one embedding's) token ids, progress counters and timestamps; RequestOutput."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nanoserve.params import SamplingParams
+from nanoserve.params import PoolingParams, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -35,6 +35,11 @@ class Request:
 
     `token_ids`, `token_times` and `logprobs` only ever grow by appending: each step's
     RequestOutput holds views of them (ListView) rather than copies.
+
+    An embedding request (`pooling` set) forwards its prompt as any request does and never
+    samples: each step that forwards rows it pools sends their sum home, `pooled_sum` adds them up
+    in step order, and once the last prompt token is forwarded `embedding` is the vector and the
+    request is finished. Its `params` are EMBEDDING_PARAMS, which no sampler reads.
     """
 
     def __init__(
@@ -44,6 +49,7 @@ class Request:
         params: SamplingParams,
         eos_token_ids: frozenset[int],
         arrival_time: float | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -64,6 +70,13 @@ class Request:
         # params.prompt_logprobs: entry p for prompt token p (the first None), filled as the prompt is forwarded
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
+        # Embedding requests: rows of prompt positions before num_pooled_tokens are pooled already (a
+        # preempted request forwards its prompt again and skips them); their sum, as it comes home.
+        self.pooling = pooling
+        self.num_pooled_tokens = 0
+        self.pooled_sum: list[float] | None = None  # [E] float64, the pooled rows' sum so far
+        self.num_pooled_rows = 0
+        self.embedding: list[float] | None = None  # PoolingParams.finish's vector, once finished
         # Speculative decoding (nanoserve.speculative): the drafts this step verifies, and the counts.
         self.draft_token_ids: list[int] = []
         self.num_drafts = 0  # steps that verified drafts of this request
@@ -90,6 +103,18 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def forwards_whole_prompt(self) -> bool:
+        """Every prompt row is needed (prompt logprobs, mean or cls pooling): no prefix-cache hits."""
+        return self.prompt_logprobs is not None or (self.pooling is not None and self.pooling.pooling != "last")
+
+    def add_pooled(self, part: list[float], num_rows: int) -> None:
+        """Adds one step's sum of pooled rows ([E]) to the request's, in float64."""
+        if self.pooled_sum is None:
+            self.pooled_sum = [0.0] * len(part)
+        self.pooled_sum = [a + b for a, b in zip(self.pooled_sum, part, strict=True)]
+        self.num_pooled_rows += num_rows
 
     @property
     def num_tokens(self) -> int:
@@ -230,7 +255,11 @@ class RequestOutput:
     num_drafts: int = 0  # speculative decoding: steps that verified drafts for this request
     num_draft_tokens: int = 0  # drafts verified
     num_accepted_tokens: int = 0  # drafts kept (each saved one step)
+    embedding: list[float] | None = None  # an embedding request's vector, once finished (PoolingParams)
 
+
+# An embedding request's SamplingParams: it never samples, so nothing reads them.
+EMBEDDING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 PROMPT_TYPES = "prompt must be a str or a list of token ids (int)"
 
@@ -297,8 +326,9 @@ def _type_name(value: Any) -> str:
 
 
 def check_request(token_ids: list[int], params: SamplingParams, *, has_tokenizer: bool, vocab_size: int,
-                  max_model_len: int, block_size: int, num_blocks: int) -> None:
-    """Refuses, at the door, a request the engine could never finish.
+                  max_model_len: int, block_size: int, num_blocks: int, is_embedding: bool = False) -> None:
+    """Refuses, at the door, a request the engine could never finish (an embedding request: its
+    prompt alone, nothing generated after it).
 
     Raises:
         ValueError: params that are not SamplingParams, stop strings or structured outputs with no
@@ -319,7 +349,9 @@ def check_request(token_ids: list[int], params: SamplingParams, *, has_tokenizer
         if bad is not None:
             raise ValueError(f"{name}={getattr(params, name)!r}: token id {bad} is outside the vocabulary "
                              f"[0, {vocab_size})")
-    total = len(token_ids) + params.max_tokens
+    total = len(token_ids) + (0 if is_embedding else params.max_tokens)
+    if is_embedding and total > max_model_len:
+        raise ValueError(f"prompt ({total} tokens) exceeds max_model_len={max_model_len}")
     if total > max_model_len:
         raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                          f"exceeds max_model_len={max_model_len}")

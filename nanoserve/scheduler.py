@@ -2,7 +2,9 @@
 
 Plain Python over request counters and block ids, no torch. One rule covers prefill, chunked
 prefill, decode and recompute after preemption: a scheduled request forwards the tokens from
-`num_computed_tokens` up to at most `num_tokens`, within the step's token budget.
+`num_computed_tokens` up to at most `num_tokens`, within the step's token budget. An embedding
+request (`request.pooling`) is a prompt that never samples: it is scheduled, chunked and preempted
+like any other, and once its prompt is forwarded it waits, scheduled no more, for its vector.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from nanoserve.request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens forwarded this step, from request.num_computed_tokens on
-    samples: bool  # True when this step reaches the request's last token: a new token is sampled
+    samples: bool  # True when this step reaches the request's last token: a new token is sampled (never an embedding's)
     # Speculative decoding: drafts forwarded after the last token (counted in num_new_tokens); each
     # of their rows samples too, so the step samples 1 + len(draft_token_ids) rows for this request.
     draft_token_ids: list[int] = field(default_factory=list)
@@ -135,10 +137,13 @@ class Scheduler:
             if request.num_pending_tokens and request.is_length_capped:
                 i += 1  # its last token is on its way home; forwarding it would only overshoot
                 continue
+            if request.num_computed_tokens == request.num_tokens:
+                i += 1  # an embedding whose prompt is forwarded: its vector is on its way home (deferred output)
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             # Drafts take what budget the running requests after this one do not need for a token each.
             spare = budget - num_new - (len(self.running) - i - 1)
-            drafts = request.draft_token_ids[:max(0, spare)] if num_new == 1 else []
+            drafts = request.draft_token_ids[:max(0, spare)] if num_new == 1 and request.pooling is None else []
             need = self._blocks_needed(request, num_new + len(drafts))
             if drafts and not self.allocator.can_allocate(need):  # drafts never preempt anyone
                 drafts, need = [], self._blocks_needed(request, num_new)
@@ -151,7 +156,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 break  # preempted itself: every later request has been preempted too
             request.block_ids.extend(self.allocator.allocate(need))
-            samples = request.num_computed_tokens + num_new == request.num_tokens
+            samples = request.num_computed_tokens + num_new == request.num_tokens and request.pooling is None
             out.scheduled.append(ScheduledRequest(request, num_new + len(drafts), samples, drafts))
             budget -= num_new + len(drafts)
             i += 1
@@ -160,8 +165,8 @@ class Scheduler:
         # A preempted request never re-enters in the step that preempted it.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
-            # a request asking for prompt logprobs forwards its whole prompt: a cached prefix has no logits
-            hits = self._cache_hits(request) if self.enable_prefix_caching and request.params.prompt_logprobs is None else []
+            # prompt logprobs, mean or cls pooling need every prompt row: a cached prefix has none
+            hits = self._cache_hits(request) if self.enable_prefix_caching and not request.forwards_whole_prompt else []
             num_computed = len(hits) * self.block_size
             remaining = request.num_tokens - num_computed
             if remaining > budget and not self.enable_chunked_prefill:
@@ -179,7 +184,8 @@ class Scheduler:
             request.num_cached_tokens = num_computed
             request.mark_running(now)
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new, num_computed + num_new == request.num_tokens))
+            samples = num_computed + num_new == request.num_tokens and request.pooling is None
+            out.scheduled.append(ScheduledRequest(request, num_new, samples))
             budget -= num_new
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget

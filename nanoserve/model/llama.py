@@ -46,6 +46,7 @@ class ModelInputs:
     positions: torch.Tensor  # [T] int64, position of each token in its own sequence
     logits_indices: torch.Tensor  # [R] int64: the rows of T whose next token is sampled
     attn: AttentionMetadata
+    pooled_indices: torch.Tensor | None = None  # [P] int64: rows whose final-normed state is returned, no head
 
 
 MATMULS = ("qkv", "o", "gate_up", "down")  # a layer's matmul weights, in the order a step runs them
@@ -256,8 +257,10 @@ class LlamaModel:
         lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
         return cls(config, embed, layers, norm("model.norm.weight"), lm_head, max_positions, dtype)
 
-    def forward(self, inputs: ModelInputs, kv: KVCache) -> torch.Tensor:
-        """Runs one step and returns logits [R, V] for the rows that sample, in float32.
+    def forward(self, inputs: ModelInputs, kv: KVCache) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Runs one step and returns logits [R, V] for the rows that sample, in float32; where
+        inputs.pooled_indices is set, (logits, hidden [P, E]): those rows after the final norm, in
+        float32 (what transformers calls last_hidden_state), the head not run on them.
 
         Raises:
             ValueError: when the model has windowed layers and inputs.attn was built for another window.
@@ -273,10 +276,15 @@ class LlamaModel:
         driver = Driver.TORCH if self.plan is None else self.plan.driver(h.shape[0], not inputs.attn.prefill_runs)
         h = self.drivers[driver](self, h, inputs, kv)
         # Only the rows that sample need the norm and the [E, V] head: the rest of T is prefill.
-        h = F.rms_norm(h[inputs.logits_indices], self.norm.shape, self.norm, config.rms_norm_eps).to(self.dtype)  # [R, E]
-        logits = self.lm_head_weight(h).float()  # [R, V]
+        # Pooled rows (an embedding's) need the norm only.
+        pooled = inputs.pooled_indices
+        rows = inputs.logits_indices if pooled is None else torch.cat([inputs.logits_indices, pooled])  # [R + P]
+        normed = F.rms_norm(h[rows], self.norm.shape, self.norm, config.rms_norm_eps)  # [R + P, E] float32
+        R = inputs.logits_indices.shape[0]
+        logits = self.lm_head_weight(normed[:R].to(self.dtype)).float()  # [R, V]
         cap = config.final_logit_softcap
-        return logits if cap is None else cap * torch.tanh(logits / cap)
+        logits = logits if cap is None else cap * torch.tanh(logits / cap)
+        return logits if pooled is None else (logits, normed[R:])  # [R, V], [P, E]
 
     def matrices(self) -> list[tuple[int | None, str, Weight]]:
         """Every matmul weight: (layer index, or None for the head; its name; the weight). A sparse

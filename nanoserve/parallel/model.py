@@ -42,6 +42,8 @@ class TensorParallelModel(LlamaModel):
                 forward raised after the plan went out; every later step raises it too, and
                 Engine.close() still ends the processes.
         """
+        if inputs.pooled_indices is not None:  # Engine.add_request refuses these first
+            raise ValueError("embedding requests (ModelInputs.pooled_indices) are not served by a tensor-parallel model")
         group = self.group
         if group.failure is not None:
             raise WorkerFailure(group.failure)

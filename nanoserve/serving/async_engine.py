@@ -2,7 +2,8 @@
 background loop steps the engine. The step is blocking (a forward pass), so it runs in a worker
 thread; a lock makes sure an add or an abort never lands in the middle of one. Each request's
 outputs reach its consumer through its own asyncio queue, and a consumer that stops (cancelled,
-or its iterator closed) aborts its request so the blocks go back to the pool.
+or its iterator closed) aborts its request so the blocks go back to the pool. An embedding request
+(`embed`) has no stream: its one final output is awaited, and a cancelled wait aborts it.
 
 A step that raises fails the requests of that step (`Engine.fail_step`): their consumers get a
 StepFailedError and the loop goes on with the others. Where the engine's state cannot be
@@ -22,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-from nanoserve.params import SamplingParams
+from nanoserve.params import PoolingParams, SamplingParams
 from nanoserve.request import RequestOutput
 from nanoserve.serving.streaming import DeltaMaker, StreamDelta, group_of
 
@@ -140,6 +141,35 @@ class AsyncEngine:
             DrainingError: drain() or shutdown() ran.
             QueueFullError: `max_waiting` requests are already waiting.
         """
+        params = params or SamplingParams()
+        rid, queue, prompt_ids = await self._submit(prompt, params, request_id)
+        return RequestStream(self, rid, prompt_ids, params, queue)
+
+    async def embed(self, prompt: str | Sequence[int], pooling: PoolingParams,
+                    request_id: str | None = None) -> RequestOutput:
+        """Queues one embedding request and waits for its final output (`embedding` the vector, or
+        None when it was aborted); cancelled while it waits, it aborts the request.
+
+        Raises:
+            as add_request does, and StepFailedError when the step serving it raised.
+        """
+        rid, queue, _ = await self._submit(prompt, pooling, request_id)
+        done = False
+        try:
+            item = await queue.get()
+            done = True
+            if isinstance(item, StepFailedError):
+                raise item
+            if isinstance(item, BaseException):
+                raise EngineDeadError(f"the engine loop failed: {item!r}") from item
+            return item
+        finally:
+            if not done:
+                self._schedule_abort(rid)
+
+    async def _submit(self, prompt: str | Sequence[int], params: SamplingParams | PoolingParams,
+                      request_id: str | None) -> tuple[str, asyncio.Queue, list[int]]:
+        """Adds one request through the lock: (its id, the queue its outputs arrive on, its prompt ids)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine loop failed: {self.error!r}")
         if self._closed or self.is_draining:
@@ -147,10 +177,9 @@ class AsyncEngine:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if rid in self._queues:
             raise ValueError(f"request_id {rid!r} is already in use")
-        params = params or SamplingParams()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue  # before the add: the first output may follow at once
-        self._num_unfinished[rid] = params.n
+        self._num_unfinished[rid] = params.n if isinstance(params, SamplingParams) else 1
         try:
             prompt_ids = await asyncio.to_thread(self._add_locked, prompt, params, rid)
         except BaseException as e:
@@ -161,7 +190,7 @@ class AsyncEngine:
             raise
         self._ensure_loop()
         self._wakeup.set()
-        return RequestStream(self, rid, prompt_ids, params, queue)
+        return rid, queue, prompt_ids
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[StreamDelta]:
@@ -207,14 +236,15 @@ class AsyncEngine:
             return fn(*args)
 
     def _add_locked(self, prompt, params, rid: str) -> list[int]:
-        if params.structured_outputs is not None:  # compiled here, outside the step lock: the add then hits the cache
+        sampling = isinstance(params, SamplingParams)
+        if sampling and params.structured_outputs is not None:  # compiled here, outside the step lock: the add then hits the cache
             self.engine.grammars.compile(params.structured_outputs)
         with self._lock:  # between two steps: the waiting count is exact
             if self.max_waiting is not None and (num := self.engine.stats().num_waiting) >= self.max_waiting:
                 raise QueueFullError(f"{num} requests are waiting for a slot, the most this server queues "
                                      f"(max_waiting={self.max_waiting})")
             self.engine.add_request(prompt, params, request_id=rid)
-            first = rid if params.n == 1 else f"{rid}.0"  # an n > 1 group's copies are rid.0 .. rid.{n-1}
+            first = rid if not sampling or params.n == 1 else f"{rid}.0"  # an n > 1 group's copies are rid.0 .. rid.{n-1}
             return list(self.engine.requests[first].prompt_token_ids)
 
     def _schedule_abort(self, rid: str) -> None:

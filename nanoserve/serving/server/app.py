@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP app: FastAPI routes over one AsyncEngine.
+"""The OpenAI-compatible HTTP app: FastAPI routes over one AsyncEngine (completions, chat
+completions, embeddings: each input of POST /v1/embeddings one embedding request, pooled as the
+engine's checkpoint says, batched with the generation requests in the same steps).
 
 Every route validates its body before anything reaches the engine, and every client mistake
 becomes an OpenAI-style error body with a 4xx, so one bad request never disturbs the others. A
@@ -15,7 +17,9 @@ streamed an error event and then [DONE], while the engine goes on with the other
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -25,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoserve.chat import encode_chat
+from nanoserve.params import PoolingParams
 from nanoserve.serving.async_engine import (
     AsyncEngine,
     DrainingError,
@@ -36,7 +41,12 @@ from nanoserve.serving.async_engine import (
 from nanoserve.serving.server import protocol, reasoning, responses, tools
 from nanoserve.serving.server.guard import ApiKeyMiddleware, ServerConfig
 from nanoserve.serving.server.metrics import CONTENT_TYPE, ServerMetrics
-from nanoserve.serving.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from nanoserve.serving.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+)
 from nanoserve.serving.server.tokenize import tokenize_routes
 from nanoserve.serving.streaming import StreamDelta
 
@@ -92,10 +102,15 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
         return room
 
     async def submit(prompt: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+        return await refused_as_api_errors(async_engine.add_request(prompt, params, request_id=request_id))
+
+    async def refused_as_api_errors(call, input_param: str | None = None):
+        """Awaits an engine call; what it refuses becomes an ApiError (a ValueError: a 400 naming
+        the parameter it names, else `input_param`, else "prompt" where it is about the prompt)."""
         try:
-            return await async_engine.add_request(prompt, params, request_id=request_id)
+            return await call
         except ValueError as e:
-            param = protocol.param_of(str(e)) or ("prompt" if "prompt" in str(e) else None)
+            param = protocol.param_of(str(e)) or input_param or ("prompt" if "prompt" in str(e) else None)
             raise ApiError(str(e), param=param) from None
         except EngineDeadError as e:
             raise ApiError(str(e), status_code=503, type="server_error") from None
@@ -108,9 +123,9 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
             raise ApiError(str(e), status_code=503, type="server_error", code="draining",
                            headers={"Connection": "close"}) from None
 
-    def tokenize(text: str) -> list[int]:
+    def tokenize(text: str, param: str = "prompt") -> list[int]:
         if engine.tokenizer is None:
-            raise ApiError("this model has no tokenizer: send the prompt as token ids", param="prompt")
+            raise ApiError(f"this model has no tokenizer: send the {param} as token ids", param=param)
         return list(engine.tokenizer.encode(text))
 
     # ---- routes ----------------------------------------------------------------------------------
@@ -192,6 +207,45 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
                         for i, c in sorted(done.items())],
             "usage": _usage(stream, done, 0 if prompt_only else None),
         })
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body: EmbeddingRequest = protocol.parse_body(await request.body(), EmbeddingRequest)
+        check_model(body.model)
+        if body.encoding_format not in ("float", "base64"):
+            raise ApiError(f"encoding_format={body.encoding_format!r} must be 'float' or 'base64'",
+                           param="encoding_format")
+        pooling = engine.pooling
+        if body.dimensions is not None and not pooling.normalize:
+            raise ApiError(f"dimensions={body.dimensions}: this model's pooling does not normalise, so its "
+                           "vectors cannot be cut and normalised again", param="dimensions")
+        try:
+            params = PoolingParams(pooling.pooling, pooling.normalize, body.dimensions)
+        except ValueError as e:
+            raise ApiError(str(e), param="dimensions") from None
+        inputs = [tokenize(item, "input") if isinstance(item, str) else item for item in protocol.embedding_inputs(body)]
+        rid = responses.new_id("embd")
+        calls = [asyncio.ensure_future(refused_as_api_errors(async_engine.embed(ids, params, f"{rid}-{i}"), "input"))
+                 for i, ids in enumerate(inputs)]
+        try:
+            outputs = await asyncio.gather(*calls)
+        except (StepFailedError, EngineDeadError) as e:
+            raise _engine_error(e) from None
+        finally:
+            for call in calls:  # one input refused or failed: the others' requests are aborted
+                call.cancel()
+        data = []
+        for i, out in enumerate(outputs):
+            if out.embedding is None:
+                raise ApiError(f"input[{i}] was aborted before its vector was made", status_code=500,
+                               type="server_error", code="aborted")
+            vector = out.embedding
+            if body.encoding_format == "base64":  # OpenAI's: the float32 values' little-endian bytes
+                vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": vector})
+        num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+        return JSONResponse({"object": "list", "data": data, "model": model_name,
+                             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -92,6 +92,7 @@ class ServerMetrics:
         self.num_spec_accepted_tokens = 0
         self.num_rejected = 0  # requests answered with a 4xx before reaching the engine
         self.refused = dict.fromkeys(REFUSAL_REASONS, 0)  # valid requests answered 503, by reason
+        self.num_embeddings = 0  # embedding requests finished with their vector (POST /v1/embeddings inputs)
         self.num_step_faults = 0  # engine steps that raised (their requests failed, the server went on)
         self.ttft = Histogram(f"{prefix}_time_to_first_token_seconds",
                               "Arrival to first output token, per request that produced one.", TTFT_BUCKETS)
@@ -108,6 +109,7 @@ class ServerMetrics:
         self.num_spec_drafts += output.num_drafts
         self.num_spec_draft_tokens += output.num_draft_tokens
         self.num_spec_accepted_tokens += output.num_accepted_tokens
+        self.num_embeddings += output.embedding is not None
         m = request_metrics(output)
         if m.ttft_s is not None:
             self.ttft.observe(m.ttft_s)
@@ -138,6 +140,8 @@ class ServerMetrics:
             refused,
             _counter(f"{p}_step_faults", "Engine steps that raised; their requests failed, the others went on.",
                      self.num_step_faults),
+            _counter(f"{p}_embedding_requests", "Embedding requests finished with their vector (one per input of "
+                     "POST /v1/embeddings).", self.num_embeddings),
             _counter(f"{p}_prompt_tokens", "Prompt tokens of finished requests.", self.num_prompt_tokens),
             _counter(f"{p}_generation_tokens", "Output tokens of finished requests.", self.num_generation_tokens),
             _counter(f"{p}_spec_decode_num_drafts", "Speculative verifications (a request's drafts in one step), "

@@ -98,6 +98,34 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
 
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings."""
+
+    model: str | None = None
+    input: str | list[int] | list[str] | list[list[int]]  # one input or a batch; text or token ids
+    encoding_format: str = "float"  # "float": lists of numbers; "base64": little-endian float32 bytes
+    dimensions: int | None = None  # the first n values, normalised again (a pooling that normalises)
+    user: str | None = None
+
+
+def embedding_inputs(body: EmbeddingRequest) -> list[str | list[int]]:
+    """The request's inputs, one per vector: a string or a list of token ids is one input.
+
+    Raises:
+        ApiError: an empty input list, or an empty input (naming its index).
+    """
+    inputs = body.input
+    if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+        inputs = [inputs]
+    if not inputs:
+        raise ApiError("input is empty: send a string, a list of strings, token ids or lists of token ids",
+                       param="input")
+    for i, item in enumerate(inputs):
+        if not item:
+            raise ApiError(f"input[{i}] is empty: it needs at least 1 token", param="input")
+    return list(inputs)
+
+
 class ContentPart(_Body):
     type: str
     text: str | None = None
