@@ -76,14 +76,19 @@ def hf_greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:
 @pytest.mark.parametrize("max_num_seqs", [1, 4])
 def test_logits_and_greedy_tokens_equal_transformers(name, max_num_seqs):
     hf, model = hf_and_model(name)
-    # 16 blocks of 4 hold 64 tokens; the 40-token prompt alone reaches 52: four slots must preempt.
-    # A budget of 7 tokens a step splits every prompt longer than 7 into chunks.
+    assert_serves_as_transformers(hf, model, PROMPTS, max_num_seqs)
+
+
+def assert_serves_as_transformers(hf, model, prompts, max_num_seqs: int) -> None:
+    """Logits at prefill and every decode within 1e-4 of transformers' forward, greedy tokens equal to
+    its generate: 16 blocks of 4 hold 64 tokens (a 40-token prompt alone reaches 52: four slots must
+    preempt), a budget of 7 tokens a step splits every prompt longer than 7 into chunks."""
     config = EngineConfig(dtype="float32", quantization=None, block_size=4, num_kv_blocks=16,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=7)
     engine = Engine(model, CharTokenizer(hf.config.vocab_size), config)
-    captured, outputs = run_and_capture(engine, PROMPTS, MAX_TOKENS)
-    assert assert_logits_match(hf, captured, outputs) == len(PROMPTS) * MAX_TOKENS
-    assert [out.token_ids for out in outputs] == [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    captured, outputs = run_and_capture(engine, prompts, MAX_TOKENS)
+    assert assert_logits_match(hf, captured, outputs) == len(prompts) * MAX_TOKENS
+    assert [out.token_ids for out in outputs] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     if max_num_seqs > 1:
         assert sum(out.num_preemptions for out in outputs) > 0
     engine.check_invariants()
@@ -234,14 +239,7 @@ def test_longrope_past_the_original_context_equals_transformers(max_num_seqs):
     # factors from its prefill on, as nanoserve does on a model served past it.
     hf = make_hf_model("phi3", seed=1, **LONGROPE)
     model = nanoserve_model_from_hf(hf)
-    config = EngineConfig(dtype="float32", quantization=None, block_size=4, num_kv_blocks=16,
-                          max_num_seqs=max_num_seqs, max_num_batched_tokens=7)
-    engine = Engine(model, CharTokenizer(hf.config.vocab_size), config)
-    captured, outputs = run_and_capture(engine, LONG_PROMPTS, MAX_TOKENS)
-    assert assert_logits_match(hf, captured, outputs) == len(LONG_PROMPTS) * MAX_TOKENS
-    assert [out.token_ids for out in outputs] == [hf_greedy(hf, p, MAX_TOKENS) for p in LONG_PROMPTS]
-    if max_num_seqs > 1:
-        assert sum(out.num_preemptions for out in outputs) > 0
+    assert_serves_as_transformers(hf, model, LONG_PROMPTS, max_num_seqs)
     # the long factors and the attention factor each matter
     for scaling in ({"long_factor": LONGROPE["rope_scaling"]["short_factor"]}, {"attention_factor": 1.0}):
         changed = dataclasses.replace(model.config, rope_scaling=model.config.rope_scaling | scaling)
