@@ -63,6 +63,7 @@ PAIRS = {
     "q3_k_m": ("smollm2-135m-q3_k_m.gguf", "auto", "auto"),
     "1b_q4_k_m": ("1b:Q4_K_M", "auto", "auto"),  # SHAPES below
     "3b_q4_k_m": ("3b:Q4_K_M", "auto", "auto"),
+    "1b_iq4_xs": ("1b:IQ4_XS", "auto", "auto"),
 }
 DEFAULT_PAIRS = ("f32", "bf16", "q8_0", "q4_1")
 
