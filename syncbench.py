@@ -229,9 +229,9 @@ def live_run(engine: Engine, slots: int, params: SamplingParams, max_tokens: int
     captured: list[torch.Tensor] = []
     original = engine._sample
 
-    def capture(logits: torch.Tensor, rows: Any, bitmask: torch.Tensor | None = None) -> Any:
+    def capture(logits: torch.Tensor, rows: Any, *rest: Any) -> Any:  # rest: the bitmask and the riders home
         captured[:] = [logits]
-        return original(logits, rows, bitmask)
+        return original(logits, rows, *rest)
 
     engine._sample = capture  # an instance attribute: step() finds it before the method
     try:

@@ -61,15 +61,13 @@ def sentence_transformers_pooling(directory: Path) -> PoolingParams | None:
 def gguf_pooling(file: Path) -> PoolingParams | None:
     """The pooling of a GGUF file (`<arch>.pooling_type`); None where it has none or pools nothing
     nanoserve serves."""
-    import gguf
+    from nanoserve.model.gguf import read_gguf_file
 
-    reader = gguf.GGUFReader(file)
-    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE)
-    field = reader.get_field(gguf.Keys.LLM.POOLING_TYPE.format(arch=arch.contents())) if arch else None
-    if field is None:
+    metadata = read_gguf_file(file).metadata  # the header checked as untrusted input (ValueError) first
+    value = metadata.get(f"{metadata.get('general.architecture')}.pooling_type")
+    if value is None:
         return None
-    value = int(field.contents())
-    if value not in _GGUF_TYPES:
+    if not isinstance(value, int) or isinstance(value, bool) or value not in _GGUF_TYPES:
         raise ValueError(f"{file}: pooling_type={value} is outside llama.cpp's enum {sorted(_GGUF_TYPES)}")
     mode = _GGUF_TYPES[value]
     return None if mode is None else PoolingParams(mode, normalize=True)

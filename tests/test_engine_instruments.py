@@ -154,9 +154,9 @@ def _instrumented(engine):
     log: list[dict] = []
     sample, collect = engine._sample, engine._collect
 
-    def guarded_sample(logits, rows, bitmask=None):
+    def guarded_sample(logits, rows, *rest):
         with readbacks_counted(forbid=READBACK_ROUTES):
-            batch = sample(logits, rows, bitmask)
+            batch = sample(logits, rows, *rest)
         log.append({"batch": batch, "owners": rows.request_ids})
         return batch
 
@@ -202,8 +202,8 @@ def test_the_guard_around_sample_would_catch_a_readback(recorder):
     engine = _engine(recorder)
     original = engine._sample
 
-    def reads_back(logits, rows, bitmask=None):
-        batch = original(logits, rows, bitmask)
+    def reads_back(logits, rows, *rest):
+        batch = original(logits, rows, *rest)
         [int(t) for t in batch.tokens]  # one int(tensor) per row
         return batch
 
