@@ -162,7 +162,9 @@ class ExecutionPlan:
         lines = [f"device {self.device}, {self.threads} threads; dtype {self.dtype}, KV cache {self.kv_cache_dtype}, "
                  f"quantization {self.quantization}{' (the exact path: torch ops only)' if self.exact else ''}",
                  "matrices:"]
-        lines += [f"  {where:<22} {stored:>8} -> {form}" for where, stored, form in _grouped(self.matrices)]
+        grouped = _grouped(self.matrices)
+        width = max((len(where) for where, _, _ in grouped), default=0)  # "layers 0-47 experts.gate_up" and the like
+        lines += [f"  {where:<{max(22, width)}} {stored:>8} -> {form}" for where, stored, form in grouped]
         lines.append("steps:")
         for route in self.routes:
             kind = self._of_kind(route.with_prompt)
