@@ -100,7 +100,8 @@ def lay_out(runs: list[TokenRun], block_size: int, device: torch.device, pending
     slot_mapping: list[int] = []
     logits_indices: list[int] = []
     scored_rows: list[int] = []
-    pooled_rows: list[int] | None = None
+    pooled_rows: list[int] = []
+    pools = False  # some run is an embedding's (its rows may be none this step)
     query_lens: list[int] = []
     context_lens: list[int] = []
     block_tables: list[list[int]] = []
@@ -119,8 +120,9 @@ def lay_out(runs: list[TokenRun], block_size: int, device: torch.device, pending
         first = len(input_ids) - len(run.token_ids) + run.scored[0]
         scored_rows.extend(range(first, first + run.scored[1]))
         if run.pooled is not None:
+            pools = True
             first = len(input_ids) - len(run.token_ids) + run.pooled[0]
-            pooled_rows = (pooled_rows or []) + list(range(first, first + run.pooled[1]))
+            pooled_rows.extend(range(first, first + run.pooled[1]))
         query_lens.append(end - start)
         context_lens.append(end)
         block_tables.append(blocks)
@@ -164,7 +166,7 @@ def lay_out(runs: list[TokenRun], block_size: int, device: torch.device, pending
                                      device=device)  # [S, nb]
     attn.row_seqs = torch.repeat_interleave(torch.arange(num_seqs, device=device), tensor(query_lens))  # [T]
     return ModelInputs(input_ids_t, positions_t, tensor(logits_indices + scored_rows), attn,
-                       None if pooled_rows is None else tensor(pooled_rows))
+                       tensor(pooled_rows) if pools else None)
 
 
 def split_by_length(num_blocks: list[int], max_groups: int = 4, min_saving: float = 0.15) -> list[list[int]]:

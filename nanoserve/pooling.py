@@ -11,7 +11,6 @@ default of vLLM's and llama.cpp's embedding servers.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from nanoserve.params import PoolingParams
@@ -38,17 +37,34 @@ def checkpoint_pooling(source: Path, is_gguf: bool) -> PoolingParams:
 
 
 def sentence_transformers_pooling(directory: Path) -> PoolingParams | None:
-    """The pooling of a sentence-transformers checkpoint directory (modules.json); None without one."""
+    """The pooling of a sentence-transformers checkpoint directory (modules.json); None without one.
+
+    Raises:
+        ValueError: a modules.json or Pooling config.json that is not JSON of the shape
+            sentence-transformers writes (a list of module objects; a Pooling path inside the
+            directory; an object of flags), naming the file.
+    """
+    from nanoserve.model.weights import read_json
+
     modules_file = directory / "modules.json"
     if not modules_file.is_file():
         return None
-    modules = json.loads(modules_file.read_text())
+    modules = read_json(modules_file)
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise ValueError(f"{modules_file}: sentence-transformers' modules.json is a list of module objects")
     types = [str(m.get("type", "")) for m in modules]
     pooling = next((m for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)
     if pooling is None:
         return None
-    config_file = directory / pooling.get("path", "") / "config.json"
-    config = json.loads(config_file.read_text())
+    path = pooling.get("path", "")
+    if not isinstance(path, str) or Path(path).is_absolute() or ".." in Path(path).parts:
+        raise ValueError(f"{modules_file}: the Pooling module's path {path!r} must name a folder inside {directory}")
+    config_file = directory / path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{config_file} not found: modules.json names a Pooling module there")
+    config = read_json(config_file)
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file}: a Pooling config is a JSON object of flags")
     modes = [mode for flag, mode in _ST_MODES.items() if config.get(flag)]
     unserved = [flag for flag in _ST_UNSERVED if config.get(flag)]
     if unserved or len(modes) != 1:

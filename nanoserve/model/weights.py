@@ -26,10 +26,10 @@ def load_config(path: str | Path) -> LlamaConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found: a checkpoint directory needs config.json")
-    d = _read_json(config_file)
+    d = read_json(config_file)
     gen_file = path / "generation_config.json"
     if gen_file.is_file():
-        gen = _read_json(gen_file)
+        gen = read_json(gen_file)
         if isinstance(gen, dict) and gen.get("eos_token_id") is not None:
             d["eos_token_id"] = gen["eos_token_id"]
     try:
@@ -38,7 +38,7 @@ def load_config(path: str | Path) -> LlamaConfig:
         raise ValueError(f"{config_file}: {e}") from None
 
 
-def _read_json(file: Path) -> Any:
+def read_json(file: Path) -> Any:
     """A JSON file's value.
 
     Raises:
@@ -54,7 +54,7 @@ def safetensors_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        value = _read_json(index)
+        value = read_json(index)
         weight_map = value.get("weight_map") if isinstance(value, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v and v.endswith(".safetensors")
                                                        for v in weight_map.values()):
