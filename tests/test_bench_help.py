@@ -21,6 +21,7 @@ def test_the_benches_live_in_benchmarks():
 @pytest.mark.parametrize(
     "argv",
     [[f"benchmarks/{name}"] for name in SCRIPTS] + [["-m", "benchmarks.peerbench"], ["-m", "benchmarks.peerbench.precision"],
+     ["-m", "benchmarks.peerbench.depth"],
      ["quantbench.py"]],
     ids=lambda argv: argv[-1],
 )

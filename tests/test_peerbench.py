@@ -342,3 +342,32 @@ def test_quick_run_writes_the_csv(tmp_path, default_model_dir):
     skipped = {r["system"] for r in rows if r["error"].startswith("skipped")}
     assert skipped == set()  # --skip-llamacpp leaves them out silently
     assert (out / "peerbench_divergence.csv").is_file()
+
+
+# ---- the depth axis --------------------------------------------------------------------------------
+
+
+@pytest.mark.weights
+def test_depth_counts_llamacpps_kv_bytes_from_the_files_header():
+    from benchmarks.peerbench.depth import kv_bytes_llama
+    from nanoserve.model.default import gguf_path
+
+    # SmolLM2-135M: 30 layers, 3 K/V heads of 64; K and V a token each. f16: 2 bytes a value; q8_0:
+    # 34 bytes a block of 32; q4_0: 18.
+    assert kv_bytes_llama(gguf_path(), "float16") == 2 * 30 * 3 * 64 * 2
+    assert kv_bytes_llama(gguf_path(), "q8_0") == 2 * 30 * 3 * 2 * 34
+    assert kv_bytes_llama(gguf_path(), "q4_0") == 2 * 30 * 3 * 2 * 18
+
+
+@pytest.mark.weights
+@pytest.mark.slow
+def test_depth_child_decodes_at_a_depth_and_reports_its_cache_bytes(default_model_dir):
+    from benchmarks.peerbench.depth import nanoserve_depth
+    from nanoserve.model.default import gguf_path
+
+    for shared in (False, True):
+        result = nanoserve_depth(gguf_path(), "float16", shared, depth=80, tg=6, threads=2, slots=[1, 3])
+        assert set(result["rates"]) == set(result["prefill"]) == {1, 3}
+        assert all(rate > 0 for rate in [*result["rates"].values(), *result["prefill"].values()])
+        assert result["kv_cache_dtype"] == "float16"
+        assert result["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2  # as llama.cpp's f16 cache holds it
