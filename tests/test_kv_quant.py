@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from nanoserve import Engine, EngineConfig, SamplingParams
-from nanoserve.model import default, kv_quant
+from nanoserve.model import blockdot, default, kv_quant
 from nanoserve.model.attention import AttentionMetadata, DecodeGroup, PrefillRun, paged_attention
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.kv_cache import KVCache, bytes_per_block
@@ -200,12 +200,21 @@ def quantized_engine(hf, kind: str, **fields) -> Engine:
     return Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), config)
 
 
+# torch's attention (decoder_layer), fused_decode.c's beside torch's matmuls, and the invariant plan's one call
+DRIVERS = {"torch": {"fused_decode": False}, "c": {"fused_decode": True, "batch_invariant": False},
+           "invariant": {"batch_invariant": True}}
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_an_engine_equals_transformers_over_the_rounded_cache(family, kind):
+@pytest.mark.parametrize("driver", sorted(DRIVERS))
+def test_an_engine_equals_transformers_over_the_rounded_cache(family, kind, driver):
+    if driver != "torch" and blockdot.library() is None:
+        pytest.skip(f"blockdot not built here: {blockdot.failure()}")
     hf = make_hf_model(family, 5, **FAMILIES[family])
-    engine = quantized_engine(hf, kind, fused_decode=False)
+    engine = quantized_engine(hf, kind, **DRIVERS[driver])
     assert engine.kv.k.dtype == torch.uint8 and f"kv cache {kind}: as configured" in engine.plan.reason
+    assert (engine.model.fused_layers is not None) == (driver != "torch")
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0))
     for prompt, out in zip(PROMPTS, outs, strict=True):
         tokens, logprobs = reference(hf, kind, prompt, 8)
@@ -216,9 +225,30 @@ def test_an_engine_equals_transformers_over_the_rounded_cache(family, kind):
     assert max(abs(a - b) for a, b in zip(unrounded, logprobs, strict=True)) > 1e-4  # 5x atol: the rounding shows
 
 
-def test_preemption_and_prefix_hits_over_a_quantized_cache_return_every_block():
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("build", ["avx512", "avx2", "plain", "avx512-simde"])
+def test_the_other_builds_attend_over_the_blocks_alike(build, kind):
+    # What another CPU (or a compiler without -march=native) would run: the widening of each run with
+    # AVX-512's, AVX2's or plain C's instructions, AVX-512's also under SIMDe
+    from test_blockdot import build as build_kernel
+
+    kernel = build_kernel(build)
     hf = make_hf_model("llama", 5, head_dim=32)
-    engine = quantized_engine(hf, "q8_0", num_kv_blocks=14, max_num_batched_tokens=6, fused_decode=False)
+    engine = quantized_engine(hf, kind, batch_invariant=True)
+    engine.model.fused_layers.kernel = kernel
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        tokens, logprobs = reference(hf, kind, prompt, 6)
+        assert list(out.token_ids) == tokens
+        np.testing.assert_allclose([d[t] for d, t in zip(out.logprobs, tokens, strict=True)], logprobs, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("driver", sorted(DRIVERS))
+def test_preemption_and_prefix_hits_over_a_quantized_cache_return_every_block(driver):
+    if driver != "torch" and blockdot.library() is None:
+        pytest.skip(f"blockdot not built here: {blockdot.failure()}")
+    hf = make_hf_model("llama", 5, head_dim=32)
+    engine = quantized_engine(hf, "q8_0", num_kv_blocks=14, max_num_batched_tokens=6, **DRIVERS[driver])
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0][:9] + [70, 71], PROMPTS[2][:30]]
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     assert sum(o.num_preemptions for o in outs) > 0 and sum(o.num_cached_tokens for o in outs) > 0

@@ -306,8 +306,6 @@ def _plan(config: Any, model: LlamaModel, world_size: int, probe: Any) -> Execut
         kv_quant.check(config.kv_cache_dtype, model.config.head_dim)
     wanted = config.batch_invariant
     c_reason = why_not(model.config, torch.device(config.device))  # why fused_decode.c cannot run it (None: it can)
-    if c_reason is None and config.kv_cache_dtype in BLOCK_BYTES:
-        c_reason = f"fused_decode.c does not read a {config.kv_cache_dtype} cache yet"
     blockers = [] if wanted is False else invariance_blockers(config, c_reason)
     if wanted is True and blockers:
         raise ValueError(f"batch_invariant=True, but {'; '.join(blockers)}; use batch_invariant='auto' or False")
