@@ -349,7 +349,8 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
     whose blockdot build has vectors (fused_decode.c widens a float16 cache with F16C's instructions):
     half float32's bytes a token, llama.cpp's default, and no loss quantbench can see (perplexity
     +0.00%, top-1 agreement with float32 99.96%, notes/quantbench.md); the dtype elsewhere, the
-    exact path's float32 included.
+    exact path's float32 included. "q8_0", "q4_0" (llama.cpp's blocks, kv_quant) only where asked
+    for; the reason says how they are read (fused_decode: whether the C decode may run them).
     """
     probe = probe or probe_cpu  # looked up at call time, so a test can stand in for it
     figures: Probe | None = None
