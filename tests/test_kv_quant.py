@@ -178,7 +178,9 @@ for _kind in KINDS:  # transformers' attention with every key and value rounded 
     AttentionMaskInterface.register(f"gguf_{_kind}", sdpa_mask)
 
 PROMPTS = [[5, 9, 13, 22, 7, 41, 3, 8, 60, 33, 21], [5, 9, 13, 22, 7, 41, 3, 8, 17, 4], [30 + i % 50 for i in range(40)]]
-FAMILIES = {"llama": {"head_dim": 32}, "qwen3": {"head_dim": 32}}
+# name -> (family, transformers config overrides): per-head q/k norms (Qwen3), a window shorter than the prompts
+FAMILIES = {"llama": ("llama", {"head_dim": 32}), "qwen3": ("qwen3", {"head_dim": 32}),
+            "mistral-window": ("mistral", {"head_dim": 32, "sliding_window": 6})}
 
 
 def reference(hf, kind: str | None, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
@@ -211,7 +213,7 @@ DRIVERS = {"torch": {"fused_decode": False}, "c": {"fused_decode": True, "batch_
 def test_an_engine_equals_transformers_over_the_rounded_cache(family, kind, driver):
     if driver != "torch" and blockdot.library() is None:
         pytest.skip(f"blockdot not built here: {blockdot.failure()}")
-    hf = make_hf_model(family, 5, **FAMILIES[family])
+    hf = make_hf_model(FAMILIES[family][0], 5, **FAMILIES[family][1])
     engine = quantized_engine(hf, kind, **DRIVERS[driver])
     assert engine.kv.k.dtype == torch.uint8 and f"kv cache {kind}: as configured" in engine.plan.reason
     assert (engine.model.fused_layers is not None) == (driver != "torch")
@@ -278,3 +280,16 @@ def test_serve_takes_the_block_kinds(capsys, kind):
     with pytest.raises(SystemExit) as exit_info:  # the parser takes the kind; the config then names what it refuses
         serve_main(["--kv-cache-dtype", kind, "--tensor-parallel-size", "2"])
     assert exit_info.value.code == 2 and f"kv_cache_dtype='{kind}' with tensor_parallel_size=2" in capsys.readouterr().err
+
+
+def test_a_draft_model_drafts_over_the_targets_kind_and_greedy_is_unchanged():
+    # the draft's plan takes the engine's kv_cache_dtype: its pool is q8_0 too; verified drafts give
+    # the same tokens as the engine without speculation (test_speculative's compare)
+    from test_speculative import compare, draft_spec, engine, greedy, tiny_model
+
+    hf = tiny_model(seed=43, lm_head_scale=3.0, head_dim=32)
+    spec = draft_spec(hf, k=3)
+    speculating = engine(hf, spec, kv_cache_dtype="q8_0")
+    assert speculating.speculation.draft.kv.dtype == "q8_0" and speculating.kv.dtype == "q8_0"
+    assert speculating.speculation.draft.kv.k.dtype == torch.uint8
+    compare(hf, PROMPTS, [greedy(12)] * len(PROMPTS), spec=spec, kv_cache_dtype="q8_0")
