@@ -20,9 +20,9 @@
  * rounding x to int16 per block where the shape's int16_rows says; dense panels are read as stored),
  * and the K/V written to and read from the paged cache in its own dtype (float32, bf16 or fp16,
  * rounded to nearest even as torch rounds; or llama.cpp's q8_0 / q4_0 blocks of 32 values, quantized
- * as ggml-quants.c's reference rounds, the bytes nanoserve/model/kv_quant.py writes). Each row's context is cut into parts of at most PART
- * keys by its own length; each part's softmax is two-pass, over a per-thread scratch of the scores,
- * and the parts are merged in order. Per layer, for rows r of T:
+ * as ggml-quants.c's reference rounds: the bytes nanoserve/model/kv_quant.py writes). Each row's
+ * context is cut into parts of at most PART keys by its own length; each part's softmax is two-pass,
+ * over a per-thread scratch of the scores, and the parts are merged in order. Per layer, for rows r of T:
  *   x = rms_norm(h) * input_norm;  q, k, v = x @ qkv^T (+ qkv_bias);  q, k heads normed (q_norm,
  *   k_norm) and rotated (rotate-half, cos/sin of r's position);  k, v written to the cache at
  *   slot_mapping[r];  a = softmax(scale q . K^T) V over r's context (positions 0 .. position[r], the
@@ -125,8 +125,8 @@ static inline float kv_f16(uint16_t h) { return f16_to_f32(h); }
 static inline uint16_t kv_to_f16(float f) { return f32_to_f16(f); }
 #endif
 
-#define KV_Q8_0 3 /* llama.cpp's block_q8_0 and block_q4_0, one block a 32 values of a head: a cache row of */
-#define KV_Q4_0 4 /* Hkv D values is Hkv D / 32 blocks of 34 or 18 bytes (nanoserve/model/kv_quant.py) */
+#define KV_Q8_0 3 /* llama.cpp's block_q8_0 and block_q4_0, a block for each 32 values of a head: a cache */
+#define KV_Q4_0 4 /* row of Hkv D values is Hkv D / 32 blocks of 34 or 18 bytes (nanoserve/model/kv_quant.py) */
 #define QK 32
 
 /* the bytes n values take in a cache of `kind` (n a multiple of QK in a block kind) */
