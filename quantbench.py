@@ -28,6 +28,15 @@ llama-perplexity`.
     python quantbench.py                         # the full text, every precision; a few minutes
     python quantbench.py --tokens 1024 --quick   # a smaller run
     python quantbench.py --file-types q4_k_m q5_k_m q6_k q8_0 iq4_xs q3_k_m --out runs/quantbench_types.csv
+    python quantbench.py --kv-cache-dtype q8_0 q4_0 --context 4096 [--file model.gguf] --out runs/quantbench_kv.csv
+
+--kv-cache-dtype scores a quantized K/V cache (llama.cpp's q8_0 / q4_0 blocks) against the float16
+cache on the same weights (the default model, or --file's GGUF) at a long context: the text cut into
+windows of --context tokens, each evaluated alone and its second half scored (llama-perplexity's
+protocol), fed in chunks of 512 as chunked prefill feeds a prompt; perplexity, top-1 agreement and mean
+KL against the float16 cache, beside `llama-perplexity -c N -fa on -ctk KIND -ctv KIND` over as many
+windows of the same file and text where the binary is built (a quantized V cache needs flash attention
+in llama.cpp). --tokens N scores the text's first N tokens.
 
 llama-cpp-python apart from the venv (after `python -m benchmarks.peerbench --setup-llamacpp`):
     CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \
@@ -105,7 +114,7 @@ def run_child(name: str, slots_list: list[int], steps: int, threads: int) -> dic
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
     parser.add_argument("--tokens", type=int, default=None, help="score the text's first N tokens (default: all)")
@@ -121,11 +130,19 @@ def main() -> None:
     parser.add_argument("--file-types", nargs="+", default=None, metavar="PAIR",
                         help="instead: perplexity of llama.cpp file types of the default model (peerbench's "
                              "precision pairs, e.g. q4_k_m q6_k) by nanoserve and by llama-perplexity")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=None, choices=list(KV_CACHE_TYPES), metavar="KIND",
+                        help="instead: K/V caches of these kinds (q8_0, q4_0) against the float16 cache at --context")
+    parser.add_argument("--context", type=int, default=4096, help="--kv-cache-dtype's window in tokens")
+    parser.add_argument("--file", type=Path, default=None,
+                        help="--kv-cache-dtype on this GGUF file (default: the default model's)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.file_types:
         file_types(args.file_types, args.threads, args.out)
+        return
+    if args.kv_cache_dtype:
+        kv_caches(args.kv_cache_dtype, args.context, args.file, args.threads, args.out, args.tokens)
         return
     if args.child:
         child(args.child, args.slots, args.steps)
@@ -151,7 +168,7 @@ def main() -> None:
         # steps, not on the dense copy that serves wider steps (scored apart as the dense dtype's own row);
         # so is a cache in another dtype than the model's, every position reading its rounded K/V.
         engine = engine_for(name, max_model_len=8192, max_num_seqs=8)
-        kv_dtype = engine.kv.k.dtype
+        kv_dtype = engine.kv.dtype
         chunk = 1 if engine.plan.quantization or kv_dtype != engine.model.dtype else 512
         logits = teacher_forced_logits(engine.model, token_ids, chunk=chunk, kv_dtype=kv_dtype)
         report = compare(reference, logits[:-1], targets)
@@ -264,28 +281,31 @@ PERPLEXITY = "llama-perplexity"
 CHUNK = 512  # llama-perplexity's -c: each chunk is evaluated from an empty context
 
 
-def scored_chunks(model, token_ids: list[int], bos: int | None = None, chunk: int = CHUNK):
+def scored_chunks(model, token_ids: list[int], bos: int | None = None, chunk: int = CHUNK,
+                  kv_dtype: torch.dtype | str | None = None):
     """llama-perplexity's protocol over nanoserve's logits: the text cut into whole chunks of `chunk`
     tokens, each evaluated alone (its first token replaced by `bos` where the file adds one), and the
     tokens of each chunk's second half scored (position j's logits against token j + 1, j from
     chunk / 2 to chunk - 2). Yields, per chunk, the scored tokens [chunk / 2 - 1] and their
-    positions' log-probabilities [chunk / 2 - 1, V] (float32)."""
+    positions' log-probabilities [chunk / 2 - 1, V] (float32). kv_dtype: the K/V cache's (None: the
+    model's dtype, the chunk forwarded whole); given, each chunk is fed CHUNK tokens at a time, so that
+    what comes after the first reads the cache back."""
     token_ids = token_ids if bos is None else [bos, *token_ids]
     first = chunk // 2
     for c in range(len(token_ids) // chunk):
         ids = token_ids[c * chunk:(c + 1) * chunk]
         ids = ids if bos is None else [bos, *ids[1:]]
-        logits = teacher_forced_logits(model, ids, chunk=chunk).double()
+        logits = teacher_forced_logits(model, ids, chunk=chunk if kv_dtype is None else CHUNK, kv_dtype=kv_dtype).double()
         yield torch.tensor(ids[first + 1:]), torch.log_softmax(logits[first:chunk - 1], dim=-1).float()
 
 
 def chunked_perplexity(model, token_ids: list[int], bos: int | None = None, chunk: int = CHUNK,
-                       reference: list[torch.Tensor] | None = None) -> dict:
+                       reference: list[torch.Tensor] | None = None, kv_dtype: torch.dtype | str | None = None) -> dict:
     """Over scored_chunks: the perplexity, the number of chunks, each chunk's log-probabilities
     ("logprobs"), and against `reference` (another model's "logprobs" on the same chunks) the share
     of scored positions whose top token is the same ("top1") and the mean KL(reference || this)."""
     nll, count, logprobs, agree, kl = 0.0, 0, [], 0, 0.0
-    for c, (targets, lp) in enumerate(scored_chunks(model, token_ids, bos, chunk)):
+    for c, (targets, lp) in enumerate(scored_chunks(model, token_ids, bos, chunk, kv_dtype)):
         nll -= lp.double().gather(1, targets.unsqueeze(1)).sum().item()
         count += len(targets)
         logprobs.append(lp)
@@ -299,19 +319,24 @@ def chunked_perplexity(model, token_ids: list[int], bos: int | None = None, chun
     return out
 
 
-def llama_perplexity(gguf: Path, text: Path, threads: int) -> tuple[float, int]:
-    """llama.cpp's own `llama-perplexity -c 512` on the file and text: its final estimate and chunks."""
-    from benchmarks.peerbench.llamacpp import BATCHED_BENCH
-
-    binary = BATCHED_BENCH.parent / PERPLEXITY
-    proc = subprocess.run([str(binary), "-m", str(gguf), "-f", str(text), "-c", str(CHUNK), "-b", str(CHUNK),
-                           "-t", str(threads)], capture_output=True, text=True, timeout=3600)
+def llama_perplexity(gguf: Path, text: Path, threads: int, context: int = CHUNK,
+                     flags: tuple[str, ...] = ()) -> tuple[float, int]:
+    """llama.cpp's own `llama-perplexity -c context` (and `flags`) on the file and text: its final estimate and chunks."""
+    binary = perplexity_binary()
+    proc = subprocess.run([str(binary), "-m", str(gguf), "-f", str(text), "-c", str(context), "-b", str(context),
+                           "-t", str(threads), *flags], capture_output=True, text=True, timeout=3600)
     out = proc.stdout + proc.stderr
     estimate = re.search(r"Final estimate: PPL = ([0-9.]+)", out)
     chunks = re.search(r"calculating perplexity over (\d+) chunks", out)
     if proc.returncode != 0 or not estimate:
         raise RuntimeError(f"{binary.name} on {gguf.name} failed:\n{out[-3000:]}")
     return float(estimate.group(1)), int(chunks.group(1)) if chunks else -1
+
+
+def perplexity_binary() -> Path:
+    from benchmarks.peerbench.llamacpp import BATCHED_BENCH
+
+    return BATCHED_BENCH.parent / PERPLEXITY
 
 
 # How nanoserve scores each file: its weights dequantized exactly into float32 matmuls, and as the
@@ -357,6 +382,53 @@ def file_types(names: list[str], threads: int, out: str) -> None:
             print(f"  {name:<8} {mode:<20} ({plan}) nanoserve {ours:.4f} ({chunks} chunks)  llama.cpp {theirs:.4f} "
                   f"({their_chunks} chunks)  {ours / theirs - 1:+.3%}  vs f32 {ours / reference['perplexity'] - 1:+.2%}, "
                   f"top-1 {top1:.2%}, KL {kl:.5f}", flush=True)
+    write_csv(out, rows)
+    print(f"wrote {out}")
+
+
+
+# --- --kv-cache-dtype: a quantized K/V cache against the float16 cache at a long context ---
+
+# nanoserve's kv_cache_dtype -> llama.cpp's -ctk / -ctv
+KV_CACHE_TYPES = {"q8_0": "q8_0", "q4_0": "q4_0"}
+
+
+def kv_caches(kinds: list[str], context: int, file: Path | None, threads: int, out: str,
+              tokens: int | None = None) -> None:
+    """Each cache kind's perplexity over data/quantbench.txt in windows of `context` tokens, its top-1
+    agreement and mean KL against the float16 cache's log-probabilities on the same weights (the plan's
+    own choices otherwise), and llama-perplexity's with the same cache types on the same file."""
+    from nanoserve.model.default import gguf_path
+    from nanoserve.model.gguf import read_gguf_file
+
+    gguf = file or gguf_path()
+    metadata = read_gguf_file(gguf).metadata
+    bos = metadata.get("tokenizer.ggml.bos_token_id") if metadata.get("tokenizer.ggml.add_bos_token") else None
+    llama = perplexity_binary().is_file()
+    print(f"quantbench --kv-cache-dtype: {gguf.name}, windows of {context} tokens of {TEXT.name}, {threads} threads; "
+          f"llama-perplexity {'beside' if llama else 'not built: skipped'}")
+    rows, reference = [], None
+    for kind in ["float16", *kinds]:
+        engine = Engine.from_pretrained(gguf, EngineConfig(max_model_len=context + 8, kv_cache_dtype=kind))
+        token_ids = engine.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)[:tokens]
+        scored = chunked_perplexity(engine.model, token_ids, bos, context,
+                                    None if reference is None else reference["logprobs"], kv_dtype=engine.kv.dtype)
+        plan = f"{engine.plan.dtype}/{engine.plan.quantization}"
+        del engine
+        reference = reference or scored
+        cache_type = KV_CACHE_TYPES.get(kind, "f16")
+        flags = ("-fa", "on", "-ctk", cache_type, "-ctv", cache_type, "--chunks", str(scored["chunks"]))
+        theirs, their_chunks = llama_perplexity(gguf, TEXT, threads, context, flags) if llama else (float("nan"), 0)
+        top1, kl = scored.get("top1", 1.0), scored.get("kl", 0.0)
+        rows.append({"gguf": gguf.name, "kv_cache": kind, "context": context, "plan": plan,
+                     "nanoserve_perplexity": scored["perplexity"], "nanoserve_chunks": scored["chunks"],
+                     "change_from_float16": scored["perplexity"] / reference["perplexity"] - 1,
+                     "top1_agreement_with_float16": top1, "mean_kl_from_float16": kl,
+                     "llamacpp_perplexity": theirs, "llamacpp_chunks": their_chunks,
+                     "threads": threads, "date": time.strftime("%Y-%m-%d")})
+        print(f"  {kind:<8} nanoserve {scored['perplexity']:.4f} ({scored['chunks']} windows, {plan}), vs float16 "
+              f"{rows[-1]['change_from_float16']:+.3%}, top-1 {top1:.2%}, KL {kl:.5f}; llama.cpp -ctk/-ctv "
+              f"{cache_type}: {theirs:.4f} ({their_chunks} chunks)", flush=True)
     write_csv(out, rows)
     print(f"wrote {out}")
 

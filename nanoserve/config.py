@@ -9,6 +9,7 @@ import torch
 from nanoserve.speculative import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_KV_CACHE_DTYPES = (*_DTYPES, "q8_0", "q4_0")  # and llama.cpp's blocks of 32 (nanoserve.model.kv_quant)
 _QUANTIZATIONS = ("auto", "int8", "int4", None)
 _KERNELS = ("auto", "torch", "blockdot")
 
@@ -123,9 +124,11 @@ class EngineConfig:
     # The K/V cache's dtype: "float32", "bfloat16", "float16" (2 bytes a value: llama.cpp's default;
     # the same memory holds twice float32's tokens, and a long context's attention reads half the
     # bytes), or "auto": float16 where quantized weights on blockdot compute in float32 on a CPU, the
-    # model's dtype elsewhere (precision.resolve). Attention computes in the model's dtype
-    # (float32 in the fused decode), each value widened as it is read; quantbench reports what it
-    # costs (notes/quantbench.md).
+    # model's dtype elsewhere (precision.resolve). "q8_0", "q4_0": llama.cpp's blocks of 32 values
+    # along each head (8.5 and 4.5 bits a value: ~1.9x and ~3.6x float16's tokens in the same bytes),
+    # quantized as they are written, for heads of a multiple of 32 (nanoserve.model.kv_quant).
+    # Attention computes in the model's dtype (float32 in the fused decode), each value widened as it
+    # is read; quantbench reports what it costs (notes/quantbench.md).
     kv_cache_dtype: str = "auto"
     # A request's tokens depend on its prompt, parameters and seed only, never on what else the engine
     # runs: its logits the same bits alone or beside any other rows, at any width, however its prompt
@@ -172,8 +175,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {list(_DTYPES)}")
-        if self.kv_cache_dtype not in _DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {list(_DTYPES)}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {list(_KV_CACHE_DTYPES)}")
         if self.quantization not in _QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} is not one of {list(_QUANTIZATIONS)}")
         if not (isinstance(self.batch_invariant, bool) or self.batch_invariant == "auto"):

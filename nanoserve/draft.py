@@ -77,11 +77,13 @@ class DraftModel:
     Args:
         model: the draft, laid out (prepare_model) as its own execution plan says.
         num_blocks, block_size: the target pool's: the draft's pool has the same block ids.
-        kv_dtype, device: the draft pool's element type and device.
+        kv_dtype, device: the draft pool's element type (a torch dtype, or a block kind of
+            nanoserve.model.kv_quant: the draft's plan takes the engine's kv_cache_dtype, so a
+            q8_0 target drafts over a q8_0 pool) and device.
         decode_group_min_rows: build_inputs' split of decode rows (the engine's config).
     """
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | str,
                  device: torch.device, decode_group_min_rows: int | None) -> None:
         self.model = model
         self.block_size, self.device = block_size, device

@@ -23,7 +23,7 @@ from nanoserve.inputs import TokenRun, build_inputs, lay_out, pooling_rows, prom
 from nanoserve.model.kv_cache import KVCache, bytes_per_block
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.plan import check_laid_out, resolve_plan, with_draft
-from nanoserve.model.precision import DTYPES
+from nanoserve.model.precision import KV_DTYPES
 from nanoserve.model.prepare import prepare_model, weight_bytes
 from nanoserve.output_processor import OutputProcessor, make_output
 from nanoserve.parallel import TensorParallelModel, WorkerFailure, load_tensor_parallel, start
@@ -118,7 +118,7 @@ class Engine:
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        kv_dtype = DTYPES[self.plan.kv_cache_dtype]
+        kv_dtype = KV_DTYPES[self.plan.kv_cache_dtype]
         num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_memory_bytes // bytes_per_block(model.config, config.block_size, kv_dtype)
         )
@@ -144,7 +144,7 @@ class Engine:
         self.speculation = None  # speculative decoding's state from phase to phase (nanoserve.speculator)
         if spec is not None:
             draft_model = None if draft is None else DraftModel(draft, num_blocks, config.block_size,
-                                                                DTYPES[self.plan.draft.kv_cache_dtype], self.device,
+                                                                KV_DTYPES[self.plan.draft.kv_cache_dtype], self.device,
                                                                 config.decode_group_min_rows)
             self.speculation = Speculator(spec, draft_model)
             self.speculation.calibrate(lambda rows, draft: self.forward_seconds(rows, draft=draft))

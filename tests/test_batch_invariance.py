@@ -32,13 +32,15 @@ MAX_TOKENS = [10, 7, 12, 9, 8, 10]
 POOL = {"small": 48, "large": 400}  # small: the long prompt alone takes 41 blocks, so others are preempted
 
 # Every invariant path the plan can choose for a Llama: float32 or bf16, dense panels or blockdot's
-# int4 (x in float32, or rounded to int16 from one row), a float16 K/V cache.
+# int4 (x in float32, or rounded to int16 from one row), a float16 K/V cache or one of llama.cpp's blocks.
 PATHS = {
     "float32-dense": {"dtype": "float32", "quantization": None, "batch_invariant": True},
     "bf16-dense": {"dtype": "bfloat16", "quantization": None},
     "float32-int4": {"dtype": "float32", "quantization": "int4", "blockdot_int16_rows": None},
     "bf16-int4-int16": {"dtype": "bfloat16", "quantization": "int4"},
     "float32-int4-f16-cache": {"dtype": "float32", "quantization": "int4", "kv_cache_dtype": "float16"},
+    "float32-int4-q8_0-cache": {"dtype": "float32", "quantization": "int4", "kv_cache_dtype": "q8_0"},
+    "bf16-dense-q4_0-cache": {"dtype": "bfloat16", "quantization": None, "kv_cache_dtype": "q4_0"},
 }
 _MODELS: dict[tuple[str, int], object] = {}
 
@@ -48,6 +50,11 @@ def tiny_model(family: str = "llama", seed: int = 41, **hf_overrides):
     if key not in _MODELS:
         _MODELS[key] = make_hf_model(family, seed, **hf_overrides)
     return _MODELS[key]
+
+
+def path_model(path: dict):
+    """The tiny Llama a path runs: heads of 32 values where its K/V cache is in llama.cpp's blocks of 32."""
+    return tiny_model(head_dim=32) if path.get("kv_cache_dtype") in ("q8_0", "q4_0") else tiny_model()
 
 
 def engine(hf, path: dict, **fields) -> Engine:
@@ -125,7 +132,8 @@ def assert_as_quiet(hf, path_name: str, path: dict, requests, finals) -> None:
 @settings(max_examples=10, deadline=None, database=None)
 @given(load=loads())
 def test_a_requests_answer_is_the_same_under_any_load(path_name, load):
-    hf, path = tiny_model(), PATHS[path_name]
+    path = PATHS[path_name]
+    hf = path_model(path)
     requests = load.pop("requests")
     finals = run_load(engine(hf, path, **load), requests)
     assert_as_quiet(hf, path_name, path, requests, finals)
@@ -140,7 +148,8 @@ HARD_LOAD = [(2, False, 0), (5, True, 0), (0, False, 1), (1, True, 1), (3, False
 @needs_build
 @pytest.mark.parametrize("path_name", sorted(PATHS))
 def test_chunks_prefix_hits_and_preemption_all_happen_and_change_nothing(path_name):
-    hf, path = tiny_model(), PATHS[path_name]
+    path = PATHS[path_name]
+    hf = path_model(path)
     busy = engine(hf, path, max_num_seqs=6, max_num_batched_tokens=5, num_kv_blocks=POOL["small"],
                   deferred_output=True)
     finals = run_load(busy, HARD_LOAD)

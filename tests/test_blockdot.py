@@ -406,6 +406,24 @@ def test_the_kv_cache_rounds_and_widens_as_torch_does_on_every_build(kernel, dty
     assert torch.equal(back[:-1], expected[:-1].float()) and back[-1].isnan()
 
 
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_the_kv_cache_blocks_are_gguf_pys_bytes_on_every_build(kernel, kind):
+    # fused_decode.c's store quantizes K and V as llama.cpp's reference does (gguf-py's bytes, the
+    # same as kv_quant.py's torch path writes), and its attention widens them to gguf-py's values,
+    # with AVX-512's, AVX2's or plain C's instructions as the build has them.
+    from test_kv_quant import awkward, gguf_bytes, gguf_values
+
+    _, kernel = kernel
+    code = {"q8_0": 3, "q4_0": 4}[kind]  # fused_decode.c's KV_Q8_0, KV_Q4_0
+    x = awkward(64, 128, seed=2).flatten()
+    cache = torch.zeros(gguf_bytes(x[None], kind).numel(), dtype=torch.uint8)
+    kernel.lib.fused_kv_store(x.data_ptr(), cache.data_ptr(), x.numel(), code)
+    assert torch.equal(cache, gguf_bytes(x[None], kind).flatten())
+    back = torch.empty(x.numel())
+    kernel.lib.fused_kv_widen(cache.data_ptr(), back.data_ptr(), x.numel(), code)
+    assert torch.equal(back, gguf_values(x[None], kind).flatten())
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q2_K", "Q4_K+Q6_K"])
 @pytest.mark.parametrize("int16_rows", [0, 1])
 def test_a_rows_output_bits_do_not_change_with_the_rows_beside_it(kernel, kind, int16_rows):

@@ -41,7 +41,8 @@ def test_invalid_engine_config_is_refused_by_name(overrides, message):
     ({"max_kernel_rows": 0}, "max_kernel_rows=0 must be None, 'auto' or an integer >= 1"),
     ({"kernels": "mkl"}, r"kernels='mkl' is not one of \['auto', 'torch', 'blockdot'\]"),
     ({"dense_kernel": "onednn"}, r"dense_kernel='onednn' is not one of \['auto', 'torch', 'blockdot'\]"),
-    ({"kv_cache_dtype": "fp8"}, r"kv_cache_dtype='fp8' is not one of \['auto', 'float32', 'bfloat16', 'float16'\]"),
+    ({"kv_cache_dtype": "fp8"}, r"kv_cache_dtype='fp8' is not one of \['auto', 'float32', 'bfloat16', 'float16', 'q8_0', "
+     r"'q4_0'\]"),
     ({"kv_cache_dtype": "float16", "tensor_parallel_size": 2}, "kv_cache_dtype='float16' with tensor_parallel_size=2"),
     ({"kernels": "blockdot", "tensor_parallel_size": 2}, "kernels='blockdot' with tensor_parallel_size=2"),
 ])

@@ -27,9 +27,9 @@ COMPARE_ROWS = 256  # positions per float64 slice in compare: bounds its tempora
 
 
 def teacher_forced_logits(model: LlamaModel, token_ids: Sequence[int], chunk: int = 512,
-                          kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+                          kv_dtype: torch.dtype | str | None = None) -> torch.Tensor:
     """The next-token logits at every position of token_ids: [T, V] float32 on the CPU, the K/V
-    cached in kv_dtype (None: the model's dtype; EngineConfig.kv_cache_dtype).
+    cached in kv_dtype (None: the model's dtype; a block kind "q8_0" or "q4_0" too; EngineConfig.kv_cache_dtype).
 
     The text is fed as one sequence in chunks of `chunk` tokens, the way chunked prefill feeds a long
     prompt: each chunk after the first attends to the cached K/V of everything before it. chunk=1

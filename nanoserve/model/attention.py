@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanoserve.model import kv_quant
+
 
 @dataclass
 class DecodeGroup:
@@ -71,10 +73,20 @@ def paged_attention(
     forwarded with it in this step exactly as it will to cached ones in later steps. Scores q . k
     are multiplied by `scale` (None: D ** -0.5) and, with `softcap` c, become c tanh(scores / c).
     A cache in another dtype than q's (EngineConfig.kv_cache_dtype) is written rounded to its own
-    and read back in q's; a prompt with nothing cached attends to its K/V as computed.
+    and read back in q's; a prompt with nothing cached attends to its K/V as computed. A cache of
+    llama.cpp's blocks (uint8, nanoserve.model.kv_quant) is written quantized and read dequantized,
+    and there a prompt with nothing cached attends to its K/V as the cache holds them, as every later
+    read and fused_decode.c's attention do.
     """
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    kind = kv_quant.kind_of(k_cache, k.shape[-1])
+    if kind is None:
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    else:
+        k_blocks, v_blocks = kv_quant.quantize(k, kind), kv_quant.quantize(v, kind)  # [T, Hkv, W] each
+        k_cache.index_copy_(0, meta.slot_mapping, k_blocks)
+        v_cache.index_copy_(0, meta.slot_mapping, v_blocks)
+        k, v = kv_quant.dequantize(k_blocks, kind, q.dtype), kv_quant.dequantize(v_blocks, kind, q.dtype)
     groups = meta.decode_groups
     if len(groups) == 1 and groups[0].rows is None:  # a decode step in one group: T == B, no scatter
         return _decode(q, k_cache, v_cache, groups[0], meta.block_size, scale, softcap)
@@ -88,8 +100,8 @@ def paged_attention(
         if run.block_table is None:  # nothing cached: the new tokens are the whole context
             keys, values = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
         else:
-            keys = _gather_blocks(k_cache, run.block_table, meta.block_size).to(q.dtype)  # [1, Hkv, L, D]
-            values = _gather_blocks(v_cache, run.block_table, meta.block_size).to(q.dtype)
+            keys = _gather_blocks(k_cache, run.block_table, meta.block_size, q.dtype, q.shape[-1])  # [1, Hkv, L, D]
+            values = _gather_blocks(v_cache, run.block_table, meta.block_size, q.dtype, q.shape[-1])
         is_causal = run.block_table is None and run.mask is None
         result = _attend(queries, keys, values, run.mask, is_causal, scale, softcap)  # [1, H, Tq, D]
         out[rows] = result[0].transpose(0, 1)
@@ -101,8 +113,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
     """One query per sequence: q [Bg, H, D] -> [Bg, H, D]."""
     # The context is read whole blocks at a time: one row of bs * Hkv * D per block is a plain
     # memcpy, 1.5-2x faster than indexing token by token on this machine.
-    keys = _gather_blocks(k_cache, group.block_table, block_size).to(q.dtype)  # [Bg, Hkv, Lg, D]
-    values = _gather_blocks(v_cache, group.block_table, block_size).to(q.dtype)
+    keys = _gather_blocks(k_cache, group.block_table, block_size, q.dtype, q.shape[-1])  # [Bg, Hkv, Lg, D]
+    values = _gather_blocks(v_cache, group.block_table, block_size, q.dtype, q.shape[-1])
     return _attend(q.unsqueeze(2), keys, values, group.mask, False, scale, softcap).squeeze(2)
 
 
@@ -124,9 +136,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v  # [B, H, Tq, D]
 
 
-def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
-    """cache [slots, Hkv, D], block_table [B, nb] -> [B, Hkv, nb * block_size, D] (a copy)."""
+def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: int, dtype: torch.dtype,
+                   head_dim: int) -> torch.Tensor:
+    """cache [slots, Hkv, D] (or [slots, Hkv, W] of kv_quant's blocks), block_table [B, nb]
+    -> [B, Hkv, nb * block_size, D] in dtype (a copy)."""
     B = block_table.shape[0]
-    slots, Hkv, D = cache.shape
-    blocks = cache.view(slots // block_size, block_size * Hkv * D)  # [num_blocks, bs Hkv D]
-    return blocks.index_select(0, block_table.flatten()).view(B, -1, Hkv, D).transpose(1, 2)
+    slots, Hkv, W = cache.shape
+    blocks = cache.view(slots // block_size, block_size * Hkv * W)  # [num_blocks, bs Hkv W]
+    rows = blocks.index_select(0, block_table.flatten()).view(B, -1, Hkv, W)  # [B, L, Hkv, W]
+    kind = kv_quant.kind_of(cache, head_dim)
+    rows = rows.to(dtype) if kind is None else kv_quant.dequantize(rows, kind, dtype)  # [B, L, Hkv, D]
+    return rows.transpose(1, 2)

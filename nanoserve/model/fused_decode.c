@@ -19,9 +19,10 @@
  * matmuls read the blocks' codes and scales, fp16 or float32 heads, exactly, as blockdot does,
  * rounding x to int16 per block where the shape's int16_rows says; dense panels are read as stored),
  * and the K/V written to and read from the paged cache in its own dtype (float32, bf16 or fp16,
- * rounded to nearest even as torch rounds). Each row's context is cut into parts of at most PART
- * keys by its own length; each part's softmax is two-pass, over a per-thread scratch of the scores,
- * and the parts are merged in order. Per layer, for rows r of T:
+ * rounded to nearest even as torch rounds; or llama.cpp's q8_0 / q4_0 blocks of 32 values, quantized
+ * as ggml-quants.c's reference rounds: the bytes nanoserve/model/kv_quant.py writes). Each row's
+ * context is cut into parts of at most PART keys by its own length; each part's softmax is two-pass,
+ * over a per-thread scratch of the scores, and the parts are merged in order. Per layer, for rows r of T:
  *   x = rms_norm(h) * input_norm;  q, k, v = x @ qkv^T (+ qkv_bias);  q, k heads normed (q_norm,
  *   k_norm) and rotated (rotate-half, cos/sin of r's position);  k, v written to the cache at
  *   slot_mapping[r];  a = softmax(scale q . K^T) V over r's context (positions 0 .. position[r], the
@@ -32,7 +33,7 @@
  */
 #include <math.h>
 #include <omp.h>
-#if defined(__F16C__) && defined(__AVX__)
+#if (defined(__F16C__) && defined(__AVX__)) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <stddef.h>
@@ -53,7 +54,7 @@ struct fused_layer {  /* one layer's weights and cache, as fused_decode.py lays 
 
 struct fused_shape {
   int64_t E, H, Hkv, D, I, block_size;
-  int64_t kv_kind;     /* the K/V cache's dtype: KV_F32, KV_BF16 or KV_F16 */
+  int64_t kv_kind;     /* the K/V cache's dtype: KV_F32, KV_BF16, KV_F16, KV_Q8_0 or KV_Q4_0 */
   int64_t int16_rows;  /* from this many rows the matmuls take blockdot's int16 path (0: never) */
   int64_t amx_rows;    /* from this many rows file-bit panels multiply on AMX tiles (0: never) */
   float eps, scale;
@@ -124,7 +125,56 @@ static inline float kv_f16(uint16_t h) { return f16_to_f32(h); }
 static inline uint16_t kv_to_f16(float f) { return f32_to_f16(f); }
 #endif
 
+#define KV_Q8_0 3 /* llama.cpp's block_q8_0 and block_q4_0, a block for each 32 values of a head: a cache */
+#define KV_Q4_0 4 /* row of Hkv D values is Hkv D / 32 blocks of 34 or 18 bytes (nanoserve/model/kv_quant.py) */
+#define QK 32
+
+/* the bytes n values take in a cache of `kind` (n a multiple of QK in a block kind) */
+static inline int64_t kv_bytes(int64_t n, const int kind) {
+  if (kind == KV_Q8_0) return n / QK * 34;
+  if (kind == KV_Q4_0) return n / QK * 18;
+  return n * (kind == KV_F32 ? 4 : 2);
+}
+
+static inline void put_f16(uint8_t *at, uint16_t h) { at[0] = (uint8_t)h, at[1] = (uint8_t)(h >> 8); }
+static inline float get_f16(const uint8_t *at) { return kv_f16((uint16_t)(at[0] | at[1] << 8)); }
+
+/* x id + 8.5 with x id rounded to float first, as the reference's two operations: a fused
+   multiply-add, which gcc's default -ffp-contract=fast would make of them, rounds once */
+static inline float shifted(float x, float id) {
+  volatile float product = x * id;
+  return product + 8.5f;
+}
+
+/* D values quantized into D / QK blocks at `out`, as quantize_row_q8_0_ref / quantize_row_q4_0_ref
+   round them: in float32, x times the float32 1 / d (not the fp16 d stored), q8_0's codes roundf'ed
+   (half away from zero), q4_0's truncated from x / d + 8.5 and capped at 15, d to fp16 last. */
+static void store_blocks(uint8_t *out, const float *x, int64_t D, int kind) {
+  for (int64_t b = 0; b < D / QK; b++, x += QK) {
+    float amax = 0, max = 0;  /* the largest |x|, and (q4_0) the signed value of the first that holds it */
+    for (int i = 0; i < QK; i++)
+      if (amax < fabsf(x[i])) amax = fabsf(x[i]), max = x[i];
+    const float d = kind == KV_Q8_0 ? amax / 127 : max / -8, id = d != 0.0f ? 1.0f / d : 0.0f;
+    put_f16(out, kv_to_f16(d));
+    if (kind == KV_Q8_0) {
+      for (int i = 0; i < QK; i++) ((int8_t *)out)[2 + i] = (int8_t)roundf(x[i] * id);
+      out += 34;
+    } else {
+      for (int i = 0; i < QK / 2; i++) {
+        const int lo = (int)shifted(x[i], id), hi = (int)shifted(x[i + QK / 2], id);
+        out[2 + i] = (uint8_t)((lo < 15 ? lo : 15) | (hi < 15 ? hi : 15) << 4);
+      }
+      out += 18;
+    }
+  }
+}
+
+/* D values of x written at value offset `at` of the cache (a multiple of D: one head's place) */
 static void store_kv(void *cache, int64_t at, const float *x, int64_t D, int kind) {
+  if (kind == KV_Q8_0 || kind == KV_Q4_0) {
+    store_blocks((uint8_t *)cache + kv_bytes(at, kind), x, D, kind);
+    return;
+  }
   for (int64_t i = 0; i < D; i++) {
     if (kind == KV_BF16) ((uint16_t *)cache)[at + i] = f32_to_bf16(x[i]);
     else if (kind == KV_F16) ((uint16_t *)cache)[at + i] = kv_to_f16(x[i]);
@@ -236,8 +286,8 @@ INLINE void prefetch_block(const void *cache, const int64_t *table, int64_t j, i
                            const int kind) {
   const int64_t b = j / bs + PREFETCH_BLOCKS, keys = L - b * bs < bs ? L - b * bs : bs;
   if (keys <= 0) return;
-  const char *at = (const char *)cache + table[b] * bs * row * (kind == KV_F32 ? 4 : 2);
-  for (int64_t byte = 0; byte < keys * row * (kind == KV_F32 ? 4 : 2); byte += 64) __builtin_prefetch(at + byte, 0, 2);
+  const char *at = (const char *)cache + kv_bytes(table[b] * bs * row, kind);
+  for (int64_t byte = 0; byte < kv_bytes(keys * row, kind); byte += 64) __builtin_prefetch(at + byte, 0, 2);
 }
 
 /* n float16 values widened to float32: eight an instruction where the build has F16C (read in place,
@@ -251,22 +301,81 @@ static void widen_f16(const uint16_t *x, float *out, int64_t n) {
   for (; i < n; i++) out[i] = kv_f16(x[i]);
 }
 
-/* The keys of a run of one block that start at j, up to L; a float16 cache's at most RUN_F16 keys,
+/* n values of q8_0 or q4_0 blocks (n a multiple of QK) widened to float32, d q and (q - 8) d exact:
+   a block's 32 codes in two sixteens an instruction with AVX-512, in eights with AVX2, one at a time elsewhere */
+static void widen_q8_0(const uint8_t *x, float *out, int64_t n) {
+  for (int64_t b = 0; b < n / QK; b++, x += 34, out += QK) {
+    const float d = get_f16(x);
+    const int8_t *q = (const int8_t *)(x + 2);
+#if defined(__AVX512F__)
+    const __m512 vd = _mm512_set1_ps(d);
+    for (int i = 0; i < QK; i += 16)
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                   _mm_loadu_si128((const __m128i *)(q + i))))));
+#elif defined(__AVX2__)
+    const __m256 vd = _mm256_set1_ps(d);
+    for (int i = 0; i < QK; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                   _mm_loadl_epi64((const __m128i *)(q + i))))));
+#else
+    for (int i = 0; i < QK; i++) out[i] = d * q[i];
+#endif
+  }
+}
+
+static void widen_q4_0(const uint8_t *x, float *out, int64_t n) {
+  for (int64_t b = 0; b < n / QK; b++, x += 18, out += QK) {
+    const float d = get_f16(x);
+    const uint8_t *q = x + 2;  /* byte i: value i's code in its low nibble, value i + 16's in its high */
+#if defined(__AVX512F__) || defined(__AVX2__)
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+#endif
+#if defined(__AVX512F__)
+    const __m512 vd = _mm512_set1_ps(d);
+    const __m512i eight = _mm512_set1_epi32(8);
+    _mm512_storeu_ps(out, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(lo), eight))));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(hi), eight))));
+#elif defined(__AVX2__)
+    const __m256 vd = _mm256_set1_ps(d);
+    const __m256i eight = _mm256_set1_epi32(8);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; i++)
+      _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_sub_epi32(
+                                                       _mm256_cvtepu8_epi32(parts[i]), eight))));
+#else
+    for (int i = 0; i < QK / 2; i++) out[i] = d * ((q[i] & 15) - 8), out[i + QK / 2] = d * ((q[i] >> 4) - 8);
+#endif
+  }
+}
+
+/* Whether the loops read a cache of `kind` widened into a float32 scratch a run at a time: float16's
+   and the block kinds' (read in place, one value at a time, a float16 cache ran 1.3-1.4x slower) */
+#define WIDENED(kind) ((kind) == KV_F16 || (kind) == KV_Q8_0 || (kind) == KV_Q4_0)
+
+/* n values of a cache of a widened kind from value offset `at`, widened to float32 */
+static void widen_kv(const void *cache, int64_t at, float *out, int64_t n, int kind) {
+  if (kind == KV_F16) widen_f16((const uint16_t *)cache + at, out, n);
+  else if (kind == KV_Q8_0) widen_q8_0((const uint8_t *)cache + kv_bytes(at, KV_Q8_0), out, n);
+  else widen_q4_0((const uint8_t *)cache + kv_bytes(at, KV_Q4_0), out, n);
+}
+
+/* The keys of a run of one block that start at j, up to L; a widened kind's at most RUN_WIDE keys,
    widened whole into a float32 scratch on the stack before its heads read it. */
-#define RUN_F16 16
+#define RUN_WIDE 16
 INLINE int64_t run_at(int64_t j, int64_t L, int64_t bs, const int kind) {
   const int64_t run = bs - j % bs < L - j ? bs - j % bs : L - j;
-  return kind == KV_F16 && run > RUN_F16 ? RUN_F16 : run;
+  return WIDENED(kind) && run > RUN_WIDE ? RUN_WIDE : run;
 }
 
 /* The cache rows of the `run` keys from j, the blocks ahead of them prefetched: where the loops read
-   them, from cache offset *at, or, in a float16 cache, widened into `wide` (offset 0). */
+   them, from cache offset *at, or, in a widened kind, widened into `wide` (offset 0). */
 INLINE const void *run_rows(const void *cache, const int64_t *table, int64_t j, int64_t run, int64_t end, int64_t bs,
                             int64_t row, float *wide, int64_t *at, const int kind) {
   *at = (table[j / bs] * bs + j % bs) * row;
   prefetch_block(cache, table, j, end, bs, row, kind);
-  if (kind != KV_F16) return cache;
-  widen_f16((const uint16_t *)cache + *at, wide, run * row);
+  if (!WIDENED(kind)) return cache;
+  widen_kv(cache, *at, wide, run * row, kind);
   *at = 0;
   return wide;
 }
@@ -275,8 +384,8 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
                       const int64_t *table, int64_t first, int64_t L, int64_t end, int64_t h0, int64_t h1,
                       float *scores, float *out, float *part, const int kind) {
   const int64_t D = s->D, bs = s->block_size, row = s->Hkv * D, n = L - first, H = s->H, group = H / s->Hkv;
-  const int read = kind == KV_F16 ? KV_F32 : kind;  /* what the loops read: a float16 run as its float32 widening */
-  float wide[kind == KV_F16 ? RUN_F16 * row : 1];
+  const int read = WIDENED(kind) ? KV_F32 : kind;  /* what the loops read: a widened run as float32 */
+  float wide[WIDENED(kind) ? RUN_WIDE * row : 1];
   for (int64_t j = first, run, at; j < L; j += run) {
     run = run_at(j, L, bs, kind);
     const void *keys = run_rows(k_cache, table, j, run, end, bs, row, wide, &at, kind);
@@ -311,6 +420,8 @@ __attribute__((noinline)) static void attend(const struct fused_shape *s, const 
   switch (s->kv_kind) {
     case KV_BF16: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_BF16); break;
     case KV_F16: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_F16); break;
+    case KV_Q8_0: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_Q8_0); break;
+    case KV_Q4_0: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_Q4_0); break;
     default: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_F32);
   }
 }
@@ -581,10 +692,11 @@ void fused_silu_mul(const void *gu, void *out, int io_bf16, int64_t T, int64_t I
     }
 }
 
-/* n float32 values rounded into a cache of `kind` as a decode step writes K and V, and read back as
-   its attention reads them: for the tests (every build's float16 rounding against torch's). */
+/* n float32 values rounded into a cache of `kind` as a decode step writes K and V (one head of n
+   values: n a multiple of QK in a block kind), and read back as its attention reads them: for the
+   tests (every build's float16 rounding against torch's, its blocks' bytes against gguf-py's). */
 void fused_kv_store(const float *x, void *cache, int64_t n, int kind) { store_kv(cache, 0, x, n, kind); }
 void fused_kv_widen(const void *cache, float *out, int64_t n, int kind) {
-  if (kind == KV_F16) widen_f16((const uint16_t *)cache, out, n);
+  if (WIDENED(kind)) widen_kv(cache, 0, out, n, kind);
   else for (int64_t i = 0; i < n; i++) out[i] = kind == KV_BF16 ? kv(cache, i, KV_BF16) : kv(cache, i, KV_F32);
 }

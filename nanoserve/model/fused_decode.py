@@ -44,8 +44,8 @@ from nanoserve.model.llama import MATMULS, LayerWeights, LlamaModel, ModelInputs
 from nanoserve.model.moe import moe_mlp
 from nanoserve.model.rope import rope_table
 
-# fused_decode.c's KV_F32, KV_BF16, KV_F16: the cache dtypes it reads and writes
-KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# fused_decode.c's KV_F32, KV_BF16, KV_F16, KV_Q8_0, KV_Q4_0: the caches it reads and writes, by KVCache.dtype
+KV_KINDS: dict[torch.dtype | str, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "q8_0": 3, "q4_0": 4}
 # A dense model whose matrices torch runs decodes in one call up to this many rows, by its dtype;
 # wider steps take oneDNN's packed linears between the C glue (a model on blockdot's dense panels
 # decodes in one call at every width, and so does bf16 where the start-up probe times bf16 slower
@@ -97,7 +97,7 @@ class FusedDecode:
         call) and the arguments that point into them. The layers' structs are rebuilt for a new cache."""
         if self._cache is not kv:
             self._table, self._cache = self._layer_table(kv), kv
-            self.shape.block_size, self.shape.kv_kind = kv.block_size, KV_KINDS[kv.k.dtype]
+            self.shape.block_size, self.shape.kv_kind = kv.block_size, KV_KINDS[kv.dtype]
         tables = _row_tables(inputs)  # [T, nb]
         positions, slots = inputs.positions.contiguous(), inputs.attn.slot_mapping.contiguous()
         _check_rows(h, self.shape.E, positions, slots, tables)

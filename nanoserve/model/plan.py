@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
-from nanoserve.model import blockdot
+from nanoserve.model import blockdot, kv_quant
 from nanoserve.model.driver import EVERY_WIDTH, Driver
 from nanoserve.model.forms import C_DTYPES, STORED, Form, FormKind, can_pack, dtype_name
 from nanoserve.model.fused_decode import DENSE_ONE_CALL_ROWS, run_one_call, run_per_layer, why_not
+from nanoserve.model.kv_quant import BLOCK_BYTES
 from nanoserve.model.llama import LlamaModel, Step, run_layers
 from nanoserve.model.moe import DENSE_ONLY
 from nanoserve.model.precision import DTYPES, Precision, Probe, resolve
@@ -301,6 +302,8 @@ def with_draft(plan: ExecutionPlan, config: Any, draft: LlamaModel, probe: Any =
 
 def _plan(config: Any, model: LlamaModel, world_size: int, probe: Any) -> ExecutionPlan:
     """Stage 1: the invariant plan where it is asked for and nothing rules it out, else the other."""
+    if config.kv_cache_dtype in BLOCK_BYTES:  # before anything is laid out or allocated
+        kv_quant.check(config.kv_cache_dtype, model.config.head_dim)
     wanted = config.batch_invariant
     c_reason = why_not(model.config, torch.device(config.device))  # why fused_decode.c cannot run it (None: it can)
     blockers = [] if wanted is False else invariance_blockers(config, c_reason)

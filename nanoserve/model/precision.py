@@ -22,9 +22,12 @@ import torch
 
 from nanoserve.model import blockdot
 from nanoserve.model.gguf import decode_blocks
+from nanoserve.model.kv_quant import BLOCK_BYTES, QK
 from nanoserve.model.quant import dense_weight, int4_pass, quantize_int4
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# A K/V cache's element by its name: a torch dtype, or llama.cpp's block kind (nanoserve.model.kv_quant)
+KV_DTYPES: dict[str, torch.dtype | str] = {**DTYPES, **{kind: kind for kind in BLOCK_BYTES}}
 # What kernels= and dense_kernel= name. blockdot's file-bit panels (quant's "blockdot-int8") are not
 # chosen here: the plan takes them per matrix where PlanOverrides.blockdot_int8 and the matrix allow.
 KERNELS = ("torch", "blockdot")
@@ -142,7 +145,7 @@ class Precision:
     # packs them; the one-call decode reads panel copies), or "blockdot" (the matrices themselves
     # regrouped into blockdot's dense panels, at every width: one copy of each).
     dense_kernel: str = "torch"
-    # The K/V cache's dtype: the dtype's, or float16 (EngineConfig.kv_cache_dtype).
+    # The K/V cache's dtype: the dtype's, float16, or a block kind "q8_0" / "q4_0" (EngineConfig.kv_cache_dtype).
     kv_cache_dtype: str = "float32"
     # File-bit panels (blockdot-int8) on AMX tiles from this many rows; None: never.
     amx_rows: int | None = None
@@ -346,7 +349,8 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
     whose blockdot build has vectors (fused_decode.c widens a float16 cache with F16C's instructions):
     half float32's bytes a token, llama.cpp's default, and no loss quantbench can see (perplexity
     +0.00%, top-1 agreement with float32 99.96%, notes/quantbench.md); the dtype elsewhere, the
-    exact path's float32 included.
+    exact path's float32 included. "q8_0", "q4_0" (llama.cpp's blocks, kv_quant) only where asked
+    for; the reason says how they are read (fused_decode: whether the C decode may run them).
     """
     probe = probe or probe_cpu  # looked up at call time, so a test can stand in for it
     figures: Probe | None = None
@@ -473,8 +477,14 @@ def resolve(dtype: str, quantization: str | None, device: torch.device, checkpoi
         reasons.append("kv cache float16: quantized weights on blockdot in float32, whose fused decode widens float16 "
                        "K/V in vectors (half float32's bytes a token)" if kv_cache_dtype == "float16"
                        else f"kv cache {dtype}: the dtype's")
-    elif kv_cache_dtype not in DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {['auto', *DTYPES]}")
+    elif kv_cache_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {['auto', *KV_DTYPES]}")
+    elif kv_cache_dtype in BLOCK_BYTES:
+        reads = ("fused_decode.c widens each run of keys and values to float32 before its dot products (torch's "
+                 "steps dequantize the blocks they gather)" if fused_decode
+                 else "attention dequantizes the blocks it gathers to the dtype")
+        reasons.append(f"kv cache {kv_cache_dtype}: as configured; llama.cpp's blocks of {QK} values along each head "
+                       f"({BLOCK_BYTES[kv_cache_dtype]} bytes), quantized as written; {reads}")
     else:
         reasons.append(f"kv cache {kv_cache_dtype}: as configured")
     tiles_from = None

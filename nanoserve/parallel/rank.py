@@ -15,7 +15,7 @@ import torch
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.plan import ExecutionPlan, check_laid_out
-from nanoserve.model.precision import DTYPES
+from nanoserve.model.precision import KV_DTYPES
 from nanoserve.model.prepare import prepare_model
 from nanoserve.model.shard import shard_model
 from nanoserve.model.shard_load import read_shard
@@ -47,4 +47,4 @@ def lay_out_rank(model: LlamaModel, layout: dict[str, Any], device: torch.device
     mismatches = check_laid_out(model, plan)
     if mismatches:
         raise RuntimeError(f"this rank's laid-out shard differs from rank 0's plan: {mismatches[:4]}")
-    return model, KVCache(model.config, layout["num_blocks"], layout["block_size"], DTYPES[plan.kv_cache_dtype], device)
+    return model, KVCache(model.config, layout["num_blocks"], layout["block_size"], KV_DTYPES[plan.kv_cache_dtype], device)
