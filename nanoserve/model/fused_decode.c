@@ -38,6 +38,7 @@
 #endif
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "blockdot.h"
 
@@ -227,11 +228,43 @@ INLINE float kv(const void *cache, int64_t i, const int kind) {
   return ((const float *)cache)[i];
 }
 
-/* scores[j] = scale q . k_j for n keys at cache offsets at + j stride: four keys at a time, so four
-   independent sums are in flight rather than one chain of D / lanes dependent additions */
+#if defined(__AVX2__) && defined(__FMA__)
+#define SCORES8 1
+/* scores[0..7] = scale q . k_j for 8 float32 keys k_j = k + j stride, D a multiple of 8: each key's
+   products summed in eight lanes, then the eight keys' lanes added pairwise across registers
+   (hadd, then the two halves), every key by the same instructions */
+static inline void scores8(const float *q, const float *k, int64_t stride, int64_t D, float scale, float *scores) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 x = _mm256_loadu_ps(q + i);
+    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + i), a0);
+    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + stride + i), a1);
+    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * stride + i), a2);
+    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * stride + i), a3);
+    a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * stride + i), a4);
+    a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * stride + i), a5);
+    a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * stride + i), a6);
+    a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * stride + i), a7);
+  }
+  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  /* keys 0-3, each half's */
+  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));  /* keys 4-7 */
+  const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+  _mm256_storeu_ps(scores, _mm256_mul_ps(_mm256_set1_ps(scale), sum));
+}
+#else
+#define SCORES8 0
+#endif
+
+/* scores[j] = scale q . k_j for n keys at cache offsets at + j stride: eight float32 keys at a time
+   where the build has AVX2 and FMA, else (and for the rest) four at a time, so four independent sums
+   are in flight rather than one chain of D / lanes dependent additions */
 INLINE void scores_run(const float *q, const void *cache, int64_t at, int64_t stride, int64_t n, int64_t D,
                        float scale, float *scores, const int kind) {
   int64_t j = 0;
+#if SCORES8
+  if (kind == KV_F32 && D % 8 == 0)
+    for (; j + 8 <= n; j += 8) scores8(q, (const float *)cache + at + j * stride, stride, D, scale, scores + j);
+#endif
   for (; j + 4 <= n; j += 4) {
     const int64_t k = at + j * stride;
     float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
@@ -252,9 +285,32 @@ INLINE void scores_run(const float *q, const void *cache, int64_t at, int64_t st
   }
 }
 
-/* out += sum_j p[j] v_j over n values at cache offsets at + j stride, four at a time */
+#if SCORES8
+/* out [D] += sum_j p[j] v_j over n float32 values v_j = v + j stride, D a multiple of 64: 64 of out
+   held in eight registers while every value adds its share, one multiply-add each, in key order */
+static inline void values64(float *out, const float *p, const float *v, int64_t stride, int64_t n, int64_t D) {
+  for (int64_t i = 0; i < D; i += 64) {
+    __m256 o[8];
+    for (int c = 0; c < 8; c++) o[c] = _mm256_loadu_ps(out + i + 8 * c);
+    for (int64_t j = 0; j < n; j++) {
+      const __m256 weight = _mm256_set1_ps(p[j]);
+      for (int c = 0; c < 8; c++) o[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + j * stride + i + 8 * c), o[c]);
+    }
+    for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + i + 8 * c, o[c]);
+  }
+}
+#endif
+
+/* out += sum_j p[j] v_j over n values at cache offsets at + j stride: float32 values with AVX2 and FMA
+   and D a multiple of 64 in values64, else four at a time */
 INLINE void values_run(float *out, const float *p, const void *cache, int64_t at, int64_t stride, int64_t n,
                        int64_t D, const int kind) {
+#if SCORES8
+  if (kind == KV_F32 && D % 64 == 0) {
+    values64(out, p, (const float *)cache + at, stride, n, D);
+    return;
+  }
+#endif
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     const int64_t v = at + j * stride;
@@ -278,16 +334,18 @@ INLINE void values_run(float *out, const float *p, const void *cache, int64_t at
    slots are consecutive, one cache row Hkv D apart), every head meeting a run while it is in L1: one
    contiguous read of each block's K and V; the blocks ahead are fetched up to `end`, the row's whole
    context (a part's own end stopped it short: parts of two blocks read every block cold). */
-/* The cache rows of the block `PREFETCH_BLOCKS` after the one holding key j, the keys of it before L,
-   on their way to L2: a context's blocks lie anywhere in the pool, so the hardware's prefetcher,
-   which follows a run of addresses, meets each block cold. */
+/* The block `PREFETCH_BLOCKS` after the one holding key j, its keys before L, on their way to L2: of
+   each key's cache row the `width` values from kv head g0's (the heads a task reads; the row's other
+   heads are other tasks' and were fetched for nothing). A context's blocks lie anywhere in the pool,
+   so the hardware's prefetcher, which follows a run of addresses, meets each block cold. */
 #define PREFETCH_BLOCKS 2
 INLINE void prefetch_block(const void *cache, const int64_t *table, int64_t j, int64_t L, int64_t bs, int64_t row,
-                           const int kind) {
+                           int64_t from, int64_t width, const int kind) {
   const int64_t b = j / bs + PREFETCH_BLOCKS, keys = L - b * bs < bs ? L - b * bs : bs;
   if (keys <= 0) return;
-  const char *at = (const char *)cache + kv_bytes(table[b] * bs * row, kind);
-  for (int64_t byte = 0; byte < kv_bytes(keys * row, kind); byte += 64) __builtin_prefetch(at + byte, 0, 2);
+  const char *at = (const char *)cache + kv_bytes(table[b] * bs * row + from, kind);
+  for (int64_t key = 0; key < keys; key++, at += kv_bytes(row, kind))
+    for (int64_t byte = 0; byte < kv_bytes(width, kind); byte += 64) __builtin_prefetch(at + byte, 0, 2);
 }
 
 /* n float16 values widened to float32: eight an instruction where the build has F16C (read in place,
@@ -349,13 +407,18 @@ static void widen_q4_0(const uint8_t *x, float *out, int64_t n) {
   }
 }
 
-/* Whether the loops read a cache of `kind` widened into a float32 scratch a run at a time: float16's
-   and the block kinds' (read in place, one value at a time, a float16 cache ran 1.3-1.4x slower) */
-#define WIDENED(kind) ((kind) == KV_F16 || (kind) == KV_Q8_0 || (kind) == KV_Q4_0)
+/* Whether the loops read a cache of `kind` from a float32 scratch a run at a time, its keys copied or
+   widened there first: every kind but bf16's. The heads' loops then read one contiguous run from L1
+   where in place they read a head's few lines of each key, a pattern the hardware's prefetchers do
+   not follow (a 4-layer model in Llama-3.2-1B's attention shape at 4096 keys, float32 and float16
+   caches read in place: attention 1.2-1.3x the time of a float16 cache widened first); and float16
+   read one value at a time ran 1.3-1.4x slower than float32. */
+#define WIDENED(kind) ((kind) != KV_BF16)
 
 /* n values of a cache of a widened kind from value offset `at`, widened to float32 */
 static void widen_kv(const void *cache, int64_t at, float *out, int64_t n, int kind) {
-  if (kind == KV_F16) widen_f16((const uint16_t *)cache + at, out, n);
+  if (kind == KV_F32) memcpy(out, (const float *)cache + at, n * sizeof(float));
+  else if (kind == KV_F16) widen_f16((const uint16_t *)cache + at, out, n);
   else if (kind == KV_Q8_0) widen_q8_0((const uint8_t *)cache + kv_bytes(at, KV_Q8_0), out, n);
   else widen_q4_0((const uint8_t *)cache + kv_bytes(at, KV_Q4_0), out, n);
 }
@@ -368,15 +431,19 @@ INLINE int64_t run_at(int64_t j, int64_t L, int64_t bs, const int kind) {
   return WIDENED(kind) && run > RUN_WIDE ? RUN_WIDE : run;
 }
 
-/* The cache rows of the `run` keys from j, the blocks ahead of them prefetched: where the loops read
-   them, from cache offset *at, or, in a widened kind, widened into `wide` (offset 0). */
+/* The `run` keys from j of kv heads g0 .. g0 + ng - 1, the blocks ahead of them prefetched: where the
+   loops read them, from cache offset *at with keys *stride values apart, or, in a widened kind,
+   widened into `wide` [run, ng D] (offset 0, stride ng D): only the heads the task reads. */
 INLINE const void *run_rows(const void *cache, const int64_t *table, int64_t j, int64_t run, int64_t end, int64_t bs,
-                            int64_t row, float *wide, int64_t *at, const int kind) {
-  *at = (table[j / bs] * bs + j % bs) * row;
-  prefetch_block(cache, table, j, end, bs, row, kind);
+                            int64_t row, int64_t g0, int64_t ng, int64_t D, float *wide, int64_t *at, int64_t *stride,
+                            const int kind) {
+  *at = (table[j / bs] * bs + j % bs) * row + g0 * D, *stride = row;
+  prefetch_block(cache, table, j, end, bs, row, g0 * D, ng * D, kind);
   if (!WIDENED(kind)) return cache;
-  widen_kv(cache, *at, wide, run * row, kind);
-  *at = 0;
+  if (ng * D == row) widen_kv(cache, *at, wide, run * row, kind);  /* every head: one contiguous run */
+  else
+    for (int64_t key = 0; key < run; key++) widen_kv(cache, *at + key * row, wide + key * ng * D, ng * D, kind);
+  *at = 0, *stride = ng * D;
   return wide;
 }
 
@@ -384,16 +451,19 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
                       const int64_t *table, int64_t first, int64_t L, int64_t end, int64_t h0, int64_t h1,
                       float *scores, float *out, float *part, const int kind) {
   const int64_t D = s->D, bs = s->block_size, row = s->Hkv * D, n = L - first, H = s->H, group = H / s->Hkv;
+  const int64_t g0 = h0 / group, ng = (h1 - 1) / group + 1 - g0;  /* the kv heads heads h0 .. h1 - 1 read */
   const int read = WIDENED(kind) ? KV_F32 : kind;  /* what the loops read: a widened run as float32 */
   float wide[WIDENED(kind) ? RUN_WIDE * row : 1];
-  for (int64_t j = first, run, at; j < L; j += run) {
+  for (int64_t j = first, run, at, stride; j < L; j += run) {
     run = run_at(j, L, bs, kind);
-    const void *keys = run_rows(k_cache, table, j, run, end, bs, row, wide, &at, kind);
+    const void *keys = run_rows(k_cache, table, j, run, end, bs, row, g0, ng, D, wide, &at, &stride, kind);
     for (int64_t h = h0; h < h1; h++)
-      scores_run(q + h * D, keys, at + h / group * D, row, run, D, s->scale, scores + h * n + j - first, read);
+      scores_run(q + h * D, keys, at + (h / group - g0) * D, stride, run, D, s->scale, scores + h * n + j - first,
+                 read);
   }
   for (int64_t h = h0; h < h1; h++) {
     float *p = scores + h * n, max = -INFINITY, total = 0;
+    #pragma omp simd reduction(max : max)
     for (int64_t j = 0; j < n; j++) max = p[j] > max ? p[j] : max;
     #pragma omp simd reduction(+ : total)
     for (int64_t j = 0; j < n; j++) {
@@ -403,11 +473,11 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
     part[2 * h] = max, part[2 * h + 1] = total;
   }
   for (int64_t i = h0 * D; i < h1 * D; i++) out[i] = 0;
-  for (int64_t j = first, run, at; j < L; j += run) {
+  for (int64_t j = first, run, at, stride; j < L; j += run) {
     run = run_at(j, L, bs, kind);
-    const void *values = run_rows(v_cache, table, j, run, end, bs, row, wide, &at, kind);
+    const void *values = run_rows(v_cache, table, j, run, end, bs, row, g0, ng, D, wide, &at, &stride, kind);
     for (int64_t h = h0; h < h1; h++)
-      values_run(out + h * D, scores + h * n + j - first, values, at + h / group * D, row, run, D, read);
+      values_run(out + h * D, scores + h * n + j - first, values, at + (h / group - g0) * D, stride, run, D, read);
   }
 }
 
@@ -530,16 +600,21 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
     }
     return;
   }
-  #pragma omp for schedule(dynamic, 1)  /* a task: one part of one row, the query heads of one kv head */
+  /* a task: one part of one row, the query heads of one kv head; or, in a row of at least two parts a
+     thread, all of them (its blocks read whole, one contiguous run a block; a kv head's share of a
+     block is a few lines a key apart, which the hardware's prefetcher does not follow): a head's
+     loops are the same whichever others share its task */
+  #pragma omp for schedule(dynamic, 1)
   for (int64_t task = 0; task < T * maxparts * Hkv; task++) {
     const int64_t r = task / (maxparts * Hkv), t = task / Hkv % maxparts, g = task % Hkv;
-    const int64_t L = positions[r] + 1, first = first_visible(w, L);
-    if (t >= parts_of(L - first)) continue;
+    const int64_t L = positions[r] + 1, first = first_visible(w, L), n = parts_of(L - first);
+    const int whole = n >= 2 * S;
+    if (t >= n || (whole && g > 0)) continue;
     int64_t lo, hi;
     part_bounds(first, L - first, t, &lo, &hi);
     float *mine_part = parts + (r * maxparts + t) * part;
-    attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, lo, hi, L, g * group, (g + 1) * group, mine,
-           mine_part, mine_part + H * D);
+    attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, lo, hi, L, whole ? 0 : g * group,
+           whole ? H : (g + 1) * group, mine, mine_part, mine_part + H * D);
   }
   #pragma omp for schedule(static)
   for (int64_t task = 0; task < T * H; task++) {
