@@ -20,7 +20,9 @@ sequences at 16k affordable to prefill on two cores, and is said in the table.
     python -m benchmarks.peerbench.depth --pairs 1b_q4_k_m --depths 4096 --slots 1 4 --kv float16 q8_0
     python -m benchmarks.peerbench.depth --pairs 1b_q4_k_m --depths 16384 --slots 1 --kv float16 q8_0 --rounds 3
 
-llama.cpp runs with flash attention on (`-fa on`: a quantized V cache needs it) for every cache type.
+llama.cpp runs a quantized cache with flash attention on (`-fa on`: a quantized V cache needs it) and
+a float16 cache with it off, its faster decode at depth on CPUs (`-fa auto` turns it on:
+notes/depth.md has both).
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ def llama_depth(gguf: Path, kv: str, shared: bool, depth: int, tg: int, threads:
     context = max(slots) * (depth + tg + 64)  # each sequence its own share of the cells (n_ctx / n_seq_max)
     cmd = [str(BATCHED_BENCH), "-m", str(gguf), "-c", str(context), "-b", "2048", "-ub", "512",
            "-npp", str(depth), "-ntg", str(tg), "-npl", ",".join(map(str, slots)), "-t", str(threads),
-           "-tb", str(threads), "-ctk", cache, "-ctv", cache, "-fa", "on", *(["-pps"] if shared else []),
+           "-tb", str(threads), "-ctk", cache, "-ctv", cache, "-fa", "off" if cache == "f16" else "on",
+           *(["-pps"] if shared else []),
            "--output-format", "jsonl"]
     child = run_child(cmd, 3600, None)
     rows = {int(r["pl"]): r for r in parse_batched_bench(child.result or "")}
