@@ -64,6 +64,11 @@ DTYPES = (torch.float32, torch.bfloat16)  # the activations it takes
 I8P = 32
 INT8_KINDS = {"Q4_K": 1, "Q6_K": 2, "IQ4_XS": 3, "Q4_0": 4, "IQ4_NL": 5, "Q8_0": 6, "Q4_1": 7, "Q5_0": 8, "Q5_1": 9}
 BLOCK_KINDS = ("Q4_0", "IQ4_NL", "Q8_0", "Q4_1", "Q5_0", "Q5_1")
+# The kinds the plan puts on file-bit panels (PlanOverrides.blockdot_int8, `takes_int8`): the K-quants,
+# and the 32-weight kinds blockdot's other panels hold as int8 codes (9 bits a weight against the file's
+# 4.5 for IQ4_NL, 5.5 for Q5_0, 6 for Q5_1, 8.5 for Q8_0). Q4_0 and Q4_1 keep those panels' 4-bit codes
+# (5 bits a weight, about their file's) on the int16 path: notes/file-bit-panels.md has the timings.
+INT8_CHOSEN = ("Q4_K", "Q6_K", "IQ4_XS", "IQ4_NL", "Q5_0", "Q5_1", "Q8_0")
 MIXED = 15  # blockdot.c's I8_MIXED: runs of rows of those kinds stacked, each run's panels after a head
 SEGMENTS = 7  # runs a mixed matrix may hold
 SUPER = 256  # weights a super-block
@@ -427,6 +432,12 @@ def can_pack_int8(w: object) -> bool:
     runs = w.row_kinds or ()
     return 0 < len(runs) <= SEGMENTS and all(kind in INT8_KINDS and w.shape[1] % unit(kind) == 0 for kind, _ in runs) \
         and all(rows % PANEL == 0 for _, rows in runs[:-1])
+
+
+def takes_int8(w: object) -> bool:
+    """Whether the plan puts a stored matrix on file-bit panels: it has that form (can_pack_int8) and
+    every kind in it is one of INT8_CHOSEN."""
+    return can_pack_int8(w) and all(kind in INT8_CHOSEN for kind in parts(w.kind))
 
 
 def _runs(w: BlockQuantized) -> list[BlockQuantized]:
