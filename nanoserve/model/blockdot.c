@@ -36,9 +36,10 @@
  * q[n, k] x[k] is then scaled once: acc[n] += d[n] g[n] + m[n] sum_b(x). bf16 activations are widened
  * to float32 first (exactly).
  *
- * File-bit panels (I8P, below): Q4_K, Q6_K and IQ4_XS at the file's bits on x rounded to int8, summed in
- * int32 by VNNI's vpdpbusd (or vpmaddubsw + vpmaddwd), and, in builds with AMX-INT8 where Linux
- * grants the tiles, by TDPBSUD from `amx_rows` rows of x: the same sums and float steps either way.
+ * File-bit panels (I8P, below): Q4_K, Q6_K and IQ4_XS, and the 32-weight kinds (Q4_0, IQ4_NL, Q8_0,
+ * Q4_1, Q5_0, Q5_1), at the file's bits on x rounded to int8, summed in int32 by VNNI's vpdpbusd (or
+ * vpmaddubsw + vpmaddwd), and, for the K-quants in builds with AMX-INT8 where Linux grants the tiles,
+ * by TDPBSUD from `amx_rows` rows of x: the same sums and float steps either way.
  *
  * The int16 path (tile16; from `int16_rows` rows of x, PlanOverrides.blockdot_int16_rows) rounds
  * each block of x to int16 against its largest |x| first and sums codes times x in int32, two k a
@@ -531,7 +532,9 @@ static void task(const struct xin *in, int64_t M, int64_t K, int64_t N, const ui
  *         its sign moved onto x where pairs of products go through int16 (vpmaddubsw saturates
  *         past 32767; 2 * 241 * 127 would).
  * d and dmin are float32 (a factor of each group's scale exact with the 6-bit one: blockdot.py's
- * pack_int8 finds them), so d sc and dmin mn are the stored matrix's scales and mins bit for bit. */
+ * pack_int8 finds them), so d sc and dmin mn are the stored matrix's scales and mins bit for bit.
+ * The 32-weight kinds go by blocks of 32 instead (I8_TYPES' weights; K a multiple of 32, not of 256):
+ * their layouts are above tile8_block. */
 #define I8P 32                          /* `planes` flag: file-bit panels; the type in bits 8 and up */
 #define I8_TYPE(planes) ((planes) >> 8)
 #define SB 256                          /* weights a super-block */

@@ -20,9 +20,10 @@ for Q4_K (4.5); 9 for Q8_0 (8.5), Q5_0 (5.5), Q5_1 (6) and IQ4_NL (4.5); 10 for 
 (6.6), IQ4_XS (4.25) and Q3_K (3.4): the price of reading each exactly with two kernels
 (notes/gguf-types.md). `Panels` take x [M, K] in float32 or bfloat16 and return [M, N] in x's dtype.
 
-`pack_int8` holds a Q4_K, Q6_K or IQ4_XS matrix at its file's bits instead (file-bit panels, x
-rounded to int8 per block of 32, sums in int32); on a CPU with AMX tiles (`amx()`), from `amx_rows` rows of x
-(PlanOverrides.blockdot_amx_rows), the same sums come from the tiles, bit for bit.
+`pack_int8` holds a Q4_K, Q6_K or IQ4_XS matrix, or one of the 32-weight kinds (Q4_0, IQ4_NL, Q8_0,
+Q4_1, Q5_0, Q5_1; K a multiple of 32), at its file's bits instead (file-bit panels, x rounded to int8
+per block of 32, sums in int32); on a CPU with AMX tiles (`amx()`), from `amx_rows` rows of x
+(PlanOverrides.blockdot_amx_rows), a K-quant's sums come from the tiles, bit for bit.
 """
 
 from __future__ import annotations
