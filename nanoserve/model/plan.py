@@ -482,7 +482,9 @@ def _form_of(layer: int | None, form: Form, precision: Precision, dense: Form, i
     rows = precision.max_kernel_rows
     wide = None if rows is None else ("dequantized" if name.in_c and not precision.dense_copies else "dense copy")
     return Form(name, precision.dtype, rows, wide, int16_rows if name == FormKind.BLOCKDOT else None,
-                precision.amx_rows if name == FormKind.BLOCKDOT_INT8 else None,
+                # the 32-weight kinds' file-bit panels stay on the vector tiles (blockdot.c's tasks8_of)
+                precision.amx_rows if name == FormKind.BLOCKDOT_INT8
+                and not set(kind.split("+")) & set(blockdot.BLOCK_KINDS) else None,
                 **tensor_parallel)
 
 
