@@ -53,10 +53,12 @@ class PlanOverrides:
     # float32 path's speed, within x's rounding (amax / 65534 a block; quantbench: the same KL against
     # float32). None: float32 at every row count.
     blockdot_int16_rows: int | None = 1
-    # Q4_K, Q6_K and IQ4_XS matrices (most of a Q4_K_M or IQ4_XS file) on blockdot's file-bit panels:
-    # the file's bits (4.75, 6.625 and 4.375 a weight), x rounded to int8 per block of 32 and summed in integers (VNNI's
-    # vpdpbusd, or vpmaddubsw and vpmaddwd), as llama.cpp multiplies them. False: blockdot's wider
-    # panels (6 and 10 bits a weight) on the int16 or float32 path above, x rounded 256 times finer.
+    # Q4_K, Q6_K and IQ4_XS matrices (most of a Q4_K_M or IQ4_XS file), and IQ4_NL, Q5_0, Q5_1 and Q8_0
+    # ones (a small model's 576-wide matrices in such a file; blockdot.INT8_CHOSEN), on blockdot's file-bit
+    # panels: the file's bits (4.75, 6.625 and 4.375 a weight; the 32-weight kinds' exactly), x rounded to
+    # int8 per block of 32 and summed in integers (VNNI's vpdpbusd, or vpmaddubsw and vpmaddwd), as
+    # llama.cpp multiplies them. False: blockdot's wider panels (6, 9 and 10 bits a weight) on the int16
+    # or float32 path above, x rounded 256 times finer.
     blockdot_int8: bool = True
     # Those file-bit panels on AMX tiles (Sapphire Rapids and later, where Linux grants them) from
     # the row count the start-up probe times them faster than the vector tiles at

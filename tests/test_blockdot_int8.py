@@ -1,5 +1,5 @@
-"""blockdot's file-bit panels (blockdot.pack_int8): Q4_K, Q6_K and IQ4_XS at their file's bits, x rounded to
-int8 per block of 32 and summed in integers.
+"""blockdot's file-bit panels (blockdot.pack_int8): Q4_K, Q6_K and IQ4_XS, and the 32-weight kinds (Q4_0,
+IQ4_NL, Q8_0, Q4_1, Q5_0, Q5_1), at their file's bits, x rounded to int8 per block of 32 and summed in integers.
 
 References are independent of the kernel: gguf-py's dequantize for the weights, and x rounded by
 hand here (numpy: q = round-half-even(127 x / amax) per block of 32, x ~ amax / 127 q), so the
@@ -25,6 +25,9 @@ from tests.test_gguf_types import random_blocks
 pytestmark = pytest.mark.skipif(blockdot.library() is None, reason=f"no blockdot build here: {blockdot.failure()}")
 FILE_BITS = {"Q4_K": 4.75, "Q6_K": 6.625, "IQ4_XS": 4.375}  # the panels' bits a weight, from blockdot.c's layout comment
 FILE = {"Q4_K": 144 * 8 / 256, "Q6_K": 210 * 8 / 256, "IQ4_XS": 136 * 8 / 256}  # the file's: ggml-common.h's block sizes
+# the 32-weight kinds: ggml-common.h's block bytes (fp16 d, fp16 m, uint32 qh, the codes) over 32 weights
+BLOCK_FILE = {"Q4_0": 18 * 8 / 32, "IQ4_NL": 18 * 8 / 32, "Q8_0": 34 * 8 / 32, "Q4_1": 20 * 8 / 32,
+              "Q5_0": 22 * 8 / 32, "Q5_1": 24 * 8 / 32}
 
 
 def rounded_x(x: torch.Tensor) -> np.ndarray:
@@ -61,7 +64,36 @@ def test_file_bit_panels_compute_the_file_matrix_times_x_rounded_to_int8(kind, b
         assert np.abs(got - expected).max() <= 2e-5 * np.abs(expected).max(), (rows, np.abs(got - expected).max())
 
 
-@pytest.mark.parametrize("kind", list(FILE_BITS))
+@pytest.mark.parametrize("kind", list(BLOCK_FILE))
+@pytest.mark.parametrize("build_name", ["native", "avx512", "avx2", "plain", *EMULATED])
+def test_32_weight_kinds_compute_the_file_matrix_times_x_rounded_to_int8(kind, build_name):
+    # K = 576: 18 blocks of 32, no whole super-block of 256 (the default model's hidden size)
+    kernel = build(build_name)
+    w, reference = matrix(kind, rows=40, cols=576, seed=7)  # 40 rows: a panel and a half, its tail padded
+    panels = blockdot.pack_int8(w, kernel)
+    assert panels.form_name == "blockdot-int8" and panels.planes >> 8 == blockdot.INT8_KINDS[kind]
+    assert torch.equal(panels.dequantize(), reference)  # the codes and scales exactly as the file's
+    assert torch.equal(panels.dequantize(torch.bfloat16), reference.to(torch.bfloat16))
+    ids = torch.tensor([39, 0, 17])
+    assert torch.equal(panels.lookup(ids), reference[ids])
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, 3, 16, 17, 64):
+        x = torch.randn(rows, 576, generator=gen)
+        x[0, :32] = 0  # an all-zero block: scale 0
+        expected = rounded_x(x) @ reference.double().numpy().T
+        got = panels(x).double().numpy()
+        assert np.abs(got - expected).max() <= 2e-5 * np.abs(expected).max(), (rows, np.abs(got - expected).max())
+
+
+@pytest.mark.parametrize("kind", list(BLOCK_FILE))
+def test_32_weight_kinds_hold_exactly_the_files_bits(kind):
+    w, _ = matrix(kind, rows=64, cols=576, seed=1)
+    panels = blockdot.pack_int8(w)
+    assert panels.nbytes * 8 / (64 * 576) == BLOCK_FILE[kind]
+    assert blockdot.can_pack_int8(matrix(kind, rows=16, cols=32, seed=1)[0])  # one block is enough
+
+
+@pytest.mark.parametrize("kind", [*FILE_BITS, *BLOCK_FILE])
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(kind):
     w, _ = matrix(kind, rows=80, cols=512, seed=11)
     panels = blockdot.pack_int8(w)
@@ -116,6 +148,35 @@ def test_rows_of_32_weight_kinds_stacked_keep_their_own_panels(build_name, kinds
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(2))
     expected = rounded_x(x) @ reference.double().numpy().T
     assert np.abs(panels(x).double().numpy() - expected).max() <= 2e-5 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("build_name", ["native", "avx2", "plain"])
+@pytest.mark.parametrize("kinds", [("Q5_0", "Q8_0"), ("IQ4_NL", "Q8_0"), ("Q4_0", "Q4_1", "Q5_1"), ("Q8_0", "Q4_K"),
+                                   ("Q5_0", "Q6_K")])
+def test_rows_of_32_weight_kinds_stacked_with_others_keep_their_own_panels(build_name, kinds):
+    # llama.cpp's mixes: q and k in Q5_0 beside v in Q8_0 (a Q4_K_M file's 576-wide qkv), and 32-weight
+    # kinds beside K-quants (beside Q6_K's groups of 16, their scales given to both halves, then read back)
+    kernel = build(build_name)
+    parts = [matrix(kind, rows, 512, seed=rows) for kind, rows in zip(kinds, (48, 32, 24), strict=False)]
+    stacked = cat_rows([w for w, _ in parts])
+    assert stacked.row_kinds == tuple((kind, w.shape[0]) for kind, (w, _) in zip(kinds, parts, strict=True))
+    panels = blockdot.pack_int8(stacked, kernel)
+    reference = torch.cat([ref for _, ref in parts])
+    assert torch.equal(panels.dequantize(), reference)
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(2))
+    expected = rounded_x(x) @ reference.double().numpy().T
+    assert np.abs(panels(x).double().numpy() - expected).max() <= 2e-5 * np.abs(expected).max()
+
+
+def test_32_weight_kinds_refuse_what_no_file_holds():
+    w, _ = matrix("IQ4_NL", rows=16, cols=64, seed=3)
+    codes = w.codes.clone()
+    codes[3, 7] = 0  # not one of the 16 values
+    with pytest.raises(ValueError, match="IQ4_NL codes are the 16 values"):
+        blockdot.pack_int8(BlockQuantized("IQ4_NL", codes, w.scales, None))
+    w, _ = matrix("Q8_0", rows=16, cols=64, seed=3)
+    with pytest.raises(ValueError, match="fp16 does not hold"):
+        blockdot.pack_int8(BlockQuantized("Q8_0", w.codes, w.scales * (1 + 2 ** -20), None))
 
 
 def test_iq4_xs_codes_off_its_table_are_refused():

@@ -128,8 +128,8 @@ def test_the_plan_runs_each_kind_on_a_kernel_or_says_it_dequantized_it():
     assert "Q2_K, Q6_K dequantized at load to float32: no torch kernel here runs them" in on_torch.reasons
     if blockdot.library() is not None:  # blockdot runs every kind
         plan = resolve_plan(config_of(kernels="blockdot"), model, probe=figures)
-        # Q6_K and Q4_K at their file's bits on int8 activations, the others on blockdot's panels
-        file_bits = {"qkv": "blockdot", "o": "blockdot-int8", "gate_up": "blockdot-int8", "down": "blockdot"}
+        # Q5_0, Q6_K and Q4_K at their file's bits on int8 activations, Q2_K on blockdot's panels
+        file_bits = {"qkv": "blockdot-int8", "o": "blockdot-int8", "gate_up": "blockdot-int8", "down": "blockdot"}
         assert {n: plan.form_of(0, n).name for n in MATMULS} == file_bits
         assert not any("dequantized at load" in reason for reason in plan.reasons), plan.reasons
         laid = prepare_model(model, plan)

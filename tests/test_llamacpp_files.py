@@ -314,14 +314,48 @@ def test_every_matrix_of_a_mixed_file_runs_on_blockdot_as_stored(tiny_files, fil
     plan = resolve_plan(config_of(kernels="blockdot"), model, probe=figures)
     forms = {(i, name): plan.form_of(i, name).name for i in range(config.num_layers) for name in MATMULS}
     kinds = {getattr(layer, name).kind for layer in model.layers for name in MATMULS}
-    # Q4_K, Q6_K and IQ4_XS matrices at their file's bits on int8 activations (Q4_K_M's qkv, q and k in Q4_K
-    # stacked beside a Q6_K v, too), the rest on blockdot's panels
-    file_bits = {(i, name): "blockdot-int8" if blockdot.can_pack_int8(getattr(layer, name)) else "blockdot"
+    # Q4_K, Q6_K and IQ4_XS matrices (and IQ4_NL, Q5_0, Q5_1, Q8_0) at their file's bits on int8 activations
+    # (Q4_K_M's qkv, q and k in Q4_K stacked beside a Q6_K v, too), the rest on blockdot's panels
+    file_bits = {(i, name): "blockdot-int8" if blockdot.takes_int8(getattr(layer, name)) else "blockdot"
                  for i, layer in enumerate(model.layers) for name in MATMULS}
     assert forms == file_bits, (forms, plan.reasons)
     assert file_type not in ("Q4_K_M", "IQ4_XS") or set(forms.values()) == {"blockdot-int8"}, kinds
     assert any("+" in kind for kind in kinds) or file_type in ("Q2_K", "IQ4_XS"), kinds  # a stacked mix among them
     assert check_laid_out(prepare_model(model, plan), plan) == []
+
+
+@pytest.fixture(scope="module")
+def narrow_files(tmp_path_factory) -> dict[str, Path]:
+    """Two layers in the default model's shapes (hidden 576 = 18 x 32, no whole super-block of 256;
+    intermediate 1536), quantized by llama-quantize to IQ4_XS and Q4_K_M: their 576-wide matrices fall
+    back to the 32-weight kinds (IQ4_NL; Q5_0 and Q8_0), the down projections stay K-quants."""
+    folder = tmp_path_factory.mktemp("narrow-llama")
+    hf = make_hf_model("llama", seed=47, vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                       num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                       tie_word_embeddings=True)
+    f32 = convert(save_checkpoint(hf, folder / "hf"), folder / "narrow-f32.gguf")
+    return {t: quantize(f32, t) for t in ("IQ4_XS", "Q4_K_M")}
+
+
+@needs_tools
+@pytest.mark.skipif(blockdot.library() is None, reason=f"no blockdot build here: {blockdot.failure()}")
+@pytest.mark.parametrize("file_type", ["IQ4_XS", "Q4_K_M"])
+def test_a_576_wide_files_32_weight_kinds_run_on_file_bit_panels(narrow_files, file_type):
+    file = narrow_files[file_type]
+    config, tensors = load_gguf(file)
+    model = LlamaModel.from_state_dict(config, tensors, torch.float32, "cpu")
+    kinds = {part for layer in model.layers for name in MATMULS for part in getattr(layer, name).kind.split("+")}
+    assert kinds & set(blockdot.BLOCK_KINDS), kinds  # llama-quantize's fallbacks are in it
+    engine = Engine(model, None, config_of(block_size=16, num_kv_blocks=16, kernels="blockdot"))
+    forms = {engine.plan.form_of(i, name).name for i in range(config.num_layers) for name in MATMULS}
+    assert forms == {"blockdot-int8"} and engine.plan.form_of(None, "head").name == "blockdot-int8", \
+        engine.plan.render()
+    assert_serves_transformers_logits(file, PROMPT)  # the first token: transformers' top-1 over the same file
+    # and the same greedy tokens as blockdot's int8-code panels (x rounded to int16) on the same file
+    codes = Engine(model, None, config_of(block_size=16, num_kv_blocks=16, kernels="blockdot", blockdot_int8=False))
+    assert "blockdot-int8" not in {codes.plan.form_of(0, name).name for name in MATMULS}, codes.plan.render()
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert engine.generate([PROMPT], greedy)[0].token_ids == codes.generate([PROMPT], greedy)[0].token_ids
 
 
 @needs_tools

@@ -135,7 +135,8 @@ def test_keeping_a_checkpoints_blocks_is_timed_on_the_kernel_that_will_run_them(
     assert "the checkpoint's quantization dequantized: torch's int4 0.20x" in on_torch.reason
     if blockdot.library() is not None:
         on_blockdot = resolve_plan(EngineConfig(), stored, probe=figures)
-        assert on_blockdot.quantization == "keep" and on_blockdot.form_of(0, "qkv").name == "blockdot"
+        # a Q8_0 matrix kept on blockdot runs on its file-bit panels (blockdot.INT8_CHOSEN)
+        assert on_blockdot.quantization == "keep" and on_blockdot.form_of(0, "qkv").name == "blockdot-int8"
 
 
 def test_a_model_that_differs_from_its_plan_is_named():

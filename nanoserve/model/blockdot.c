@@ -36,9 +36,10 @@
  * q[n, k] x[k] is then scaled once: acc[n] += d[n] g[n] + m[n] sum_b(x). bf16 activations are widened
  * to float32 first (exactly).
  *
- * File-bit panels (I8P, below): Q4_K, Q6_K and IQ4_XS at the file's bits on x rounded to int8, summed in
- * int32 by VNNI's vpdpbusd (or vpmaddubsw + vpmaddwd), and, in builds with AMX-INT8 where Linux
- * grants the tiles, by TDPBSUD from `amx_rows` rows of x: the same sums and float steps either way.
+ * File-bit panels (I8P, below): Q4_K, Q6_K and IQ4_XS, and the 32-weight kinds (Q4_0, IQ4_NL, Q8_0,
+ * Q4_1, Q5_0, Q5_1), at the file's bits on x rounded to int8, summed in int32 by VNNI's vpdpbusd (or
+ * vpmaddubsw + vpmaddwd), and, for the K-quants in builds with AMX-INT8 where Linux grants the tiles,
+ * by TDPBSUD from `amx_rows` rows of x: the same sums and float steps either way.
  *
  * The int16 path (tile16; from `int16_rows` rows of x, PlanOverrides.blockdot_int16_rows) rounds
  * each block of x to int16 against its largest |x| first and sums codes times x in int32, two k a
@@ -531,24 +532,38 @@ static void task(const struct xin *in, int64_t M, int64_t K, int64_t N, const ui
  *         its sign moved onto x where pairs of products go through int16 (vpmaddubsw saturates
  *         past 32767; 2 * 241 * 127 would).
  * d and dmin are float32 (a factor of each group's scale exact with the 6-bit one: blockdot.py's
- * pack_int8 finds them), so d sc and dmin mn are the stored matrix's scales and mins bit for bit. */
+ * pack_int8 finds them), so d sc and dmin mn are the stored matrix's scales and mins bit for bit.
+ * The 32-weight kinds go by blocks of 32 instead (I8_TYPES' weights; K a multiple of 32, not of 256):
+ * their layouts are above tile8_block. */
 #define I8P 32                          /* `planes` flag: file-bit panels; the type in bits 8 and up */
 #define I8_TYPE(planes) ((planes) >> 8)
 #define SB 256                          /* weights a super-block */
-enum { I8_Q4_K = 1, I8_Q6_K = 2, I8_IQ4_XS = 3, I8_TYPES_END };
+enum { I8_Q4_K = 1, I8_Q6_K = 2, I8_IQ4_XS = 3, I8_Q4_0 = 4, I8_IQ4_NL = 5, I8_Q8_0 = 6, I8_Q4_1 = 7, I8_Q5_0 = 8,
+       I8_Q5_1 = 9, I8_TYPES_END };
 /* Rows of several types stacked (Q4_K_M's q and k in Q4_K beside v in Q6_K): a 64-byte head, int32
    count and then (panels, type) for each of up to 7 segments, then each segment's panels in turn. */
 #define I8_MIXED 15
 #define I8_SEGMENTS 7
 struct i8_type {
   const char *name;
-  int64_t bytes;  /* a panel's super-block */
+  int64_t bytes;    /* a panel's super-block */
+  int64_t weights;  /* a super-block's k: 256, or 32 for the 32-weight kinds (one block) */
 };
 static const struct i8_type I8_TYPES[I8_TYPES_END] = {
-    [I8_Q4_K] = {"Q4_K", 2 * P * 4 + 2 * 8 * P + 32 * 64},
-    [I8_Q6_K] = {"Q6_K", P * 4 + 16 * P + 32 * 64 + 16 * 64},
-    [I8_IQ4_XS] = {"IQ4_XS", P * 4 + 8 * P + 32 * 64},
+    [I8_Q4_K] = {"Q4_K", 2 * P * 4 + 2 * 8 * P + 32 * 64, SB},
+    [I8_Q6_K] = {"Q6_K", P * 4 + 16 * P + 32 * 64 + 16 * 64, SB},
+    [I8_IQ4_XS] = {"IQ4_XS", P * 4 + 8 * P + 32 * 64, SB},
+    [I8_Q4_0] = {"Q4_0", P * 2 + 4 * 64, G},
+    [I8_IQ4_NL] = {"IQ4_NL", P * 2 + 4 * 64, G},
+    [I8_Q8_0] = {"Q8_0", P * 2 + 8 * 64, G},
+    [I8_Q4_1] = {"Q4_1", 2 * P * 2 + 4 * 64, G},
+    [I8_Q5_0] = {"Q5_0", P * 2 + 64 + 4 * 64, G},
+    [I8_Q5_1] = {"Q5_1", 2 * P * 2 + 64 + 4 * 64, G},
 };
+/* where a 32-weight kind's codes start in its block, after the fp16 heads (and the fifth bits) */
+#define B32_CODES(type) ((type) == I8_Q4_1 ? 4 * P : (type) == I8_Q5_0 ? 2 * P + 64 : (type) == I8_Q5_1 ? 4 * P + 64 : 2 * P)
+#define B32_FIFTH(type) ((type) == I8_Q5_0 ? 2 * P : 4 * P)
+#define B32_MINS(type) ((type) == I8_Q4_1 || (type) == I8_Q5_1)
 #define Q4K_SC (2 * P * 4)
 #define Q4K_MN (Q4K_SC + 8 * P)
 #define Q4K_CODES (Q4K_MN + 8 * P)
@@ -564,6 +579,12 @@ int64_t blockdot_i8_bytes(int planes) {
   return (planes & I8P) && t > 0 && t < I8_TYPES_END ? I8_TYPES[t].bytes : 0;
 }
 
+/* The weights of a super-block for `planes` (256, or 32 for the 32-weight kinds), 0 where it names no type. */
+int64_t blockdot_i8_weights(int planes) {
+  const int t = I8_TYPE(planes);
+  return (planes & I8P) && t > 0 && t < I8_TYPES_END ? I8_TYPES[t].weights : 0;
+}
+
 /* The bytes of file-bit panels [N, K] whose segments' head is `head` (I8_MIXED), or -1 where the head
    names no type, more than I8_SEGMENTS segments, or panels that do not add up to N's. */
 int64_t blockdot_i8_mixed_bytes(const int32_t *head, int64_t N, int64_t K) {
@@ -571,8 +592,8 @@ int64_t blockdot_i8_mixed_bytes(const int32_t *head, int64_t N, int64_t K) {
   int64_t bytes = 64, panels = 0;
   for (int i = 0; i < head[0]; i++) {
     const int32_t n = head[1 + 2 * i], t = head[2 + 2 * i];
-    if (n < 1 || t < 1 || t >= I8_TYPES_END) return -1;
-    bytes += n * (K / SB) * I8_TYPES[t].bytes;
+    if (n < 1 || t < 1 || t >= I8_TYPES_END || K % I8_TYPES[t].weights) return -1;
+    bytes += n * (K / I8_TYPES[t].weights) * I8_TYPES[t].bytes;
     panels += n;
   }
   return panels == (N + P - 1) / P ? bytes : -1;
@@ -584,6 +605,7 @@ static inline vi vi_mask(vi a, uint32_t m) { return _mm512_and_si512(a, _mm512_s
 static inline vi vi_srl(vi a, int s) { return _mm512_srli_epi32(a, s); }
 static inline vi vi_sll(vi a, int s) { return _mm512_slli_epi32(a, s); }
 static inline vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+static inline vi vi_xor(vi a, uint32_t m) { return _mm512_xor_si512(a, _mm512_set1_epi32((int)m)); }
 static inline vf vu8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 static inline vf vs8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 /* acc + per lane the dot of its four unsigned bytes with the four signed bytes at x */
@@ -620,6 +642,10 @@ static inline vi vi_mask(vi a, uint32_t m) {
 static inline vi vi_srl(vi a, int s) { return (vi){_mm256_srli_epi32(a.a, s), _mm256_srli_epi32(a.b, s)}; }
 static inline vi vi_sll(vi a, int s) { return (vi){_mm256_slli_epi32(a.a, s), _mm256_slli_epi32(a.b, s)}; }
 static inline vi vi_or(vi a, vi b) { return (vi){_mm256_or_si256(a.a, b.a), _mm256_or_si256(a.b, b.b)}; }
+static inline vi vi_xor(vi a, uint32_t m) {
+  const __m256i v = _mm256_set1_epi32((int)m);
+  return (vi){_mm256_xor_si256(a.a, v), _mm256_xor_si256(a.b, v)};
+}
 static inline vf vu8(const uint8_t *p) {
   const __m128i v = _mm_loadu_si128((const __m128i *)p);
   return (vf){_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))};
@@ -663,6 +689,7 @@ static inline vi vi_mask(vi a, uint32_t m) { for (int n = 0; n < 16; n++) a.v[n]
 static inline vi vi_srl(vi a, int s) { for (int n = 0; n < 16; n++) a.v[n] >>= s; return a; }
 static inline vi vi_sll(vi a, int s) { for (int n = 0; n < 16; n++) a.v[n] <<= s; return a; }
 static inline vi vi_or(vi a, vi b) { for (int n = 0; n < 16; n++) a.v[n] |= b.v[n]; return a; }
+static inline vi vi_xor(vi a, uint32_t m) { for (int n = 0; n < 16; n++) a.v[n] ^= m; return a; }
 static inline vf vu8(const uint8_t *p) { vf r; for (int n = 0; n < 16; n++) r.v[n] = p[n]; return r; }
 static inline vf vs8(const uint8_t *p) { vf r; for (int n = 0; n < 16; n++) r.v[n] = (int8_t)p[n]; return r; }
 static inline vi vdp8(vi acc, vi u, const int8_t *x) {
@@ -725,8 +752,8 @@ static inline float q4k_neg_xs(const int32_t *x8sum16) { return -(float)(x8sum16
 static inline float q6k_neg32(int32_t x8sum) { return -32.0f * (float)x8sum; }
 static inline float iq4_neg(float neg_xs) { return (float)IQ4_OFFSET * neg_xs; }
 
-/* NP panels (16 NP output rows) against MR rows of x from r0 (NP * MR <= 8), a file-bit type: acc[p * MR + r]. */
-INLINE void tile8(const struct xin *in, int64_t K, const uint8_t *w, const int type, int64_t p0, int64_t r0, const int NP,
+/* NP panels (16 NP output rows) against MR rows of x from r0 (NP * MR <= 8), a K-quant: acc[p * MR + r]. */
+INLINE void tile8_super(const struct xin *in, int64_t K, const uint8_t *w, const int type, int64_t p0, int64_t r0, const int NP,
                   const int MR, vf acc[8]) {
   const int64_t S = K / SB, B = K / G, sb = I8_TYPES[type].bytes;
   for (int a = 0; a < NP * MR; a++) acc[a] = vzero();
@@ -812,6 +839,96 @@ INLINE void tile8(const struct xin *in, int64_t K, const uint8_t *w, const int t
   }
 }
 
+/* The 32-weight kinds, a block of 32 weights of 16 rows at a time (the bytes I8_TYPES gives):
+ *   Q4_0, IQ4_NL  fp16 d[16]; then 4 octets of 64 bytes as Q4_K's (octet o, lane n: row n's codes at
+ *                 k = 8 o + i in the low half of byte i, k + 4 in the high half): Q4_0's q (w = d (q - 8)),
+ *                 IQ4_NL's indices into IQ4_VALUES (w = d IQ4_VALUES[i]). 4.5 bits a weight, the file's.
+ *   Q4_1          fp16 d[16], m[16]; the octets of q: w = d q + m. 5 bits, the file's.
+ *   Q5_0, Q5_1    as Q4_0 and Q4_1 with 64 bytes of fifth bits before the octets (lane n, byte i, bit j:
+ *                 row n's at k = 4 j + i), q = low | fifth << 4: w = d (q - 16), d q + m. 5.5 and 6 bits.
+ *   Q8_0          fp16 d[16]; 8 vectors of int8 codes (vector j, lane n, byte i: row n's at k = 4 j + i):
+ *                 w = d q. 8.5 bits, the file's.
+ * The scales stay fp16, widened exactly as they are read. Codes in 0..31 go to vpdpbusd as they are and
+ * the offsets (8, 16) come off in the float step times x's block sum; IQ4_NL's values and Q8_0's codes
+ * are signed: plus 128 (IQ4_OFFSET) where vpdpbusd or plain C sums them, signs moved onto x where pairs
+ * of products go through int16, as IQ4_XS's. */
+#define S8_OFFSET IQ4_OFFSET
+#define vdp8_s8 vdp8_iq4
+/* the fifth bits of quad j (k = 4 j .. 4 j + 3) at bit 4 of each byte */
+static inline vi q5_high(vi h, int j) { return vi_mask(j <= 4 ? vi_sll(h, 4 - j) : vi_srl(h, j - 4), 0x10101010u); }
+/* a block's offset on its codes, times -sum(x8) over the block (exact in float) */
+static inline float b32_neg(int type, float neg_xs) {
+  return (type == I8_Q4_0 ? 8.0f : type == I8_Q5_0 ? 16.0f : type == I8_IQ4_NL || type == I8_Q8_0 ? (float)S8_OFFSET : 0.0f) *
+         neg_xs;
+}
+/* One block's exact sums g into a row's float sums: d q + m kinds as Q4_K's step (dm = -m), the others as Q6_K's. */
+static inline vf b32_step(int type, vf acc, vf d, vf m, vi g, float neg_xs, float x8d) {
+  if (B32_MINS(type)) return q4k_step(acc, d, m, g, neg_xs, x8d);
+  return q6k_step(acc, d, g, b32_neg(type, neg_xs), x8d);
+}
+#define B32_AHEAD 8  /* blocks a panel's stream is fetched ahead */
+
+INLINE void tile8_block(const struct xin *in, int64_t K, const uint8_t *w, const int type, int64_t p0, int64_t r0,
+                        const int NP, const int MR, vf acc[8]) {
+  const int64_t B = K / G, bb = I8_TYPES[type].bytes;
+  for (int a = 0; a < NP * MR; a++) acc[a] = vzero();
+  for (int64_t b = 0; b < B; b++) {
+    const uint8_t *blk[4];
+    vi g[8];
+    for (int a = 0; a < NP * MR; a++) g[a] = vizero();
+    for (int p = 0; p < NP; p++) {
+      blk[p] = w + ((p0 + p) * B + b) * bb;
+      for (int64_t l = 0; l <= bb / 64; l++) prefetch(blk[p] + B32_AHEAD * bb + 64 * l);
+    }
+    if (type == I8_Q8_0) {
+      for (int j = 0; j < 8; j++)
+        for (int p = 0; p < NP; p++) {
+          vi c = vi_load(blk[p] + B32_CODES(type) + j * 64);
+          if (S8_OFFSET) c = vi_xor(c, 0x80808080u);
+          for (int r = 0; r < MR; r++)
+            g[p * MR + r] = vdp8_s8(g[p * MR + r], c, in->x8 + (r0 + r) * K + b * G + 4 * j);
+        }
+    } else {
+      for (int o = 0; o < 4; o++)
+        for (int p = 0; p < NP; p++) {
+          const vi c = vi_load(blk[p] + B32_CODES(type) + o * 64);
+          vi lo = vi_mask(c, LOW4), hi = vi_mask(vi_srl(c, 4), LOW4);
+          if (type == I8_Q5_0 || type == I8_Q5_1) {
+            const vi h = vi_load(blk[p] + B32_FIFTH(type));
+            lo = vi_or(lo, q5_high(h, 2 * o)), hi = vi_or(hi, q5_high(h, 2 * o + 1));
+          }
+          if (type == I8_IQ4_NL) {
+            lo = vlut(IQ4_BYTES, lo), hi = vlut(IQ4_BYTES, hi);
+            for (int r = 0; r < MR; r++) {
+              const int8_t *x = in->x8 + (r0 + r) * K + b * G + 8 * o;
+              g[p * MR + r] = vdp8_iq4(vdp8_iq4(g[p * MR + r], lo, x), hi, x + 4);
+            }
+          } else {
+            for (int r = 0; r < MR; r++) {
+              const int8_t *x = in->x8 + (r0 + r) * K + b * G + 8 * o;
+              g[p * MR + r] = vdp8(vdp8(g[p * MR + r], lo, x), hi, x + 4);
+            }
+          }
+        }
+    }
+    for (int p = 0; p < NP; p++) {
+      const vf d = vhalf((const uint16_t *)blk[p]);
+      const vf m = B32_MINS(type) ? vmul(vset1(-1.0f), vhalf((const uint16_t *)blk[p] + P)) : vzero();
+      for (int r = 0; r < MR; r++) {
+        const int64_t rb = (r0 + r) * B + b;
+        acc[p * MR + r] = b32_step(type, acc[p * MR + r], d, m, g[p * MR + r], q4k_neg_xs(in->x8sum16 + 2 * rb),
+                                   in->x8d[rb]);
+      }
+    }
+  }
+}
+
+INLINE void tile8(const struct xin *in, int64_t K, const uint8_t *w, const int type, int64_t p0, int64_t r0,
+                  const int NP, const int MR, vf acc[8]) {
+  if (I8_TYPES[type].weights == G) tile8_block(in, K, w, type, p0, r0, NP, MR, acc);
+  else tile8_super(in, K, w, type, p0, r0, NP, MR, acc);
+}
+
 /* Outputs n < N of each row of y, rows ldy apart. */
 INLINE void tile8_out(const struct xin *in, int64_t K, int64_t N, int64_t ldy, const uint8_t *w, const int type,
                       int64_t p0, int64_t r0, const int NP, const int MR, void *y, int y_bf16) {
@@ -859,6 +976,12 @@ INLINE void tile8_out(const struct xin *in, int64_t K, int64_t N, int64_t ldy, c
 I8_TILES(I8_Q4_K)
 I8_TILES(I8_Q6_K)
 I8_TILES(I8_IQ4_XS)
+I8_TILES(I8_Q4_0)
+I8_TILES(I8_IQ4_NL)
+I8_TILES(I8_Q8_0)
+I8_TILES(I8_Q4_1)
+I8_TILES(I8_Q5_0)
+I8_TILES(I8_Q5_1)
 #undef I8_TILES
 
 /* One panel (NP = 1) or NP from p0 of one type against every row of x on the vector tiles. */
@@ -867,7 +990,13 @@ static void task8(const struct xin *in, int64_t M, int64_t K, int64_t N, int64_t
   switch (type) {
     case I8_Q4_K: task8_I8_Q4_K(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
     case I8_Q6_K: task8_I8_Q6_K(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
-    default: task8_I8_IQ4_XS(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
+    case I8_IQ4_XS: task8_I8_IQ4_XS(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
+    case I8_Q4_0: task8_I8_Q4_0(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
+    case I8_IQ4_NL: task8_I8_IQ4_NL(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
+    case I8_Q8_0: task8_I8_Q8_0(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
+    case I8_Q4_1: task8_I8_Q4_1(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
+    case I8_Q5_0: task8_I8_Q5_0(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
+    default: task8_I8_Q5_1(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
   }
 }
 
@@ -1086,7 +1215,7 @@ int blockdot_amx(void) { return 0; }
 static void tasks8_of(const struct xin *in, int64_t M, int64_t K, int64_t N, int64_t ldy, const uint8_t *w, int type,
                       void *y, int y_bf16) {
 #if AMX
-  if (in->amx_rows > 0 && M >= in->amx_rows) {
+  if (in->amx_rows > 0 && M >= in->amx_rows && I8_TYPES[type].weights == SB) {  /* the K-quants' tiles only */
     amx_tasks_of(in, M, K, N, ldy, w, type, y, y_bf16);
     return;
   }
@@ -1113,7 +1242,7 @@ static void tasks8_of(const struct xin *in, int64_t M, int64_t K, int64_t N, int
       const int64_t seg_panels = mixed_ ? head_[1 + 2 * i_] : ((N) + P - 1) / P;                         \
       const int64_t seg_rows = (N) - seg_n0 < seg_panels * P ? (N) - seg_n0 : seg_panels * P;            \
       BODY;                                                                                              \
-      seg_w += seg_panels * ((K) / SB) * I8_TYPES[seg_type].bytes;                                       \
+      seg_w += seg_panels * ((K) / I8_TYPES[seg_type].weights) * I8_TYPES[seg_type].bytes;               \
       seg_n0 += seg_panels * P;                                                                          \
     }                                                                                                    \
   } while (0)
@@ -1155,11 +1284,44 @@ static void dequantize8_row(const uint8_t *w, int type, int64_t p, int lane, int
   }
 }
 
+/* The same for the 32-weight kinds: d (q - 8), d q + m (one rounding: d q is exact), d (q - 16),
+   d IQ4_VALUES[i], d q, as BlockQuantized.dequantize() computes them. */
+static void dequantize32_row(const uint8_t *w, int type, int64_t p, int lane, int64_t K, void *dst, int bf16) {
+  const int64_t B = K / G, bb = I8_TYPES[type].bytes;
+  for (int64_t b = 0; b < B; b++) {
+    const uint8_t *blk = w + (p * B + b) * bb;
+    uint16_t h;
+    memcpy(&h, blk + 2 * lane, 2);
+    const float d = f16_to_f32(h);
+    float m = 0, row[G];
+    if (B32_MINS(type)) memcpy(&h, blk + 2 * (P + lane), 2), m = f16_to_f32(h);
+    uint32_t fifth = 0;
+    if (type == I8_Q5_0 || type == I8_Q5_1) memcpy(&fifth, blk + B32_FIFTH(type) + 4 * lane, 4);
+    for (int k = 0; k < G; k++) {
+      const uint8_t *codes = blk + B32_CODES(type);
+      if (type == I8_Q8_0) {
+        row[k] = d * (float)(int8_t)codes[(k / 4) * 64 + 4 * lane + k % 4];
+        continue;
+      }
+      const uint8_t byte = codes[(k / 8) * 64 + 4 * lane + k % 4];
+      int q = (k / 4) % 2 ? byte >> 4 : byte & 15;
+      q |= (int)((fifth >> (8 * (k % 4) + k / 4)) & 1) << 4;  /* 0 but for Q5_0 and Q5_1 */
+      row[k] = type == I8_IQ4_NL ? d * (float)IQ4_VALUES[q]
+               : B32_MINS(type) ? fmaf(d, (float)q, m)
+               : d * (float)(q - (type == I8_Q4_0 ? 8 : type == I8_Q5_0 ? 16 : 0));
+    }
+    if (bf16) for (int k = 0; k < G; k++) ((uint16_t *)dst)[b * G + k] = f32_to_bf16(row[k]);
+    else memcpy((float *)dst + b * G, row, sizeof row);
+  }
+}
+
 /* Row n of file-bit panels w [N, K] (any segment) into dst. */
 static void dequantize8_any(const uint8_t *w, int planes, int64_t N, int64_t K, int64_t n, void *dst, int bf16) {
   FOR_SEGMENTS(w, planes, N, K, {
-    if (n >= seg_n0 && n < seg_n0 + seg_rows)
-      dequantize8_row(seg_w, seg_type, (n - seg_n0) / P, (int)((n - seg_n0) % P), K, dst, bf16);
+    if (n >= seg_n0 && n < seg_n0 + seg_rows) {
+      if (I8_TYPES[seg_type].weights == G) dequantize32_row(seg_w, seg_type, (n - seg_n0) / P, (int)((n - seg_n0) % P), K, dst, bf16);
+      else dequantize8_row(seg_w, seg_type, (n - seg_n0) / P, (int)((n - seg_n0) % P), K, dst, bf16);
+    }
   });
 }
 

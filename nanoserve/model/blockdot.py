@@ -20,9 +20,10 @@ for Q4_K (4.5); 9 for Q8_0 (8.5), Q5_0 (5.5), Q5_1 (6) and IQ4_NL (4.5); 10 for 
 (6.6), IQ4_XS (4.25) and Q3_K (3.4): the price of reading each exactly with two kernels
 (notes/gguf-types.md). `Panels` take x [M, K] in float32 or bfloat16 and return [M, N] in x's dtype.
 
-`pack_int8` holds a Q4_K, Q6_K or IQ4_XS matrix at its file's bits instead (file-bit panels, x
-rounded to int8 per block of 32, sums in int32); on a CPU with AMX tiles (`amx()`), from `amx_rows` rows of x
-(PlanOverrides.blockdot_amx_rows), the same sums come from the tiles, bit for bit.
+`pack_int8` holds a Q4_K, Q6_K or IQ4_XS matrix, or one of the 32-weight kinds (Q4_0, IQ4_NL, Q8_0,
+Q4_1, Q5_0, Q5_1; K a multiple of 32), at its file's bits instead (file-bit panels, x rounded to int8
+per block of 32, sums in int32); on a CPU with AMX tiles (`amx()`), from `amx_rows` rows of x
+(PlanOverrides.blockdot_amx_rows), a K-quant's sums come from the tiles, bit for bit.
 """
 
 from __future__ import annotations
@@ -56,15 +57,27 @@ F32_HEADS = 4  # blockdot.c's flag on `planes`: the heads hold float32 d and m
 G16 = 8  # blockdot.c's flag on `planes` (with F32_HEADS): the heads hold the d of each 16 weights, no m
 G16M = 16  # blockdot.c's flag on `planes` (with G16): the m of each 16 weights after their d
 DTYPES = (torch.float32, torch.bfloat16)  # the activations it takes
-# File-bit panels (blockdot.c's I8P): a K-quant at its file's bits, run on x rounded to int8 per block
-# of 32 and summed in integers. planes = I8P | type << 8; each kind's bytes a panel's super-block of
-# 256 weights (16 rows): Q4_K 4.75 bits a weight (the file's 4.5), Q6_K 6.625 (6.5625), IQ4_XS 4.375
-# (4.25).
+# File-bit panels (blockdot.c's I8P): a matrix at its file's bits, run on x rounded to int8 per block
+# of 32 and summed in integers. planes = I8P | type << 8; a K-quant's panels go by super-blocks of 256
+# weights (16 rows): Q4_K 4.75 bits a weight (the file's 4.5), Q6_K 6.625 (6.5625), IQ4_XS 4.375
+# (4.25); a 32-weight kind's by blocks of 32 (BLOCK_KINDS, K a multiple of 32), at exactly the file's
+# bits: Q4_0 and IQ4_NL 4.5, Q4_1 5, Q5_0 5.5, Q5_1 6, Q8_0 8.5 (fp16 scales, as stored).
 I8P = 32
-INT8_KINDS = {"Q4_K": 1, "Q6_K": 2, "IQ4_XS": 3}
+INT8_KINDS = {"Q4_K": 1, "Q6_K": 2, "IQ4_XS": 3, "Q4_0": 4, "IQ4_NL": 5, "Q8_0": 6, "Q4_1": 7, "Q5_0": 8, "Q5_1": 9}
+BLOCK_KINDS = ("Q4_0", "IQ4_NL", "Q8_0", "Q4_1", "Q5_0", "Q5_1")
+# The kinds the plan puts on file-bit panels (PlanOverrides.blockdot_int8, `takes_int8`): the K-quants,
+# and the 32-weight kinds blockdot's other panels hold as int8 codes (9 bits a weight against the file's
+# 4.5 for IQ4_NL, 5.5 for Q5_0, 6 for Q5_1, 8.5 for Q8_0). Q4_0 and Q4_1 keep those panels' 4-bit codes
+# (5 bits a weight, about their file's) on the int16 path: notes/file-bit-panels.md has the timings.
+INT8_CHOSEN = ("Q4_K", "Q6_K", "IQ4_XS", "IQ4_NL", "Q5_0", "Q5_1", "Q8_0")
 MIXED = 15  # blockdot.c's I8_MIXED: runs of rows of those kinds stacked, each run's panels after a head
 SEGMENTS = 7  # runs a mixed matrix may hold
 SUPER = 256  # weights a super-block
+
+
+def unit(kind: str) -> int:
+    """The k a file-bit panel of this kind goes by: a block of 32 (BLOCK_KINDS) or a super-block of 256."""
+    return BLOCK if kind in BLOCK_KINDS else SUPER
 
 
 # The process's build, made once (cabi.load); here rather than in cabi so that a test can fake a
@@ -136,20 +149,20 @@ class Panels:
         if self.planes & I8P:
             data = self.data
             if self.planes >> 8 == MIXED:  # a head of segments, then their panels: one byte string
-                ok = data.dim() == 1 and data.numel() >= 64 and data.dtype == torch.uint8 and not K % SUPER
+                ok = data.dim() == 1 and data.numel() >= 64 and data.dtype == torch.uint8
                 expected = self.kernel.lib.blockdot_i8_mixed_bytes(data.data_ptr(), N, K) if ok else -1
                 if expected != data.numel() or not data.is_contiguous() or data.device.type != "cpu":
                     raise ValueError(f"mixed file-bit panels of [{N}, {K}]: a head naming segments of known types "
                                      f"whose panels add up to {-(-N // PANEL)}, then their bytes ({expected}); got "
                                      f"{data.dtype} {list(data.shape)}")
                 return
-            sb = self.kernel.lib.blockdot_i8_bytes(self.planes)
-            expected = [-(-N // PANEL), K // SUPER, sb]
-            if not sb or K % SUPER or list(data.shape) != expected or data.dtype != torch.uint8 \
+            sb, weights = self.kernel.lib.blockdot_i8_bytes(self.planes), self.kernel.lib.blockdot_i8_weights(self.planes)
+            expected = [-(-N // PANEL), K // max(weights, 1), sb]
+            if not sb or K % weights or list(data.shape) != expected or data.dtype != torch.uint8 \
                     or data.device.type != "cpu" or not data.is_contiguous():
                 raise ValueError(f"file-bit panels (planes {self.planes}) of [{N}, {K}] are a contiguous uint8 tensor "
-                                 f"{expected} on the CPU with K a multiple of {SUPER}; got {self.data.dtype} "
-                                 f"{list(self.data.shape)} on {self.data.device}")
+                                 f"{expected} on the CPU with K a multiple of {weights or SUPER}; got "
+                                 f"{self.data.dtype} {list(self.data.shape)} on {self.data.device}")
             return
         if self.planes not in (1, 2, 1 | F32_HEADS, 2 | F32_HEADS, 2 | F32_HEADS | G16, 2 | F32_HEADS | G16 | G16M):
             raise ValueError(f"blockdot panels have 1 plane (4-bit codes) or 2 (int8 codes), | {F32_HEADS} for float32 "
@@ -410,33 +423,41 @@ def _factor(values: torch.Tensor, low: int, high: int) -> tuple[torch.Tensor, to
 
 
 def can_pack_int8(w: object) -> bool:
-    """Whether a stored matrix has a file-bit form (pack_int8): a K-quant blockdot.c multiplies on
-    int8 activations, K a whole number of super-blocks, on the CPU; or rows of those kinds stacked
-    (cat_rows) in known runs of whole panels (the last may end short)."""
-    if not (isinstance(w, BlockQuantized) and w.shape[1] % SUPER == 0 and w.codes.device.type == "cpu"):
+    """Whether a stored matrix has a file-bit form (pack_int8): a kind blockdot.c multiplies on int8
+    activations (INT8_KINDS), K a whole number of its units (`unit`), on the CPU; or rows of those kinds
+    stacked (cat_rows) in known runs of whole panels (the last may end short)."""
+    if not (isinstance(w, BlockQuantized) and w.codes.device.type == "cpu"):
         return False
     if w.kind in INT8_KINDS:
-        return True
+        return w.shape[1] % unit(w.kind) == 0
     runs = w.row_kinds or ()
-    return 0 < len(runs) <= SEGMENTS and all(kind in INT8_KINDS for kind, _ in runs) \
+    return 0 < len(runs) <= SEGMENTS and all(kind in INT8_KINDS and w.shape[1] % unit(kind) == 0 for kind, _ in runs) \
         and all(rows % PANEL == 0 for _, rows in runs[:-1])
 
 
+def takes_int8(w: object) -> bool:
+    """Whether the plan puts a stored matrix on file-bit panels: it has that form (can_pack_int8) and
+    every kind in it is one of INT8_CHOSEN."""
+    return can_pack_int8(w) and all(kind in INT8_CHOSEN for kind in parts(w.kind))
+
+
 def _runs(w: BlockQuantized) -> list[BlockQuantized]:
-    """A stacked matrix's runs of rows back in their own kinds: Q4_K's codes 0..15, IQ4_XS's values,
-    and their one scale (and min) a group of 32 (cat_rows gave them to both halves of it beside
-    Q6_K), Q6_K's as they are."""
+    """A stacked matrix's runs of rows back in their own kinds: Q4_K's and Q4_1's codes 0..15, Q4_0's
+    q (cat_rows' q - 8 plus 8), the others' int8 codes as they are, and their one scale (and min, for
+    the kinds with mins) a group of 32 (cat_rows gave them to both halves of it beside Q6_K), Q6_K's
+    as they are."""
     out, start = [], 0
     for kind, rows in w.row_kinds:
         codes, scales = w.codes[start:start + rows], w.scales[start:start + rows]
         mins = None if w.mins is None else w.mins[start:start + rows]
         halves = w.group == 16 and kind != "Q6_K"  # a 32-weight group's scale given to both its halves
-        scales = scales[:, 0::2] if halves else scales
-        if kind == "Q4_K":
-            out.append(BlockQuantized(kind, codes.to(torch.uint8), scales.contiguous(),
-                                      (mins[:, 0::2] if halves else mins).contiguous()))
-        else:
-            out.append(BlockQuantized(kind, codes.contiguous(), scales.contiguous(), None))
+        scales = (scales[:, 0::2] if halves else scales).contiguous()
+        mins = (mins[:, 0::2] if halves else mins).contiguous() if kind in ("Q4_K", "Q4_1", "Q5_1") else None
+        if kind in ("Q4_K", "Q4_1"):
+            codes = codes.to(torch.uint8)
+        elif kind == "Q4_0":
+            codes = (codes.to(torch.int16) + 8).to(torch.uint8)
+        out.append(BlockQuantized(kind, codes.contiguous(), scales, mins))
         start += rows
     return out
 
@@ -447,17 +468,18 @@ def _panel_bytes(t: torch.Tensor, panels: int) -> torch.Tensor:
     return t.view(panels, PANEL, S, -1).permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(panels, S, -1)
 
 
-def _nibble_octets(low: torch.Tensor, panels: int) -> torch.Tensor:
-    """4-bit values [Np, K] -> [panels, K / 256, 2048] uint8: octet t of a super-block holds, in lane n,
-    row n's values at k = 8 t + i in the low half of byte i and k + 4 in its high half (i = 0..3)."""
-    S = low.shape[1] // SUPER
-    v = low.view(panels, PANEL, S, 32, 2, 4)
+def _nibble_octets(low: torch.Tensor, panels: int, weights: int = SUPER) -> torch.Tensor:
+    """4-bit values [Np, K] -> [panels, K / weights, weights * 8] uint8: octet t of a super-block of
+    `weights` holds, in lane n, row n's values at k = 8 t + i in the low half of byte i and k + 4 in its
+    high half (i = 0..3)."""
+    S = low.shape[1] // weights
+    v = low.view(panels, PANEL, S, weights // 8, 2, 4)
     packed = v[..., 0, :] | (v[..., 1, :] << 4)  # [panels, n, S, t, i]
-    return packed.permute(0, 2, 3, 1, 4).reshape(panels, S, 32 * 64)
+    return packed.permute(0, 2, 3, 1, 4).reshape(panels, S, weights // 8 * 64)
 
 
-def _iq4_indices(values: torch.Tensor) -> torch.Tensor:
-    """IQ4_XS's values (ggml_blocks.KVALUES) back to their 4-bit indices, uint8.
+def _iq4_indices(values: torch.Tensor, kind: str = "IQ4_XS") -> torch.Tensor:
+    """IQ4_XS's or IQ4_NL's values (ggml_blocks.KVALUES) back to their 4-bit indices, uint8.
 
     Raises:
         ValueError: a value that is not one of the table's.
@@ -465,7 +487,7 @@ def _iq4_indices(values: torch.Tensor) -> torch.Tensor:
     table = torch.tensor(KVALUES.tolist())  # ascending
     index = torch.searchsorted(table, values.to(torch.int64)).clamp_(max=15)
     if not torch.equal(table[index], values.to(torch.int64)):
-        raise ValueError(f"IQ4_XS codes are the 16 values {KVALUES.tolist()}; some are not")
+        raise ValueError(f"{kind} codes are the 16 values {KVALUES.tolist()}; some are not")
     return index.to(torch.uint8)
 
 
@@ -477,11 +499,13 @@ def amx(kernel: Library | None = None) -> bool:
 
 
 def pack_int8(w: BlockQuantized, kernel: Library | None = None, amx_rows: int | None = None) -> Panels:
-    """The file-bit form of a Q4_K, Q6_K or IQ4_XS matrix (blockdot.c's I8P panels, the layout in its
-    comment): its codes at the file's bits (IQ4_XS's as 4-bit indices into its table), each
-    super-block's d (and dmin) as float32 beside the groups' 6-bit (Q6_K, IQ4_XS: int8) scales and mins, so that d sc is the stored scale bit for bit (`_factor`). Run on x
-    rounded to int8 per block of 32, summed in integers; on AMX tiles from amx_rows rows of x (None:
-    never), which give the same bits.
+    """The file-bit form of a matrix of one of INT8_KINDS (blockdot.c's I8P panels, the layout in its
+    comments): its codes at the file's bits (IQ4_XS's and IQ4_NL's as 4-bit indices into their table);
+    a K-quant's super-block d (and dmin) as float32 beside the groups' 6-bit (Q6_K, IQ4_XS: int8) scales
+    and mins, so that d sc is the stored scale bit for bit (`_factor`); a 32-weight kind's d (and m) in
+    fp16, as stored (_pack_blocks). Run on x rounded to int8 per block of 32, summed in integers; a
+    K-quant on AMX tiles from amx_rows rows of x (None: never), which give the same bits (the 32-weight
+    kinds stay on the vector tiles).
 
     Raises:
         ValueError: a matrix can_pack_int8 refuses, scales that are not a factor times small integers
@@ -502,6 +526,8 @@ def pack_int8(w: BlockQuantized, kernel: Library | None = None, amx_rows: int | 
             head[1 + 2 * i], head[2 + 2 * i] = run.data.shape[0], run.planes >> 8
         data = torch.cat([head.view(torch.uint8), *(run.data.flatten() for run in runs)])
         return Panels(data, I8P | MIXED << 8, w.shape, kernel, amx_rows=amx_rows or 0)
+    if w.kind in BLOCK_KINDS:
+        return Panels(_pack_blocks(w), I8P | INT8_KINDS[w.kind] << 8, w.shape, kernel, amx_rows=amx_rows or 0)
     N, K = w.shape
     S, pad = K // SUPER, -N % PANEL
     panels = (N + pad) // PANEL
@@ -534,3 +560,44 @@ def pack_int8(w: BlockQuantized, kernel: Library | None = None, amx_rows: int | 
         body = [_nibble_octets(q & 15, panels), high.permute(0, 2, 3, 1, 4).reshape(panels, S, 16 * 64)]
     data = torch.cat([*heads, *scale_bytes, *body], dim=-1).contiguous()
     return Panels(data, I8P | INT8_KINDS[w.kind] << 8, (N, K), kernel, amx_rows=amx_rows or 0)
+
+
+def _pack_blocks(w: BlockQuantized) -> torch.Tensor:
+    """A 32-weight kind's file-bit panels [panels, K / 32, bytes] (blockdot.c's layout comment above
+    tile8_block): per block of 16 rows, fp16 d[16] (and m[16]), Q5_0's and Q5_1's fifth bits (a uint32 a
+    row: bit 8 i + j is k = 4 j + i), then the codes: 4-bit ones as Q4_K's octets, Q8_0's int8 in 8
+    vectors (vector j, lane n: row n's at k = 4 j .. 4 j + 3).
+
+    Raises:
+        ValueError: scales or mins that fp16 does not hold (a file's always are), or IQ4_NL codes off its table.
+    """
+    N, K = w.shape
+    B, pad = K // BLOCK, -N % PANEL
+    panels = (N + pad) // PANEL
+    heads = [w.scales] if w.mins is None else [w.scales, w.mins]
+    if not all(torch.equal(t.half().float(), t) for t in heads):
+        raise ValueError(f"a {w.kind} matrix [{N}, {K}] whose scales or mins fp16 does not hold: not a {w.kind} file's")
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # rows past N: codes, d and m zero, so their outputs are 0 and cut
+        return F.pad(t, (0, 0, 0, pad)) if pad else t
+
+    head = [_panel_bytes(rows(t.half()).view(N + pad, B, 1), panels) for t in heads]  # [panels, B, 32] each
+    codes = w.codes
+    if w.kind == "Q8_0":  # [panels, n, b, j, i] -> [panels, b, j, n, i]
+        q8 = rows(codes.to(torch.int8)).view(torch.uint8).view(panels, PANEL, B, 8, 4)
+        return torch.cat([*head, q8.permute(0, 2, 3, 1, 4).reshape(panels, B, 512)], dim=-1).contiguous()
+    if w.kind == "IQ4_NL":
+        q = _iq4_indices(codes, "IQ4_NL")
+    elif w.kind == "Q5_0":
+        q = (codes.to(torch.int16) + 16).to(torch.uint8)  # 0..31
+    else:
+        q = codes.to(torch.uint8)
+    q = rows(q)
+    fifth = []
+    if w.kind in ("Q5_0", "Q5_1"):
+        bits = (q >> 4).to(torch.int32).view(N + pad, B, 8, 4)  # [Np, b, j, i]: k = 4 j + i
+        shifts = 8 * torch.arange(4, dtype=torch.int32) + torch.arange(8, dtype=torch.int32).view(8, 1)  # [j, i]
+        words = (bits << shifts).sum(dim=(-2, -1), dtype=torch.int32)  # disjoint bits: their sum is their OR
+        fifth = [_panel_bytes(words.view(N + pad, B, 1), panels)]  # [panels, B, 64]
+    body = _nibble_octets(q & 15, panels, BLOCK)  # [panels, B, 256]
+    return torch.cat([*head, *fifth, body], dim=-1).contiguous()

@@ -102,6 +102,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "blockdot_dense": ([_p, _i64, _i64, _i64, _p, _i32, _p, _i32], None),  # the same over nthreads threads
     "blockdot_dense_pairs": ([], _i32),
     "blockdot_i8_bytes": ([_i32], _i64),  # a file-bit panel's super-block bytes for planes, 0 for none
+    "blockdot_i8_weights": ([_i32], _i64),  # a file-bit super-block's weights for planes (256 or 32), 0 for none
     "blockdot_i8_mixed_bytes": ([_p, _i64, _i64], _i64),  # head, N, K: a mixed matrix's bytes, -1 where wrong
     "blockdot_dequantize_rows": ([_p, _i32, _i64, _i64, _p, _i64, _p, _i32], _i32),  # file-bit rows by index
     "blockdot_scratch_stats": ([_i64s], None),  # the calling thread's scratch: [bytes, allocations]

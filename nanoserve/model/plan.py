@@ -433,7 +433,7 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
     matrices = tuple(MatrixPlan(layer, name, _stored(w.form),
                                 dataclasses.replace(dense, all_reduced=w.form.all_reduced) if name in DENSE_ONLY else
                                 _form_of(layer, w.form, precision, dense, invariant, int16_rows,
-                                         overrides.blockdot_int8 and blockdot.can_pack_int8(w), unrun))
+                                         overrides.blockdot_int8 and blockdot.takes_int8(w), unrun))
                      for (layer, name), w in named.items())
     if unrun:
         kinds = ", ".join(sorted(unrun))
@@ -485,7 +485,9 @@ def _form_of(layer: int | None, form: Form, precision: Precision, dense: Form, i
     rows = precision.max_kernel_rows
     wide = None if rows is None else ("dequantized" if name.in_c and not precision.dense_copies else "dense copy")
     return Form(name, precision.dtype, rows, wide, int16_rows if name == FormKind.BLOCKDOT else None,
-                precision.amx_rows if name == FormKind.BLOCKDOT_INT8 else None,
+                # the 32-weight kinds' file-bit panels stay on the vector tiles (blockdot.c's tasks8_of)
+                precision.amx_rows if name == FormKind.BLOCKDOT_INT8
+                and not set(kind.split("+")) & set(blockdot.BLOCK_KINDS) else None,
                 **tensor_parallel)
 
 
@@ -557,7 +559,7 @@ def _batch_invariance(matrices: tuple[MatrixPlan, ...], routes: tuple[Route, ...
                         "each row is rounded on its own at every width" if rows == 1
                         else f"a row is rounded only in steps of {rows} rows or more"))
     if any(f.name == FormKind.BLOCKDOT_INT8 for f in forms):
-        entries.append(("K-quants on file-bit panels, x rounded to int8", True,
+        entries.append(("matrices on file-bit panels, x rounded to int8", True,
                         "each row rounded on its own, its sums exact in int32 and scaled in one order at every width"))
     for rows in sorted({f.amx_rows for f in forms if f.amx_rows is not None}):
         entries.append((f"file-bit panels on AMX tiles from {rows} rows", True,
