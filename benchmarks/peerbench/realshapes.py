@@ -136,8 +136,12 @@ def shaped_file(name: str, file_type: str) -> Path:
     try:
         if not bf16.is_file():
             write_random_checkpoint(real_shape_config(name), folder, seed=0, norm_value=REAL_SHAPES[name][2])
-            for tokenizer_file in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copy(default_model_dir() / tokenizer_file, folder / tokenizer_file)
+            shutil.copy(default_model_dir() / "tokenizer.json", folder / "tokenizer.json")
+            tokenizer_config = json.loads((default_model_dir() / "tokenizer_config.json").read_text())
+            # Phi-3's converter reads a BPE vocabulary only under the class Phi-4-mini's own file names
+            # (transformers 5 writes TokenizersBackend); the others ignore the class
+            tokenizer_config["tokenizer_class"] = "GPT2Tokenizer"
+            (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
             vendor = next(PEERS_DIR.glob("llama_cpp_python-*/vendor/llama.cpp"))
             env = os.environ | {"PYTHONPATH": f"{vendor / 'gguf-py'}{os.pathsep}{PEERS_DIR / 'pylib'}"}
             subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(folder), "--outtype", "bf16",
