@@ -2,7 +2,11 @@
 
 Each pair serves one file: the f32 GGUF of the default model's weights (written by the setup from
 the dequantized Q4_1), BF16, Q8_0, Q4_K_M, Q5_K_M, Q6_K, IQ4_XS and Q3_K_M GGUFs made from it by
-llama.cpp's own llama-quantize, and the shipped Q4_1 file itself. Prefill is compared too: prompt
+llama.cpp's own llama-quantize, and the shipped Q4_1 file itself; then random files in real shapes
+(SHAPES below: Llama 3.2 1B and 3B; benchmarks/peerbench/realshapes.py: a mixture of experts in
+Qwen3-30B-A3B's layers, Gemma 3 1B, Phi-4-mini). --bandwidth counts the whole file as a token's
+read, which a mixture of experts' token is not (it reads k of X experts: realshapes --read-bytes
+counts that). Prefill is compared too: prompt
 tokens/s over the prompts of every slot (llama-batched-bench's S_PP). nanoserve serves each file as stored (f32 in float32; BF16 in bfloat16;
 Q8_0 and Q4_1 as int4 kernel passes with bf16 activations where the probe picks bf16), llama.cpp
 runs llama-batched-bench on it, and transformers' generate runs the same weights (the converted
@@ -36,6 +40,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.peerbench import realshapes
 from benchmarks.peerbench.launcher import ROOT, run_child
 from benchmarks.peerbench.llamacpp import (
     BATCHED_BENCH,
@@ -64,6 +69,11 @@ PAIRS = {
     "1b_q4_k_m": ("1b:Q4_K_M", "auto", "auto"),  # SHAPES below
     "3b_q4_k_m": ("3b:Q4_K_M", "auto", "auto"),
     "1b_iq4_xs": ("1b:IQ4_XS", "auto", "auto"),
+    # real layer shapes in bf16 on disk (benchmarks/peerbench/realshapes.py): Qwen3-30B-A3B's layers
+    # (8 of 48), Gemma 3 1B's and Phi-4-mini's whole stacks
+    "moe_q4_k_m": ("qwen3-moe:Q4_K_M", "auto", "auto"),
+    "gemma3_q4_k_m": ("gemma3-1b:Q4_K_M", "auto", "auto"),
+    "phi4mini_q4_k_m": ("phi4-mini:Q4_K_M", "auto", "auto"),
 }
 DEFAULT_PAIRS = ("f32", "bf16", "q8_0", "q4_1")
 
@@ -226,6 +236,9 @@ def gguf_files(names=tuple(PAIRS)) -> dict[str, Path]:
         size, _, file_type = file.partition(":")
         if size in SHAPES:
             files[name] = shaped_file(size, file_type)
+            continue
+        if size in realshapes.REAL_SHAPES:
+            files[name] = realshapes.shaped_file(size, file_type)
             continue
         path = gguf_path() if file == "shipped" else PEERS_DIR / file
         if not path.is_file():
