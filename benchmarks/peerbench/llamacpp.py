@@ -148,6 +148,15 @@ def setup_llamacpp(python: str = sys.executable) -> None:
           f"CMAKE_ARGS=-DGGML_NATIVE=ON {python} -m pip install {sdist}")
 
 
+def convert_checkpoint(folder: Path, outfile: Path, outtype: str) -> None:
+    """llama.cpp's convert_hf_to_gguf.py (the sdist's, its gguf-py and .peers/pylib on the path) on a
+    checkpoint folder, writing `outfile` in `outtype` (f32, bf16)."""
+    vendor = next(PEERS_DIR.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    env = os.environ | {"PYTHONPATH": f"{vendor / 'gguf-py'}{os.pathsep}{PEERS_DIR / 'pylib'}"}
+    subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
+                    "--outfile", str(outfile)], check=True, env=env)
+
+
 def setup_quantize(python: str = sys.executable) -> None:
     """Once: what tests/test_llamacpp_files.py needs under PEERS_DIR: the sdist unpacked (its
     convert_hf_to_gguf.py and gguf-py), pylib with sentencepiece, and llama-quantize alone.

@@ -47,6 +47,7 @@ from benchmarks.peerbench.llamacpp import (
     GGUF_NAME,
     IK_BATCHED_BENCH,
     PEERS_DIR,
+    convert_checkpoint,
     parse_batched_bench,
 )
 from nanoserve.instruments.csv_writer import write_csv
@@ -210,10 +211,7 @@ def shaped_file(size: str, file_type: str) -> Path:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(source / name, folder / name)
         del model
-        vendor = next(PEERS_DIR.glob("llama_cpp_python-*/vendor/llama.cpp"))
-        env = os.environ | {"PYTHONPATH": f"{vendor / 'gguf-py'}{os.pathsep}{PEERS_DIR / 'pylib'}"}
-        subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
-                        "--outfile", str(f32)], check=True, env=env)
+        convert_checkpoint(folder, f32, "f32")
         shutil.rmtree(folder)
     subprocess.run([str(QUANTIZE), str(f32), str(out), file_type], check=True, capture_output=True)
     return out

@@ -37,14 +37,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
-import sys
 import zlib
 from pathlib import Path
 
-from benchmarks.peerbench.llamacpp import BATCHED_BENCH, PEERS_DIR
+from benchmarks.peerbench.llamacpp import BATCHED_BENCH, PEERS_DIR, convert_checkpoint
 
 QUANTIZE = BATCHED_BENCH.parent / "llama-quantize"
 TOKENS = {"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}  # the default tokenizer's
@@ -142,10 +140,7 @@ def shaped_file(name: str, file_type: str) -> Path:
             # (transformers 5 writes TokenizersBackend); the others ignore the class
             tokenizer_config["tokenizer_class"] = "GPT2Tokenizer"
             (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-            vendor = next(PEERS_DIR.glob("llama_cpp_python-*/vendor/llama.cpp"))
-            env = os.environ | {"PYTHONPATH": f"{vendor / 'gguf-py'}{os.pathsep}{PEERS_DIR / 'pylib'}"}
-            subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(folder), "--outtype", "bf16",
-                            "--outfile", str(bf16)], check=True, env=env)
+            convert_checkpoint(folder, bf16, "bf16")
             shutil.rmtree(folder)
         subprocess.run([str(QUANTIZE), str(bf16), str(out), file_type], check=True, capture_output=True)
     except BaseException:
