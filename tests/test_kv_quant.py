@@ -2,7 +2,10 @@
 
 The references are independent of nanoserve: gguf-py's `gguf.quants.quantize` / `dequantize` (the
 bytes llama.cpp writes, and their values), attention by hand in float64 over those values, and
-transformers' own models with every key and value rounded through gguf-py before its attention.
+transformers' own models with every key and value rounded through gguf-py before its attention. Heads
+of a multiple of 64 are rounded as llama.cpp rounds them (llama-kv-cache.cpp's attn_rot_k / attn_rot_v):
+turned by a Walsh-Hadamard matrix written here by hand, H[i, j] = (-1)^popcount(i & j) / sqrt(n),
+before they are rounded and turned back after, q . k and the weighted sum of v being unchanged by it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,46 @@ def gguf_bytes(x: torch.Tensor, kind: str) -> torch.Tensor:
 def gguf_values(x: torch.Tensor, kind: str) -> torch.Tensor:
     """x [..., D] float32 rounded through gguf-py: quantized, then dequantized (float32)."""
     return torch.from_numpy(gguf.quants.dequantize(gguf_bytes(x, kind).numpy(), KINDS[kind])).reshape(x.shape)
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """[n, n] float64: Sylvester's Walsh-Hadamard matrix over sqrt(n), entry by entry."""
+    return torch.tensor([[(-1) ** bin(i & j).count("1") for j in range(n)] for i in range(n)], dtype=torch.float64) / n**0.5
+
+
+def turned(x: torch.Tensor, n: int | None) -> torch.Tensor:
+    """x [..., D] with each run of n values times hadamard(n) (its own inverse), in float64; n None: x."""
+    if n is None:
+        return x
+    return (x.double().reshape(*x.shape[:-1], -1, n) @ hadamard(n)).reshape(x.shape)
+
+
+def widths(D: int) -> tuple[int | None, int | None]:
+    """llama.cpp's rotation widths for q and k, and for v, by its rule: heads of a multiple of 64 only;
+    k by 64 doubled while it divides D, v by 64."""
+    if D % 64:
+        return None, None
+    n = 64
+    while D % (2 * n) == 0:
+        n *= 2
+    return n, 64
+
+
+def cache_values(x: torch.Tensor, kind: str, n: int | None) -> torch.Tensor:
+    """x [..., D] as a cache of `kind` holds it, read back in x's basis: turned by n, rounded through gguf-py, turned back."""
+    return turned(gguf_values(turned(x, n).float(), kind), n).to(x.dtype)
+
+
+def on_grid(rows: int, D: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """[rows, HKV, D] float64 that a cache of `kind` holds exactly: each block of 32 codes times a
+    power of two, its largest |code| (127, or q4_0's -8) first and alone, so its scale is that power."""
+    blocks = (rows, HKV, D // 32, 32)
+    top = 127 if kind == "q8_0" else 8
+    codes = torch.randint(1 - top, top, blocks, generator=gen).double()
+    codes[..., 0] = top if kind == "q8_0" else -top
+    largest = -5 if kind == "q8_0" else 0  # |values| at most 4 (127 / 32, 8 / 2), as the random keys are
+    scale = 2.0 ** torch.randint(largest - 3, largest + 1, (*blocks[:-1], 1), generator=gen).double()
+    return (codes * scale).reshape(rows, HKV, D)
 
 
 def awkward(rows: int, D: int, seed: int) -> torch.Tensor:
@@ -83,34 +126,57 @@ def test_the_edges_by_hand():
     assert codes[:4] == [0, 1, 1, 2] and codes[31] == 8  # -8 -> 0, -7.5 -> 1, -7 -> 1, -6.5 -> 2; 0.25 -> 8
 
 
+@pytest.mark.parametrize("D, n_qk, n_v", [(32, None, None), (64, 64, 64), (96, None, None), (128, 128, 64),
+                                          (192, 64, 64), (256, 256, 64)])
+def test_the_rotation_widths_and_matrices(D, n_qk, n_v):
+    assert widths(D) == (n_qk, n_v)  # the rule as llama.cpp writes it, against the values by hand
+    assert kv_quant.rotations(D) == (None if n_qk is None else (n_qk, n_v))
+    if n_qk is None:
+        return
+    x = torch.randn(3, 2, D, dtype=torch.float64).float()
+    for n in {n_qk, n_v}:
+        torch.testing.assert_close(kv_quant.rotate(x, n).double(), turned(x, n), rtol=0, atol=1e-5)
+        torch.testing.assert_close(kv_quant.rotate(kv_quant.rotate(x, n), n), x, rtol=0, atol=1e-5)  # its own inverse
+
+
 # ---- the torch path: paged_attention writes blocks and reads them back ---------------------------
 
-H, HKV, D, BS = 4, 2, 64, 4
+H, HKV, BS = 4, 2, 4
 
 
 def by_hand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """One sequence, float64: q [Tq, H, D] at its last Tq positions over k, v [L, Hkv, D] -> [Tq, H, D]."""
     Tq, L = q.shape[0], k.shape[0]
     k, v = k.double().repeat_interleave(H // HKV, dim=1), v.double().repeat_interleave(H // HKV, dim=1)  # [L, H, D]
-    scores = torch.einsum("thd,lhd->htl", q.double(), k) * D**-0.5  # [H, Tq, L]
+    scores = torch.einsum("thd,lhd->htl", q.double(), k) * q.shape[-1] ** -0.5  # [H, Tq, L]
     allowed = torch.arange(L)[None, :] <= torch.arange(L - Tq, L)[:, None]  # [Tq, L]
     weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
     return torch.einsum("htl,lhd->thd", weights, v)  # [Tq, H, D]
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_a_mixed_step_writes_gguf_bytes_and_attends_over_their_values(kind):
+@pytest.mark.parametrize("D", [32, 64, 128])  # not turned; turned by 64; q and k by 128, v by 64
+def test_a_mixed_step_writes_gguf_bytes_and_attends_over_their_values(kind, D):
     # T = [a's 3-token chunk after 5 cached, b's decode after 6 cached, c's 4-token prompt with nothing cached]
+    n_qk, n_v = widths(D)
     gen = torch.Generator().manual_seed(3)
     lengths, blocks = {"a": 8, "b": 7, "c": 4}, {"a": [6, 0], "b": [2, 5], "c": [3]}
     q = {s: torch.randn(n, H, D, generator=gen) for s, n in lengths.items()}
-    k = {s: torch.randn(n, HKV, D, generator=gen) * 3 for s, n in lengths.items()}
-    v = {s: torch.randn(n, HKV, D, generator=gen) for s, n in lengths.items()}
+    if n_qk is None:
+        k = {s: torch.randn(n, HKV, D, generator=gen) * 3 for s, n in lengths.items()}
+        v = {s: torch.randn(n, HKV, D, generator=gen) for s, n in lengths.items()}
+    else:  # turned, on the cache's grid: a last-bit difference in the turn cannot move a code
+        k = {s: turned(on_grid(n, D, kind, gen), n_qk).float() for s, n in lengths.items()}
+        v = {s: turned(on_grid(n, D, kind, gen), n_v).float() for s, n in lengths.items()}
     slots = {s: [blocks[s][p // BS] * BS + p % BS for p in range(n)] for s, n in lengths.items()}
     W = kv_quant.head_bytes(D, kind)
     k_cache, v_cache = torch.zeros(8 * BS, HKV, W, dtype=torch.uint8), torch.zeros(8 * BS, HKV, W, dtype=torch.uint8)
+
+    def stored(x: torch.Tensor, n: int | None) -> torch.Tensor:  # the bytes llama.cpp writes for x
+        return gguf_bytes(turned(x, n).float(), kind)
+
     for s, cached in (("a", 5), ("b", 6)):  # as earlier steps wrote them
-        k_cache[slots[s][:cached]], v_cache[slots[s][:cached]] = gguf_bytes(k[s][:cached], kind), gguf_bytes(v[s][:cached], kind)
+        k_cache[slots[s][:cached]], v_cache[slots[s][:cached]] = stored(k[s][:cached], n_qk), stored(v[s][:cached], n_v)
     new = {"a": slice(5, 8), "b": slice(6, 7), "c": slice(0, 4)}
     a_mask = (torch.arange(2 * BS)[None, :] <= torch.arange(5, 8)[:, None])[None, None]  # [1, 1, 3, 8]
     runs = [PrefillRun(0, 3, torch.tensor([blocks["a"]]), a_mask), PrefillRun(4, 4, None, None)]
@@ -120,14 +186,17 @@ def test_a_mixed_step_writes_gguf_bytes_and_attends_over_their_values(kind):
     out = paged_attention(torch.cat([q[s][new[s]] for s in "abc"]), torch.cat([k[s][new[s]] for s in "abc"]),
                           torch.cat([v[s][new[s]] for s in "abc"]), k_cache, v_cache, meta)
     for s in "abc":
-        assert torch.equal(k_cache[slots[s][new[s]]], gguf_bytes(k[s][new[s]], kind))
-        assert torch.equal(v_cache[slots[s][new[s]]], gguf_bytes(v[s][new[s]], kind))
+        assert torch.equal(k_cache[slots[s][new[s]]], stored(k[s][new[s]], n_qk))
+        assert torch.equal(v_cache[slots[s][new[s]]], stored(v[s][new[s]], n_v))
     rows = {"a": slice(0, 3), "b": slice(3, 4), "c": slice(4, 8)}
     for s in "abc":  # c's prompt too attends to its K/V as the cache holds them
-        expected = by_hand(q[s][new[s]], gguf_values(k[s], kind), gguf_values(v[s], kind))
+        expected = by_hand(q[s][new[s]], cache_values(k[s], kind, n_qk), cache_values(v[s], kind, n_v))
         torch.testing.assert_close(out[rows[s]].double(), expected, rtol=1e-5, atol=1e-5)
-        unrounded = by_hand(q[s][new[s]], k[s], v[s])
-        assert (unrounded - expected).abs().max() > 1e-3  # the rounding shows: the check above can fail
+        if n_qk is None:
+            unrounded = by_hand(q[s][new[s]], k[s], v[s])
+            assert (unrounded - expected).abs().max() > 1e-3  # the rounding shows: the check above can fail
+        else:  # the turn shows: unturned, the same values are other bytes
+            assert not torch.equal(k_cache[slots[s][new[s]]], gguf_bytes(k[s][new[s]], kind))
 
 
 # ---- the cache, the config and the plan ------------------------------------------------------------
@@ -168,7 +237,8 @@ def test_bad_kinds_and_head_dims_are_refused_before_allocation():
 
 def _rounding(kind: str):
     def attend(module, query, key, value, *args, **kwargs):
-        rounded = [gguf_values(t.float(), kind).to(t.dtype) for t in (key, value)]  # [B, Hkv, L, D] each
+        n_qk, n_v = widths(key.shape[-1])
+        rounded = [cache_values(key, kind, n_qk), cache_values(value, kind, n_v)]  # [B, Hkv, L, D] each
         return sdpa_attention_forward(module, query, *rounded, *args, **kwargs)
     return attend
 
@@ -178,9 +248,11 @@ for _kind in KINDS:  # transformers' attention with every key and value rounded 
     AttentionMaskInterface.register(f"gguf_{_kind}", sdpa_mask)
 
 PROMPTS = [[5, 9, 13, 22, 7, 41, 3, 8, 60, 33, 21], [5, 9, 13, 22, 7, 41, 3, 8, 17, 4], [30 + i % 50 for i in range(40)]]
-# name -> (family, transformers config overrides): per-head q/k norms (Qwen3), a window shorter than the prompts
+# name -> (family, transformers config overrides): per-head q/k norms (Qwen3), a window shorter than the prompts,
+# heads of 64 and 128 (turned by 64; q and k by 128, v by 64)
 FAMILIES = {"llama": ("llama", {"head_dim": 32}), "qwen3": ("qwen3", {"head_dim": 32}),
-            "mistral-window": ("mistral", {"head_dim": 32, "sliding_window": 6})}
+            "mistral-window": ("mistral", {"head_dim": 32, "sliding_window": 6}),
+            "llama-64": ("llama", {"head_dim": 64}), "qwen3-128": ("qwen3", {"head_dim": 128})}
 
 
 def reference(hf, kind: str | None, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:

@@ -76,17 +76,29 @@ def paged_attention(
     and read back in q's; a prompt with nothing cached attends to its K/V as computed. A cache of
     llama.cpp's blocks (uint8, nanoserve.model.kv_quant) is written quantized and read dequantized,
     and there a prompt with nothing cached attends to its K/V as the cache holds them, as every later
-    read and fused_decode.c's attention do.
+    read and fused_decode.c's attention do; q, k and v are turned by kv_quant's Walsh-Hadamard
+    rotations first where it has them, and the output turned back.
     """
     kind = kv_quant.kind_of(k_cache, k.shape[-1])
+    rotations = None if kind is None else kv_quant.rotations(k.shape[-1])
     if kind is None:
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     else:
+        if rotations is not None:
+            n_qk, n_v = rotations
+            q, k, v = kv_quant.rotate(q, n_qk), kv_quant.rotate(k.float(), n_qk), kv_quant.rotate(v.float(), n_v)
         k_blocks, v_blocks = kv_quant.quantize(k, kind), kv_quant.quantize(v, kind)  # [T, Hkv, W] each
         k_cache.index_copy_(0, meta.slot_mapping, k_blocks)
         v_cache.index_copy_(0, meta.slot_mapping, v_blocks)
         k, v = kv_quant.dequantize(k_blocks, kind, q.dtype), kv_quant.dequantize(v_blocks, kind, q.dtype)
+    out = _attend_groups(q, k, v, k_cache, v_cache, meta, scale, softcap)  # [T, H, D]
+    return out if rotations is None else kv_quant.rotate(out, rotations[1])
+
+
+def _attend_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata, scale: float | None, softcap: float | None) -> torch.Tensor:
+    """paged_attention's read, the new K/V already in the cache: q [T, H, D], k and v [T, Hkv, D] in q's dtype -> [T, H, D]."""
     groups = meta.decode_groups
     if len(groups) == 1 and groups[0].rows is None:  # a decode step in one group: T == B, no scatter
         return _decode(q, k_cache, v_cache, groups[0], meta.block_size, scale, softcap)

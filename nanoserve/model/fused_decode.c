@@ -20,7 +20,8 @@
  * rounding x to int16 per block where the shape's int16_rows says; dense panels are read as stored),
  * and the K/V written to and read from the paged cache in its own dtype (float32, bf16 or fp16,
  * rounded to nearest even as torch rounds; or llama.cpp's q8_0 / q4_0 blocks of 32 values, quantized
- * as ggml-quants.c's reference rounds: the bytes nanoserve/model/kv_quant.py writes). Each row's
+ * as ggml-quants.c's reference rounds: the bytes nanoserve/model/kv_quant.py writes, q, k and v
+ * turned first by a Walsh-Hadamard matrix as llama.cpp turns them, the output back: turn). Each row's
  * context is cut into parts of at most PART keys by its own length; each part's softmax is two-pass,
  * over a per-thread scratch of the scores, and the parts are merged in order. Per layer, for rows r of T:
  *   x = rms_norm(h) * input_norm;  q, k, v = x @ qkv^T (+ qkv_bias);  q, k heads normed (q_norm,
@@ -180,6 +181,30 @@ static void store_kv(void *cache, int64_t at, const float *x, int64_t D, int kin
     if (kind == KV_BF16) ((uint16_t *)cache)[at + i] = f32_to_bf16(x[i]);
     else if (kind == KV_F16) ((uint16_t *)cache)[at + i] = kv_to_f16(x[i]);
     else ((float *)cache)[at + i] = x[i];
+  }
+}
+
+/* The Walsh-Hadamard runs a quantized cache turns a head of D values by, as nanoserve/model/kv_quant.py's
+   rotations (llama.cpp's attn_rot_k / attn_rot_v): q and k by the largest power of two dividing D, v
+   and the attention's output back by 64; 0 (not turned) for a float cache or a D not a multiple of 64 */
+static inline int64_t turn_qk(int64_t D, int kind) {
+  return (kind == KV_Q8_0 || kind == KV_Q4_0) && D % 64 == 0 ? D & -D : 0;
+}
+static inline int64_t turn_v(int64_t D, int kind) { return turn_qk(D, kind) ? 64 : 0; }
+
+/* x [D] in place: each run of n values times Sylvester's H_n / sqrt(n), a fast Walsh-Hadamard
+   transform (H_n is its own inverse); n 0: untouched */
+static void turn(float *x, int64_t D, int64_t n) {
+  if (!n) return;
+  const float scale = 1.0f / sqrtf((float)n);
+  for (float *y = x; y < x + D; y += n) {
+    for (int64_t h = 1; h < n; h *= 2)
+      for (int64_t i = 0; i < n; i += 2 * h)
+        for (int64_t j = i; j < i + h; j++) {
+          const float a = y[j], b = y[j + h];
+          y[j] = a + b, y[j + h] = a - b;
+        }
+    for (int64_t i = 0; i < n; i++) y[i] *= scale;
   }
 }
 
@@ -549,7 +574,8 @@ static int64_t attention_scratch(const struct fused_shape *s, int64_t T, int64_t
 }
 
 /* A step's attention for one layer w, inside a parallel region: each row's q, k, v
-   [T, (H + 2 Hkv) D] biased, its q and k heads normed and rotated in place, its new k and v written
+   [T, (H + 2 Hkv) D] biased, its q and k heads normed and rotated in place (over a quantized cache q,
+   k and v then turned, and the output turned back: turn), its new k and v written
    to the cache at its slot (an `omp for` over rows and kv heads; its barrier puts every key of the
    step in the cache before any is read, so a prompt's token reads the tokens before it as a decode
    does), then each row's query heads attended over its context (the last W keys of it in a windowed
@@ -577,6 +603,8 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
     }
     if (w->k_norm) rms_norm(k, w->k_norm, k, D, s->eps);
     rope(k, cos + pos * D, sin + pos * D, D);
+    for (int64_t j = 0; j < group; j++) turn(q + j * D, D, turn_qk(D, (int)s->kv_kind));
+    turn(k, D, turn_qk(D, (int)s->kv_kind)), turn(v, D, turn_v(D, (int)s->kv_kind));
     const int64_t at = (slot_mapping[r] * Hkv + g) * D;
     store_kv(w->k_cache, at, k, D, (int)s->kv_kind);
     store_kv(w->v_cache, at, v, D, (int)s->kv_kind);
@@ -596,7 +624,10 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
         attend(s, qkv + r * NQKV, w->k_cache, w->v_cache, tables + r * nb, lo, hi, L, 0, H, mine, own + t * part,
                own + t * part + H * D);
       }
-      for (int64_t h = 0; h < H; h++) merge(att + (r * H + h) * D, own + h * D, part, own + H * D + 2 * h, part, n, D);
+      for (int64_t h = 0; h < H; h++) {
+        merge(att + (r * H + h) * D, own + h * D, part, own + H * D + 2 * h, part, n, D);
+        turn(att + (r * H + h) * D, D, turn_v(D, (int)s->kv_kind));
+      }
     }
     return;
   }
@@ -622,6 +653,7 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
     const int64_t L = positions[r] + 1, first = first_visible(w, L);
     const float *row = parts + r * maxparts * part;
     merge(att + task * D, row + h * D, part, row + H * D + 2 * h, part, parts_of(L - first), D);
+    turn(att + task * D, D, turn_v(D, (int)s->kv_kind));
   }
 }
 

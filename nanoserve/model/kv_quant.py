@@ -11,11 +11,27 @@ the float32 1 / d (not the fp16 d it stores), each operation rounded on its own,
 fp16 to nearest even last; so the bytes are gguf-py's `gguf.quants.quantize` bytes, and fused_decode.c's
 store writes the same. Dequantized values d q are exact in float32 (11 bits times at most 8).
 
+Before they are quantized, heads whose D is a multiple of 64 are turned by an orthonormal Walsh-Hadamard
+matrix, as llama.cpp turns them for a quantized cache (llama-kv-cache.cpp's attn_rot_k / attn_rot_v,
+llama-graph.cpp's build_attn): each run of n values of q and k by H_n, n the largest power of two
+dividing D, and each run of 64 values of v by H_64, the attention's output turned back by H_64. The
+scores q . k and the output are unchanged in exact arithmetic (H is orthonormal and its own
+inverse); what changes is what a block of 32 holds: each turned value is a sum over its whole run,
+so one outlier no longer sets the scale a block is rounded to. `rotate` turns, `quantize` does not:
+paged_attention and fused_decode.c's attention turn q, k and v before the store, so the bytes a cache
+holds are gguf-py's bytes of the turned values. On the default model
+(SmolLM2-135M, D = 64, windows of 1024 tokens) this is most of q4_0's cost: perplexity over the float16
+cache's +16.0% unturned, +5.5% turned (llama.cpp's own: +22.6% and +5.65%; notes/quantbench.md).
+
 A cache row of Hkv heads is [Hkv, (D / 32) * BLOCK_BYTES[kind]] uint8; `kind_of` tells a quantized
-cache from its row width and D. Dimension names: D head dim, W a head's bytes, nb its blocks.
+cache from its row width and D. Dimension names: D head dim, W a head's bytes, nb its blocks, n a
+rotation's width.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 
@@ -45,6 +61,30 @@ def kind_of(cache: torch.Tensor, head_dim: int) -> str | None:
         if cache.shape[-1] == head_bytes(head_dim, kind):
             return kind
     raise ValueError(f"a uint8 K/V cache of {cache.shape[-1]} bytes a head holds no block kind of head_dim {head_dim}")
+
+
+def rotations(head_dim: int) -> tuple[int, int] | None:
+    """(n_qk, n_v): the widths of the Walsh-Hadamard runs a quantized cache turns q and k, and v (and
+    the output back), by; None where head_dim is not a multiple of 64 (nothing turned), as llama.cpp."""
+    if head_dim % 64:
+        return None
+    return head_dim & -head_dim, 64  # the largest power of two dividing D: llama.cpp doubles 64 while it divides
+
+
+def rotate(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., D] -> [..., D] in x's dtype: each run of n values times H_n / sqrt(n), in float32."""
+    *lead, D = x.shape
+    turned = x.float().reshape(*lead, D // n, n) @ _hadamard(n, x.device)  # [..., D / n, n]: H is symmetric
+    return turned.reshape(*lead, D).to(x.dtype)
+
+
+@functools.cache
+def _hadamard(n: int, device: torch.device) -> torch.Tensor:
+    """[n, n] float32: Sylvester's Walsh-Hadamard matrix over sqrt(n) (n a power of two), as ggml_gen_hadamard."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)])  # [[H, H], [H, -H]]
+    return (h / math.sqrt(n)).to(device)
 
 
 def quantize(x: torch.Tensor, kind: str) -> torch.Tensor:
