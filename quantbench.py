@@ -36,7 +36,8 @@ windows of --context tokens, each evaluated alone and its second half scored (ll
 protocol), fed in chunks of 512 as chunked prefill feeds a prompt; perplexity, top-1 agreement and mean
 KL against the float16 cache, beside `llama-perplexity -c N -fa on -ctk KIND -ctv KIND` over as many
 windows of the same file and text where the binary is built (a quantized V cache needs flash attention
-in llama.cpp). --tokens N scores the text's first N tokens.
+in llama.cpp). Both turn q, k and v by a Walsh-Hadamard matrix before quantizing them (nanoserve.model.kv_quant;
+llama.cpp unless LLAMA_ATTN_ROT_DISABLE=1 is in the environment). --tokens N scores the text's first N tokens.
 
 llama-cpp-python apart from the venv (after `python -m benchmarks.peerbench --setup-llamacpp`):
     CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \

@@ -53,8 +53,9 @@ def tiny_model(family: str = "llama", seed: int = 41, **hf_overrides):
 
 
 def path_model(path: dict):
-    """The tiny Llama a path runs: heads of 32 values where its K/V cache is in llama.cpp's blocks of 32."""
-    return tiny_model(head_dim=32) if path.get("kv_cache_dtype") in ("q8_0", "q4_0") else tiny_model()
+    """The tiny Llama a path runs: heads of 64 values (two of llama.cpp's blocks of 32, turned by a
+    Walsh-Hadamard matrix before the store: nanoserve.model.kv_quant) where its K/V cache is in those blocks."""
+    return tiny_model(head_dim=64) if path.get("kv_cache_dtype") in ("q8_0", "q4_0") else tiny_model()
 
 
 def engine(hf, path: dict, **fields) -> Engine:

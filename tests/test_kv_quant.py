@@ -307,7 +307,7 @@ def test_the_other_builds_attend_over_the_blocks_alike(build, kind):
     from test_blockdot import build as build_kernel
 
     kernel = build_kernel(build)
-    hf = make_hf_model("llama", 5, head_dim=32)
+    hf = make_hf_model("llama", 5, head_dim=64)  # heads turned by 64 before the store
     engine = quantized_engine(hf, kind, batch_invariant=True)
     engine.model.fused_layers.kernel = kernel
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0))
