@@ -43,6 +43,7 @@ SOURCE = Path(__file__).with_name("blockdot.c")
 # Built into one library with blockdot.c: the decode step that runs its layers in C (fused_decode.py).
 SOURCES = [SOURCE, SOURCE.with_name("fused_decode.c")]
 HEADERS = [SOURCE.with_name("blockdot.h")]
+BUILD_TIMEOUT_S = 900  # a compile of SOURCES, at most
 # -fno-trapping-math: comparisons may not trap, so gcc vectorizes clamps (fused_decode.c's exp_fast); no value changes
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-shared", "-fPIC"]
 # The builds a test or a benchmark can ask for besides this machine's: what an AVX-512 CPU without
@@ -187,7 +188,9 @@ def _build(flags: list[str]) -> Path:
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then renamed: concurrent starts are safe
         built = Path(tmp) / path.name
         command = [*compiler(), *flags, *map(str, SOURCES), "-o", str(built)]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        # about 50 s of one core here; minutes on a busy machine, where a build cut short would leave
+        # the process on torch's several times slower kernels
+        result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if result.returncode:
             raise OSError(f"{shlex.join(compiler())} failed on {', '.join(p.name for p in SOURCES)}: "
                           f"{result.stderr.strip()[-500:]}")

@@ -326,6 +326,93 @@ static inline void values64(float *out, const float *p, const float *v, int64_t 
 }
 #endif
 
+#if defined(__AVX512F__)
+#define GROUP16 1
+/* within each 128 bits, [a0 + a1, a2 + a3, b0 + b1, b2 + b3] (AVX's hadd, which AVX-512 lacks) */
+static inline __m512 hadd16(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+/* The sums of the 16 lanes of each of a[0..15] in one register, element 4 key + h the sum of
+   a[4 h + key]: halves of 256, then of 128 bits folded across pairs of registers (permutex2var),
+   then twice pairs within 128-bit lanes (hadd16); every sum by the same instructions whichever slot
+   it is in */
+static inline __m512 sum16(const __m512 *a) {
+  const __m512i lo256 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i hi256 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const __m512i even128 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i odd128 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; i++)
+    t[i] = _mm512_add_ps(_mm512_permutex2var_ps(a[2 * i], lo256, a[2 * i + 1]),
+                         _mm512_permutex2var_ps(a[2 * i], hi256, a[2 * i + 1]));
+  for (int i = 0; i < 4; i++)
+    u[i] = _mm512_add_ps(_mm512_permutex2var_ps(t[2 * i], even128, t[2 * i + 1]),
+                         _mm512_permutex2var_ps(t[2 * i], odd128, t[2 * i + 1]));
+  const __m512 v0 = hadd16(u[0], u[1]), v1 = hadd16(u[2], u[3]);
+  return hadd16(v0, v1);
+}
+
+/* scores[h n + j] = scale q_h . k_j for nh <= 4 query heads q_h = q + h D (one kv head's group, or
+   part of it) and n float32 keys k_j = k + j stride, D a multiple of 16: four keys at a time, each
+   16 values of a key read once for every head, the 16 dot products of 4 heads by 4 keys folded
+   together (sum16); the keys of n % 4 as scores_run does them */
+INLINE void scores_heads(const float *q, int nh, const float *k, int64_t stride, int64_t n, int64_t D, float scale,
+                         float *scores, int64_t sstride) {
+  const __m512i head_major = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+    const float *key = k + j * stride;
+    for (int64_t i = 0; i < D; i += 16) {
+      const __m512 k0 = _mm512_loadu_ps(key + i), k1 = _mm512_loadu_ps(key + stride + i);
+      const __m512 k2 = _mm512_loadu_ps(key + 2 * stride + i), k3 = _mm512_loadu_ps(key + 3 * stride + i);
+      for (int h = 0; h < 4; h++) {
+        if (h >= nh) break;
+        const __m512 x = _mm512_loadu_ps(q + h * D + i);
+        a[4 * h] = _mm512_fmadd_ps(x, k0, a[4 * h]);
+        a[4 * h + 1] = _mm512_fmadd_ps(x, k1, a[4 * h + 1]);
+        a[4 * h + 2] = _mm512_fmadd_ps(x, k2, a[4 * h + 2]);
+        a[4 * h + 3] = _mm512_fmadd_ps(x, k3, a[4 * h + 3]);
+      }
+    }
+    const __m512 sums = _mm512_mul_ps(vscale, _mm512_permutexvar_ps(head_major, sum16(a)));
+    float out[16];
+    _mm512_storeu_ps(out, sums);
+    for (int h = 0; h < nh; h++) memcpy(scores + h * sstride + j, out + 4 * h, 4 * sizeof(float));
+  }
+  for (int h = 0; h < nh; h++) scores_run(q + h * D, k, j * stride, stride, n - j, D, scale, scores + h * sstride + j, KV_F32);
+}
+
+/* out_h [D] += sum_j p_h[j] v_j for nh <= 4 heads (out_h = out + h D, p_h = p + h pstride) over n
+   float32 values v_j = v + j stride, D a multiple of 64: each 64 values of v_j read once for every
+   head, 64 of each head's out held in registers, one multiply-add an element and value, in key
+   order (the same sums as values64's) */
+INLINE void values_heads(float *out, int nh, const float *p, int64_t pstride, const float *v, int64_t stride,
+                         int64_t n, int64_t D) {
+  for (int64_t i = 0; i < D; i += 64) {
+    __m512 o[4][4];
+    for (int h = 0; h < nh; h++)
+      for (int c = 0; c < 4; c++) o[h][c] = _mm512_loadu_ps(out + h * D + i + 16 * c);
+    for (int64_t j = 0; j < n; j++) {
+      __m512 x[4];
+      for (int c = 0; c < 4; c++) x[c] = _mm512_loadu_ps(v + j * stride + i + 16 * c);
+      for (int h = 0; h < 4; h++) {
+        if (h >= nh) break;
+        const __m512 weight = _mm512_set1_ps(p[h * pstride + j]);
+        for (int c = 0; c < 4; c++) o[h][c] = _mm512_fmadd_ps(weight, x[c], o[h][c]);
+      }
+    }
+    for (int h = 0; h < nh; h++)
+      for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + h * D + i + 16 * c, o[h][c]);
+  }
+}
+#else
+#define GROUP16 0
+#endif
+
 /* out += sum_j p[j] v_j over n values at cache offsets at + j stride: float32 values with AVX2 and FMA
    and D a multiple of 64 in values64, else four at a time */
 INLINE void values_run(float *out, const float *p, const void *cache, int64_t at, int64_t stride, int64_t n,
@@ -472,6 +559,12 @@ INLINE const void *run_rows(const void *cache, const int64_t *table, int64_t j, 
   return wide;
 }
 
+/* heads from h (of h .. h1 - 1) that share its kv head, four at most */
+static inline int64_t heads4(int64_t h, int64_t h1, int64_t group) {
+  const int64_t end = (h / group + 1) * group < h1 ? (h / group + 1) * group : h1;
+  return end - h < 4 ? end - h : 4;
+}
+
 INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
                       const int64_t *table, int64_t first, int64_t L, int64_t end, int64_t h0, int64_t h1,
                       float *scores, float *out, float *part, const int kind) {
@@ -482,6 +575,14 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
   for (int64_t j = first, run, at, stride; j < L; j += run) {
     run = run_at(j, L, bs, kind);
     const void *keys = run_rows(k_cache, table, j, run, end, bs, row, g0, ng, D, wide, &at, &stride, kind);
+#if GROUP16
+    if (read == KV_F32 && D % 64 == 0) {  /* a kv head's key read once for four of its heads */
+      for (int64_t h = h0; h < h1; h += heads4(h, h1, group))
+        scores_heads(q + h * D, (int)heads4(h, h1, group), (const float *)keys + at + (h / group - g0) * D, stride,
+                     run, D, s->scale, scores + h * n + j - first, n);
+      continue;
+    }
+#endif
     for (int64_t h = h0; h < h1; h++)
       scores_run(q + h * D, keys, at + (h / group - g0) * D, stride, run, D, s->scale, scores + h * n + j - first,
                  read);
@@ -501,6 +602,14 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
   for (int64_t j = first, run, at, stride; j < L; j += run) {
     run = run_at(j, L, bs, kind);
     const void *values = run_rows(v_cache, table, j, run, end, bs, row, g0, ng, D, wide, &at, &stride, kind);
+#if GROUP16
+    if (read == KV_F32 && D % 64 == 0) {  /* a kv head's value read once for four of its heads */
+      for (int64_t h = h0; h < h1; h += heads4(h, h1, group))
+        values_heads(out + h * D, (int)heads4(h, h1, group), scores + h * n + j - first, n,
+                     (const float *)values + at + (h / group - g0) * D, stride, run, D);
+      continue;
+    }
+#endif
     for (int64_t h = h0; h < h1; h++)
       values_run(out + h * D, scores + h * n + j - first, values, at + (h / group - g0) * D, stride, run, D, read);
   }
