@@ -4,9 +4,11 @@ converter and llama-quantize, served against transformers on the original checkp
 gguf-py's dequantized tensors (Q4_K_M, which transformers' GGUF loader misreads: it leaves
 moe_intermediate_size at its default), their stacked experts equal to gguf-py's dequantize.
 
-The families' logits and greedy tokens against transformers are tests/test_families.py's; batch
-invariance and speculative decoding on an MoE model are tests/test_batch_invariance.py's and
-tests/test_speculative.py's."""
+The Q4_K_M files also run in fused_decode.c's one call (the invariant plan, x in float32), greedy
+against transformers over their dequantized tensors. The families' logits and greedy tokens against
+transformers are tests/test_families.py's; the sparse layer in C against transformers,
+tests/test_fused_decode.py's and tests/test_plan.py's; batch invariance and speculative decoding on
+an MoE model are tests/test_batch_invariance.py's and tests/test_speculative.py's."""
 
 from __future__ import annotations
 

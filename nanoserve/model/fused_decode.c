@@ -27,7 +27,10 @@
  *   k_norm) and rotated (rotate-half, cos/sin of r's position);  k, v written to the cache at
  *   slot_mapping[r];  a = softmax(scale q . K^T) V over r's context (positions 0 .. position[r], the
  *   last W of them in a windowed layer, through its block table);  h += a @ o^T;
- *   x = rms_norm(h) * post_norm;  g, u = x @ gate_up^T;  h += (silu(g) u) @ down^T.
+ *   x = rms_norm(h) * post_norm;  g, u = x @ gate_up^T;  h += (silu(g) u) @ down^T;
+ * or, in a sparse layer (a mixture of experts, nanoserve/model/moe.py), h += moe_mlp(x): the router's
+ * softmax and top k in float32, each expert some row chose multiplied once over its rows, each row's
+ * k outputs summed in rank order by its routing weights (and a shared expert's, by its sigmoid gate).
  * The execution plan decides which steps run here; fused_decode.py's why_not, which families can
  * (no o bias, no sandwich norms, no softcap, SiLU).
  */

@@ -23,9 +23,10 @@ per-head q/k norms, a sliding window on some or all layers, SiLU), the model com
 bfloat16 on the CPU (LongRoPE included: its factors and attention factor are in the rope table it
 reads); Gemma's (sandwich norms, GELU, soft-capping), an o bias, rope on part of each head
 (Phi-4-mini), a second rope table (Gemma 3), layers without rope (SmolLM3) and OLMoE's norm over
-the whole q and k projections keep decoder_layer (`why_not`). A mixture-of-experts layer runs on
-`per_layer` only: its MLP (nanoserve.model.moe) in torch between the C calls, its experts' matmuls
-in their forms; the one call has no place for it (the plan never routes such a model there).
+the whole q and k projections keep decoder_layer (`why_not`). A mixture-of-experts layer
+(nanoserve.model.moe) runs in the one call, its router, its experts and a shared expert read in their
+C forms (`moe_table`); on `per_layer`, one more C call (fused_moe) runs it where its experts' forms
+are in C at every width, else moe.py's MLP in torch, the experts in their forms, between the calls.
 """
 
 from __future__ import annotations
