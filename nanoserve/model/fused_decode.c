@@ -682,7 +682,7 @@ static int64_t moe_floats(const struct fused_moe *m, int64_t T, int64_t E) {
   const int64_t prep = max3(blockdot_scratch_floats(Tk, E), blockdot_scratch_floats(Tk, m->Ie),
                             m->shared_gate_up ? blockdot_scratch_floats(T, m->Is) : 0);
   return T * m->X + Tk + Tk * E + prep + Tk * 3 * m->Ie + Tk * E + (m->shared_gate_up ? T * (3 * m->Is + E + 1) : 0)
-         + 2 * (3 * Tk + m->X + 1);
+         + 2 * (3 * Tk + m->X + 1) + 1;  /* and one to align the int64 arrays to 8 bytes */
 }
 
 static struct moe_work moe_work(const struct fused_moe *m, int64_t T, int64_t E, float *scratch) {
@@ -692,7 +692,8 @@ static struct moe_work moe_work(const struct fused_moe *m, int64_t T, int64_t E,
   struct moe_work w;
   w.probs = scratch, w.weights = w.probs + T * m->X, w.xg = w.weights + Tk, w.prep = w.xg + Tk * E;
   w.gu = w.prep + prep, w.act = w.gu + Tk * 2 * m->Ie, w.eo = w.act + Tk * m->Ie, w.shared = w.eo + Tk * E;
-  w.chosen = (int64_t *)(w.shared + (m->shared_gate_up ? T * (3 * m->Is + E + 1) : 0));
+  const uintptr_t ints = (uintptr_t)(w.shared + (m->shared_gate_up ? T * (3 * m->Is + E + 1) : 0));
+  w.chosen = (int64_t *)((ints + 7) & ~(uintptr_t)7);
   w.order = w.chosen + Tk, w.at = w.order + Tk, w.start = w.at + Tk;
   return w;
 }
