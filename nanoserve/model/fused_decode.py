@@ -185,8 +185,8 @@ class MoeTable:
 
 def moe_table(moe: MoeWeights) -> MoeTable | None:
     """What fused_decode.c reads of a sparse layer's MLP: each matrix's C form; None where some
-    matrix has none. The experts' own panels, or dense panels copied for the router and a shared gate
-    torch runs (dense, a few KB a layer)."""
+    matrix has none. The experts' own panels; dense panels copied for a router or a shared gate that
+    torch runs (X E and E weights: 1 MB a layer in float32 at 128 experts of a 2048 hidden)."""
     forms = {name: w.c_form(blockdot.pack_dense) for name, w in (
         ("router", moe.router), ("shared_gate_up", moe.shared_gate_up), ("shared_down", moe.shared_down),
         ("shared_gate", moe.shared_gate)) if w is not None}

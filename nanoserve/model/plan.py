@@ -524,7 +524,7 @@ def _routes(matrices: tuple[MatrixPlan, ...], precision: Precision, parallel: bo
     if not all(m.form.name.in_c for m in layer_matrices if m not in on_torch):
         return (Route(False, EVERY_WIDTH, Driver.C_PER_LAYER), with_prompt), False
     dense_rows = DENSE_ONE_CALL_ROWS | {torch.bfloat16: precision.bf16_one_call_rows}
-    # a router's or a shared gate's copy (a few KB) does not cap the one call's width as a layer's matrices do
+    # a router's or a shared gate's copy (X E or E weights) does not cap the one call's width as a layer's matrices do
     wide = any(m.name not in DENSE_ONLY for m in on_torch)
     one_call_rows = min([dense_rows[precision.torch_dtype]] * wide + [EVERY_WIDTH]
                         + [m.form.kernel_rows for m in layer_matrices if m.form.kernel_rows is not None])
