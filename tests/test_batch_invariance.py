@@ -263,6 +263,10 @@ def test_a_mixture_of_experts_answer_is_the_same_under_the_hard_load(path_name):
     busy = engine(hf, path, max_num_seqs=6, max_num_batched_tokens=5, num_kv_blocks=POOL["small"],
                   deferred_output=True)
     assert any(m.name == "experts.gate_up" for m in busy.plan.matrices)
+    # every step, its sparse layer included, in fused_decode.c's one call
+    assert busy.plan.drivers == {"c-one-call"} and all(
+        (table is None) == (layer.moe is None) for table, layer in zip(busy.model.fused_layers.moe, busy.model.layers,
+                                                                         strict=True))
     finals = run_load(busy, HARD_LOAD)
     assert sum(f.num_preemptions for f in finals.values()) > 0
     assert_as_quiet(hf, path_name, path, HARD_LOAD, finals)

@@ -14,6 +14,8 @@ test of its own, against transformers whose linears do its rounding by hand.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import CharTokenizer, config_of, forms, make_hf_llama, make_hf_model, nanoserve_model_from_hf
@@ -473,3 +475,55 @@ def test_an_engine_over_a_quantized_engines_model_keeps_its_head_and_layers_as_t
                                                     dense_kernel="blockdot"))
     assert second.model.lm_head_weight is head and second.model.layers[0].qkv is qkv
     assert second.memory()["dense"] == first.memory()["dense"]
+
+
+# Mixtures of experts fused_decode.c runs: Qwen3-MoE with a dense layer among its sparse ones,
+# Mixtral, Qwen2-MoE's shared expert and its gate; 4 experts, top 2, so nine rows share experts.
+MOE_FAMILIES = {
+    "qwen3-moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "norm_topk_prob": True, "mlp_only_layers": [1], "head_dim": 16}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2-moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 64, "norm_topk_prob": False}),
+}
+
+
+@needs_build
+@pytest.mark.parametrize("route", ["one-call", "per-layer"])
+@pytest.mark.parametrize("name", sorted(MOE_FAMILIES))
+def test_a_sparse_layer_in_c_gives_transformers_logits(name, route):
+    # Routing, the experts grouped over the step's rows and each row's weighted sum, in the one call
+    # and in fused_moe between the per-layer calls (the experts on blockdot's panels at every width).
+    from nanoserve.model.driver import Driver
+    from nanoserve.model.fused_decode import run_per_layer
+
+    family, overrides = MOE_FAMILIES[name]
+    hf = make_hf_model(family, seed=31, initializer_range=0.2, **overrides)
+    engine = fused_engine(hf, max_num_seqs=9, max_kernel_rows=None)
+    assert engine.plan.drivers == {Driver.C_ONE_CALL, Driver.TORCH}  # decode steps in C, prompts on torch
+    fused = engine.model.fused_layers
+    assert [table is not None and table.per_layer for table in fused.moe] == [
+        layer.moe is not None for layer in engine.model.layers]
+    lib, moe_rows = fused.kernel.lib, []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def fused_moe(self, shape, moe, x, out, io_bf16, T, threads):
+            moe_rows.append(T)
+            return lib.fused_moe(shape, moe, x, out, io_bf16, T, threads)
+
+    fused.kernel = dataclasses.replace(fused.kernel, lib=Spy())
+    if route == "per-layer":
+        engine.model.drivers[Driver.C_ONE_CALL] = run_per_layer
+    load_engine_weights_into(hf, engine)
+    fused_rows = count_fused_steps(engine)
+    prompts = [[5], [7, 8], PROMPTS[2], [3] * 9, [4, 6, 9], PROMPTS[0], [1] * 17, [2, 3], [9]]
+    max_tokens = [6, 9, 4, 8, 7, 5, 9, 3, 11]
+    captured, outputs = run_and_capture(engine, prompts, max_tokens=max_tokens)
+    assert assert_logits_match(hf, captured, outputs) == sum(max_tokens)
+    assert 9 in fused_rows and sum(fused_rows) == sum(max_tokens) - len(prompts)
+    sparse = sum(layer.moe is not None for layer in engine.model.layers)
+    assert moe_rows == ([rows for rows in fused_rows for _ in range(sparse)] if route == "per-layer" else [])
+    engine.check_invariants()

@@ -4,9 +4,11 @@ converter and llama-quantize, served against transformers on the original checkp
 gguf-py's dequantized tensors (Q4_K_M, which transformers' GGUF loader misreads: it leaves
 moe_intermediate_size at its default), their stacked experts equal to gguf-py's dequantize.
 
-The families' logits and greedy tokens against transformers are tests/test_families.py's; batch
-invariance and speculative decoding on an MoE model are tests/test_batch_invariance.py's and
-tests/test_speculative.py's."""
+The Q4_K_M files also run in fused_decode.c's one call (the invariant plan, x in float32), greedy
+against transformers over their dequantized tensors. The families' logits and greedy tokens against
+transformers are tests/test_families.py's; the sparse layer in C against transformers,
+tests/test_fused_decode.py's and tests/test_plan.py's; batch invariance and speculative decoding on
+an MoE model are tests/test_batch_invariance.py's and tests/test_speculative.py's."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from test_llamacpp_files import (
     save_checkpoint,
 )
 
-from nanoserve import Engine, EngineConfig, SamplingParams
+from nanoserve import Engine, EngineConfig, PlanOverrides, SamplingParams
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.forms import Dense
 from nanoserve.model.gguf import BlockQuantized, load_gguf, read_gguf_file
@@ -253,11 +255,42 @@ def test_a_q4_k_m_file_serves_transformers_logits_over_its_dequantized_tensors(m
     hf = original(checkpoint)
     hf.load_state_dict(dequantized_state_dict(file, family), strict=True)
     assert_serves_transformers_logits(file, PROMPT, hf)
-    # and the default path ran the experts as stored
+    # and the default path ran the experts as stored, in fused_decode.c's one call where the family's
+    # attention is there (OLMoE's is not)
     config, tensors = load_gguf(file)
     engine = Engine(LlamaModel.from_state_dict(config, tensors, torch.float32, "cpu"), None,
                     EngineConfig(block_size=16, num_kv_blocks=16))
     assert engine.plan.form_of(0, "experts.gate_up").name in ("blockdot", "blockdot-int8"), engine.plan.render()
+    assert engine.plan.drivers == ({"torch"} if family == "olmoe" else {"c-one-call"}), engine.plan.render()
+
+
+@needs_tools
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_a_q4_k_m_file_in_the_one_call_is_token_identical_to_transformers_on_its_blocks(moe_files, family):
+    # The invariant plan in float32, x never rounded (the file's blocks on blockdot's float path): every
+    # step in the one call, its sparse layers included, against transformers over gguf-py's
+    # dequantized tensors, greedy, several rows a step.
+    checkpoint, _, file = moe_files[family]
+    hf = original(checkpoint)
+    hf.load_state_dict(dequantized_state_dict(file, family), strict=True)
+    config, tensors = load_gguf(file)
+    engine = Engine(LlamaModel.from_state_dict(config, tensors, torch.float32, "cpu"), None,
+                    EngineConfig(dtype="float32", block_size=16, num_kv_blocks=64, batch_invariant=True,
+                                 overrides=PlanOverrides(blockdot_int8=False, blockdot_int16_rows=None)))
+    assert engine.plan.drivers == {"c-one-call"} and engine.plan.form_of(0, "experts.gate_up").name == "blockdot"
+    prompts = [PROMPT, list(range(100, 160)), PROMPT[3:]]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+                               output_scores=True, return_dict_in_generate=True)
+        tokens = want.sequences[0, len(prompt):].tolist()
+        assert len(tokens) == 16
+        for step, (got, expected) in enumerate(zip(out.token_ids, tokens, strict=True)):
+            if got != expected:  # only where transformers' own top two are within float32's sums of each other
+                best, second = want.scores[step][0].topk(2).values.tolist()
+                assert best - second < 2e-3, (step, got, expected, best - second)
+                break
 
 
 def test_tensor_parallelism_refuses_a_mixture_of_experts_before_any_process_starts():
@@ -271,26 +304,34 @@ def test_tensor_parallelism_refuses_a_mixture_of_experts_before_any_process_star
     assert shard_of(config, 0, 1) is not None
 
 
-def test_off_the_invariant_plan_a_mixture_runs_on_torch_and_the_plan_says_why():
+def test_off_the_invariant_plan_a_mixture_decodes_in_c_and_the_plan_says_why():
     from conftest import CharTokenizer, config_of, nanoserve_model_from_hf
 
+    from nanoserve.model import blockdot
     from nanoserve.model.driver import Driver
 
     hf = make_hf_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    engine = Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size),
-                    config_of(dtype="bfloat16", quantization="int4", batch_invariant=False, block_size=4,
-                              num_kv_blocks=16))
+    config = config_of(dtype="bfloat16", quantization="int4", batch_invariant=False, block_size=4, num_kv_blocks=16)
+    engine = Engine(nanoserve_model_from_hf(hf), CharTokenizer(hf.config.vocab_size), config)
     plan = engine.plan
-    assert plan.drivers == {Driver.TORCH} and engine.model.fused_layers is None
-    assert "no C decode: fused_decode.c's one call has no mixture-of-experts MLP" in plan.render()
     # the experts laid out as every other matrix of their width; the router dense in the plan's dtype
     assert plan.form_of(0, "experts.gate_up") == plan.form_of(0, "qkv")
     assert plan.form_of(0, "router").name in ("torch", "onednn") and plan.form_of(0, "router").dtype == "bfloat16"
     moe = engine.model.layers[0].moe
     assert [w.form for w in moe.gate_up + moe.down] == [plan.form_of(0, "experts.gate_up")] * 4 + [
         plan.form_of(0, "experts.down")] * 4
+    if blockdot.library() is not None:  # decode steps in the one call, the sparse layers' MLP with them
+        assert plan.decode == Driver.C_ONE_CALL and plan.mixed == Driver.TORCH
+        assert "the sparse layers' MLP in the one call: routed in float32 in C" in plan.render()
+        assert all(table is not None for table in engine.model.fused_layers.moe)
     (out,) = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out.token_ids) == 4
+    # OLMoE's norm over the whole q and k projections is not in fused_decode.c: its steps stay on torch
+    olmoe = make_hf_model("olmoe", num_experts=4, num_experts_per_tok=2, eos_token_id=2, pad_token_id=0)
+    engine = Engine(nanoserve_model_from_hf(olmoe), CharTokenizer(olmoe.config.vocab_size), config)
+    assert engine.plan.drivers == {Driver.TORCH} and engine.model.fused_layers is None
+    assert ("no C decode: the family's ['qk_norm_whole'] are not in fused_decode.c" in engine.plan.render()
+            or blockdot.library() is None)
 
 
 @pytest.mark.parametrize("family, overrides", [

@@ -77,7 +77,16 @@ class FusedLayer(ctypes.Structure):
 
     _fields_ = [(name, _p) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")] + [
         (f"{name}_planes", _i64) for name in ("qkv", "o", "gate_up", "down")] + [
-        (name, _p) for name in ("k_cache", "v_cache", "qkv_bias", "q_norm", "k_norm")] + [("window", _i64)]
+        (name, _p) for name in ("k_cache", "v_cache", "qkv_bias", "q_norm", "k_norm")] + [("window", _i64), ("moe", _p)]
+
+
+class FusedMoe(ctypes.Structure):
+    """struct fused_moe (fused_decode.c): a sparse layer's router and experts, as addresses."""
+
+    _fields_ = [(name, _p) for name in ("router", "gate_up", "down", "gate_up_planes", "down_planes", "shared_gate_up",
+                                        "shared_down", "shared_gate")] + [
+        (name, _i64) for name in ("router_planes", "shared_gate_up_planes", "shared_down_planes",
+                                  "shared_gate_planes", "X", "k", "Ie", "Is", "norm_topk_prob")]
 
 
 class LayoutEntry(ctypes.Structure):
@@ -88,9 +97,10 @@ class LayoutEntry(ctypes.Structure):
 
 # The C structs and their mirrors, by the C name.
 MIRRORS: dict[str, type[ctypes.Structure]] = {"fused_shape": FusedShape, "fused_layer": FusedLayer,
-                                               "layout_entry": LayoutEntry}
+                                               "fused_moe": FusedMoe, "layout_entry": LayoutEntry}
 
 _shape, _layer, _i64s = ctypes.POINTER(FusedShape), ctypes.POINTER(FusedLayer), ctypes.POINTER(_i64)
+_moe = ctypes.POINTER(FusedMoe)
 # Every entry Python calls: name -> (argument types, return type), the arguments in the comment.
 SIGNATURES: dict[str, tuple[list, type | None]] = {
     "blockdot_simd": ([], _i32),
@@ -116,6 +126,8 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "fused_attention": ([_shape, _layer, _p, _p, _i32, _i64, _p, _p, _p, _i64, _p, _p, _i32], _i32),
     "fused_add_norm": ([_p, _p, _p, _p, _i32, _i64, _i64, _f32, _i32], None),
     "fused_silu_mul": ([_p, _p, _i32, _i64, _i64, _i32], None),
+    # a sparse layer's MLP between them: shape, moe, x, out, io_bf16, T, nthreads -> 0, or -1 out of memory
+    "fused_moe": ([_shape, _moe, _p, _p, _i32, _i64, _i32], _i32),
     # the cache's rounding and widening (x, cache, n, kind) and (cache, out, n, kind): for the tests
     "fused_kv_store": ([_p, _p, _i64, _i32], None),
     "fused_kv_widen": ([_p, _p, _i64, _i32], None),

@@ -28,7 +28,10 @@
  *   k_norm) and rotated (rotate-half, cos/sin of r's position);  k, v written to the cache at
  *   slot_mapping[r];  a = softmax(scale q . K^T) V over r's context (positions 0 .. position[r], the
  *   last W of them in a windowed layer, through its block table);  h += a @ o^T;
- *   x = rms_norm(h) * post_norm;  g, u = x @ gate_up^T;  h += (silu(g) u) @ down^T.
+ *   x = rms_norm(h) * post_norm;  g, u = x @ gate_up^T;  h += (silu(g) u) @ down^T;
+ * or, in a sparse layer (a mixture of experts, nanoserve/model/moe.py), h += moe_mlp(x): the router's
+ * softmax and top k in float32, each expert some row chose multiplied once over its rows, each row's
+ * k outputs summed in rank order by its routing weights (and a shared expert's, by its sigmoid gate).
  * The execution plan decides which steps run here; fused_decode.py's why_not, which families can
  * (no o bias, no sandwich norms, no softcap, SiLU).
  */
@@ -52,6 +55,21 @@ struct fused_layer {  /* one layer's weights and cache, as fused_decode.py lays 
   const float *qkv_bias;                         /* [(H + 2 Hkv) D] float32 (Qwen2) */
   const float *q_norm, *k_norm;                  /* [D] float32: RMSNorm of each q and k head before rope (Qwen3) */
   int64_t window;                                /* W: a query at position p sees keys p - W + 1 .. p (Mistral) */
+  const struct fused_moe *moe;                   /* a sparse layer's MLP in place of gate_up and down; NULL: dense */
+};
+
+/* A sparse layer's mixture of experts (nanoserve/model/moe.py), as fused_decode.py lays it out: each
+   matrix in blockdot's panels or dense panels, its planes code as a fused_layer's. */
+struct fused_moe {
+  const uint8_t *router;                         /* [X, E] */
+  const uint8_t *const *gate_up;                 /* X matrices [2 Ie, E]: each expert's gate, then up */
+  const uint8_t *const *down;                    /* X matrices [E, Ie] */
+  const int64_t *gate_up_planes, *down_planes;   /* [X] */
+  const uint8_t *shared_gate_up, *shared_down;   /* [2 Is, E], [E, Is]: the expert every row runs (NULL: none) */
+  const uint8_t *shared_gate;                    /* [1, E]: the shared expert scaled by sigmoid(this . x) */
+  int64_t router_planes, shared_gate_up_planes, shared_down_planes, shared_gate_planes;
+  int64_t X, k, Ie, Is;                          /* experts, a row's top k, an expert's width, the shared one's */
+  int64_t norm_topk_prob;                        /* a row's k weights renormalised to sum to 1 */
 };
 
 struct fused_shape {
@@ -85,6 +103,14 @@ static const struct layout_entry layout[] = {
   LAYOUT_FIELD(fused_layer, gate_up_planes), LAYOUT_FIELD(fused_layer, down_planes),
   LAYOUT_FIELD(fused_layer, k_cache), LAYOUT_FIELD(fused_layer, v_cache), LAYOUT_FIELD(fused_layer, qkv_bias),
   LAYOUT_FIELD(fused_layer, q_norm), LAYOUT_FIELD(fused_layer, k_norm), LAYOUT_FIELD(fused_layer, window),
+  LAYOUT_FIELD(fused_layer, moe),
+  LAYOUT_STRUCT(fused_moe), LAYOUT_FIELD(fused_moe, router), LAYOUT_FIELD(fused_moe, gate_up),
+  LAYOUT_FIELD(fused_moe, down), LAYOUT_FIELD(fused_moe, gate_up_planes), LAYOUT_FIELD(fused_moe, down_planes),
+  LAYOUT_FIELD(fused_moe, shared_gate_up), LAYOUT_FIELD(fused_moe, shared_down), LAYOUT_FIELD(fused_moe, shared_gate),
+  LAYOUT_FIELD(fused_moe, router_planes), LAYOUT_FIELD(fused_moe, shared_gate_up_planes),
+  LAYOUT_FIELD(fused_moe, shared_down_planes), LAYOUT_FIELD(fused_moe, shared_gate_planes), LAYOUT_FIELD(fused_moe, X),
+  LAYOUT_FIELD(fused_moe, k), LAYOUT_FIELD(fused_moe, Ie), LAYOUT_FIELD(fused_moe, Is),
+  LAYOUT_FIELD(fused_moe, norm_topk_prob),
 };
 #undef LAYOUT_STRUCT
 #undef LAYOUT_FIELD
@@ -773,6 +799,171 @@ static int64_t longest(const int64_t *positions, int64_t T) {
   return max;
 }
 
+/* A sparse layer's MLP (moe_mlp) for a step of T rows: its scratch, laid out over `moe_floats` floats. */
+struct moe_work {
+  float *probs;     /* [T, X]: the router's logits, then each row's softmax over them */
+  float *weights;   /* [T, k]: each row's routing weights, best first */
+  float *xg;        /* [T k, E]: x's rows gathered by expert, expert j's at order's start[j] */
+  float *prep;      /* blockdot's preparation of xg's rows, then act's, then the shared expert's act */
+  float *gu;        /* [T k, 2 Ie] */
+  float *act;       /* [T k, Ie] */
+  float *eo;        /* [T k, E]: each (row, rank)'s expert output, in order's order */
+  float *shared;    /* [T, 2 Is] gate and up, [T, Is] act, [T, E] out, [T] gate (a shared expert's) */
+  int64_t *chosen;  /* [T k]: each row's k experts, best first */
+  int64_t *order;   /* [T k]: the slots t k + r grouped by expert, rows ascending within each */
+  int64_t *at;      /* [T k]: where slot t k + r is in order */
+  int64_t *start;   /* [X + 1]: expert j's slots are order[start[j] .. start[j + 1] - 1] */
+};
+
+static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+/* Floats of scratch moe_mlp needs for T rows of a layer of hidden size E (its int64 arrays two floats each). */
+static int64_t moe_floats(const struct fused_moe *m, int64_t T, int64_t E) {
+  const int64_t Tk = T * m->k;
+  const int64_t prep = max3(blockdot_scratch_floats(Tk, E), blockdot_scratch_floats(Tk, m->Ie),
+                            m->shared_gate_up ? blockdot_scratch_floats(T, m->Is) : 0);
+  return T * m->X + Tk + Tk * E + prep + Tk * 3 * m->Ie + Tk * E + (m->shared_gate_up ? T * (3 * m->Is + E + 1) : 0)
+         + 2 * (3 * Tk + m->X + 1) + 1;  /* and one to align the int64 arrays to 8 bytes */
+}
+
+static struct moe_work moe_work(const struct fused_moe *m, int64_t T, int64_t E, float *scratch) {
+  const int64_t Tk = T * m->k;
+  const int64_t prep = max3(blockdot_scratch_floats(Tk, E), blockdot_scratch_floats(Tk, m->Ie),
+                            m->shared_gate_up ? blockdot_scratch_floats(T, m->Is) : 0);
+  struct moe_work w;
+  w.probs = scratch, w.weights = w.probs + T * m->X, w.xg = w.weights + Tk, w.prep = w.xg + Tk * E;
+  w.gu = w.prep + prep, w.act = w.gu + Tk * 2 * m->Ie, w.eo = w.act + Tk * m->Ie, w.shared = w.eo + Tk * E;
+  const uintptr_t ints = (uintptr_t)(w.shared + (m->shared_gate_up ? T * (3 * m->Is + E + 1) : 0));
+  w.chosen = (int64_t *)((ints + 7) & ~(uintptr_t)7);
+  w.order = w.chosen + Tk, w.at = w.order + Tk, w.start = w.at + Tk;
+  return w;
+}
+
+/* Expert j's rows of `rows` [T k, K] as blockdot reads them: its share of the preparation scratch
+   (blockdot_scratch_floats is linear in the rows, so the experts' shares lie side by side). */
+static void expert_inputs(const float *rows, const int64_t *start, int64_t j, int64_t K, int q16_rows, int64_t amx_rows,
+                          float *prep, struct xin *in) {
+  const int64_t first = start[j], count = start[j + 1] - first;
+  blockdot_inputs(rows + first * K, count, K, q16_rows > 0 && count >= q16_rows, prep + blockdot_scratch_floats(first, K),
+                  in);
+  in->amx_rows = amx_rows;
+}
+
+/* One sparse layer's MLP inside a parallel region: x [T, E] float32 (prepared for blockdot in in_x)
+   -> out [T, E] float32, moe.py's arithmetic. Routing in float32: the router's logits, a softmax over
+   the X experts, each row's top k (the largest first, a tie to the lower index), renormalised to sum
+   to 1 where norm_topk_prob. The experts' matmuls grouped by expert: each expert some row chose reads
+   its weights once for all its rows, gathered from x, and its outputs land at those rows' slots; then
+   each row sums its k slots in rank order by its own weights (and adds its shared expert's output
+   times sigmoid(shared_gate . x)), so a row's result depends on its own x alone whichever rows share
+   its experts. q16_rows: a matmul rounds x to int16 from this many rows (0: never), each expert's by
+   its own row count, as its linear would; amx_rows as blockdot's. */
+static void moe_mlp(const struct fused_moe *m, const float *x, const struct xin *in_x, int64_t T, int64_t E,
+                    int q16_rows, int64_t amx_rows, struct moe_work w, float *out) {
+  const int64_t X = m->X, k = m->k, Ie = m->Ie, Tk = T * k;
+  matmul(in_x, x, T, E, X, m->router, m->router_planes, w.probs);
+  #pragma omp for schedule(static)
+  for (int64_t r = 0; r < T; r++) {
+    float *p = w.probs + r * X, max = p[0], sum = 0;
+    for (int64_t j = 1; j < X; j++) max = p[j] > max ? p[j] : max;
+    for (int64_t j = 0; j < X; j++) p[j] = expf(p[j] - max), sum += p[j];
+    for (int64_t j = 0; j < X; j++) p[j] /= sum;
+    int64_t *chosen = w.chosen + r * k;
+    float *weights = w.weights + r * k, total = 0;
+    for (int64_t i = 0; i < k; i++) {  /* the best not yet chosen: k passes over X */
+      int64_t best = -1;
+      for (int64_t j = 0; j < X; j++) {
+        int taken = 0;
+        for (int64_t c = 0; c < i; c++) taken |= chosen[c] == j;
+        if (!taken && (best < 0 || p[j] > p[best])) best = j;
+      }
+      chosen[i] = best, weights[i] = p[best], total += p[best];
+    }
+    if (m->norm_topk_prob)
+      for (int64_t i = 0; i < k; i++) weights[i] /= total;
+  }
+  #pragma omp single
+  {  /* a counting sort of the slots by expert, rows ascending within each; start[j] serves as expert
+        j's cursor, left at start[j + 1], then moved back */
+    for (int64_t j = 0; j <= X; j++) w.start[j] = 0;
+    for (int64_t slot = 0; slot < Tk; slot++) w.start[w.chosen[slot] + 1]++;
+    for (int64_t j = 0; j < X; j++) w.start[j + 1] += w.start[j];
+    for (int64_t slot = 0; slot < Tk; slot++) w.order[w.start[w.chosen[slot]]++] = slot;
+    for (int64_t j = X; j > 0; j--) w.start[j] = w.start[j - 1];
+    w.start[0] = 0;
+    for (int64_t p = 0; p < Tk; p++) w.at[w.order[p]] = p;
+  }
+  #pragma omp for schedule(static)
+  for (int64_t p = 0; p < Tk; p++) {
+    memcpy(w.xg + p * E, x + w.order[p] / k * E, sizeof(float) * E);
+    struct xin in;
+    const int64_t j = w.chosen[w.order[p]];
+    expert_inputs(w.xg, w.start, j, E, q16_rows, amx_rows, w.prep, &in);
+    prepare_row(&in, E, m->gate_up_planes[j], p - w.start[j]);
+  }
+  for (int64_t j = 0; j < X; j++) {  /* every thread the same experts, each matmul split over the team */
+    const int64_t first = w.start[j], count = w.start[j + 1] - first;
+    if (!count) continue;
+    struct xin in;
+    expert_inputs(w.xg, w.start, j, E, q16_rows, amx_rows, w.prep, &in);
+    matmul(&in, w.xg + first * E, count, E, 2 * Ie, m->gate_up[j], m->gate_up_planes[j], w.gu + first * 2 * Ie);
+  }
+  #pragma omp for schedule(static)
+  for (int64_t p = 0; p < Tk; p++) {
+    #pragma omp simd
+    for (int64_t i = 0; i < Ie; i++) {
+      const float gate = w.gu[p * 2 * Ie + i], up = w.gu[p * 2 * Ie + Ie + i];
+      w.act[p * Ie + i] = gate / (1.0f + exp_fast(-gate)) * up;
+    }
+    struct xin in;
+    const int64_t j = w.chosen[w.order[p]];
+    expert_inputs(w.act, w.start, j, Ie, q16_rows, amx_rows, w.prep, &in);
+    prepare_row(&in, Ie, m->down_planes[j], p - w.start[j]);
+  }
+  for (int64_t j = 0; j < X; j++) {
+    const int64_t first = w.start[j], count = w.start[j + 1] - first;
+    if (!count) continue;
+    struct xin in;
+    expert_inputs(w.act, w.start, j, Ie, q16_rows, amx_rows, w.prep, &in);
+    matmul(&in, w.act + first * Ie, count, Ie, E, m->down[j], m->down_planes[j], w.eo + first * E);
+  }
+  float *gate = NULL, *shared = NULL;
+  if (m->shared_gate_up) {  /* every row's shared expert, as a dense layer's MLP of width Is */
+    const int64_t Is = m->Is;
+    float *sgu = w.shared, *sact = sgu + T * 2 * Is;
+    shared = sact + T * Is, gate = shared + T * E;
+    matmul(in_x, x, T, E, 2 * Is, m->shared_gate_up, m->shared_gate_up_planes, sgu);
+    matmul(in_x, x, T, E, 1, m->shared_gate, m->shared_gate_planes, gate);
+    struct xin in;
+    blockdot_inputs(sact, T, Is, q16_rows > 0 && T >= q16_rows, w.prep, &in);
+    in.amx_rows = amx_rows;
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < T; r++) {
+      #pragma omp simd
+      for (int64_t i = 0; i < Is; i++) {
+        const float g = sgu[r * 2 * Is + i], up = sgu[r * 2 * Is + Is + i];
+        sact[r * Is + i] = g / (1.0f + exp_fast(-g)) * up;
+      }
+      prepare_row(&in, Is, m->shared_down_planes, r);
+    }
+    matmul(&in, sact, T, Is, E, m->shared_down, m->shared_down_planes, shared);
+  }
+  #pragma omp for schedule(static)
+  for (int64_t r = 0; r < T; r++) {  /* a row's k outputs in rank order, by its own weights */
+    float *o = out + r * E;
+    const float *first = w.eo + w.at[r * k] * E, w0 = w.weights[r * k];
+    for (int64_t i = 0; i < E; i++) o[i] = first[i] * w0;
+    for (int64_t c = 1; c < k; c++) {
+      const float *e = w.eo + w.at[r * k + c] * E, wc = w.weights[r * k + c];
+      for (int64_t i = 0; i < E; i++) o[i] += e[i] * wc;
+    }
+    if (shared) {
+      const float g = 1.0f / (1.0f + expf(-gate[r]));
+      for (int64_t i = 0; i < E; i++) o[i] += g * shared[r * E + i];
+    }
+  }
+}
+
 /* h [T, E] float32, updated in place through every layer. positions, slot_mapping [T]; tables
    [T, nb] block ids; cos, sin [positions, D] float32. Returns 0, or -1 when out of memory (the
    thread's scratch, blockdot_scratch). */
@@ -782,14 +973,17 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
   const int64_t E = s->E, H = s->H, Hkv = s->Hkv, D = s->D, I = s->I;
   const int64_t NQKV = (H + 2 * Hkv) * D, K_MAX = I > E ? (I > H * D ? I : H * D) : (E > H * D ? E : H * D);
   const int64_t max_len = longest(positions, T);
+  int64_t moe_max = 0;  /* the widest sparse layer's scratch */
+  for (int64_t l = 0; l < num_layers; l++)
+    if (layers[l].moe && moe_floats(layers[l].moe, T, E) > moe_max) moe_max = moe_floats(layers[l].moe, T, E);
   const int64_t sizes[] = {T * K_MAX, blockdot_scratch_floats(T, K_MAX), T * NQKV, T * H * D, T * E, T * 2 * I,
-                           attention_scratch(s, T, max_len, nthreads)};
+                           attention_scratch(s, T, max_len, nthreads), moe_max};
   int64_t total = 0;
-  for (int i = 0; i < 7; i++) total += sizes[i];
+  for (int i = 0; i < 8; i++) total += sizes[i];
   float *scratch = blockdot_scratch(sizeof(float) * total);
   if (!scratch) return -1;
   float *x = scratch, *prep = x + sizes[0], *qkv = prep + sizes[1], *att = qkv + sizes[2], *out = att + sizes[3],
-        *gu = out + sizes[4], *scores = gu + sizes[5];
+        *gu = out + sizes[4], *scores = gu + sizes[5], *moe_scratch = scores + sizes[6];
   const int q16 = s->int16_rows > 0 && T >= s->int16_rows;
   const int64_t amx_rows = s->amx_rows > 0 && blockdot_amx() ? s->amx_rows : 0;  /* asked before the team starts */
 
@@ -819,7 +1013,13 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
       for (int64_t r = 0; r < T; r++) {
         for (int64_t i = r * E; i < (r + 1) * E; i++) h[i] += out[i];
         rms_norm(h + r * E, w->post_norm, x + r * E, E, s->eps);
-        prepare_row(&in_e, E, w->gate_up_planes, r);
+        prepare_row(&in_e, E, w->moe ? 1 : w->gate_up_planes, r);  /* a sparse layer: for any of its matrices */
+      }
+      if (w->moe) {
+        moe_mlp(w->moe, x, &in_e, T, E, (int)s->int16_rows, amx_rows, moe_work(w->moe, T, E, moe_scratch), out);
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < T * E; i++) h[i] += out[i];
+        continue;
       }
       matmul(&in_e, x, T, E, 2 * I, w->gate_up, w->gate_up_planes, gu);
       #pragma omp for schedule(static)
@@ -906,6 +1106,31 @@ void fused_silu_mul(const void *gu, void *out, int io_bf16, int64_t T, int64_t I
       if (io_bf16) ((uint16_t *)out)[r * I + i] = f32_to_bf16(y);
       else ((float *)out)[r * I + i] = y;
     }
+}
+
+/* One sparse layer's MLP for steps whose other matmuls run outside C: x [T, E] (float32 or bf16,
+   io_bf16) -> out [T, E] in the same dtype, moe_mlp's arithmetic in float32. Returns 0, or -1 when out
+   of memory. */
+int fused_moe(const struct fused_shape *s, const struct fused_moe *m, const void *x, void *out, int io_bf16, int64_t T,
+              int nthreads) {
+  const int64_t E = s->E;
+  float *scratch = blockdot_scratch(sizeof(float) * (2 * T * E + blockdot_scratch_floats(T, E) + moe_floats(m, T, E)));
+  if (!scratch) return -1;
+  float *x32 = scratch, *out32 = x32 + T * E, *prep = out32 + T * E, *work = prep + blockdot_scratch_floats(T, E);
+  widen(x, x32, T * E, io_bf16);
+  const int q16 = s->int16_rows > 0 && T >= s->int16_rows;
+  const int64_t amx_rows = s->amx_rows > 0 && blockdot_amx() ? s->amx_rows : 0;
+  #pragma omp parallel num_threads(nthreads)
+  {
+    struct xin in;
+    blockdot_inputs(x32, T, E, q16, prep, &in);
+    in.amx_rows = amx_rows;
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < T; r++) prepare_row(&in, E, 1, r);
+    moe_mlp(m, x32, &in, T, E, (int)s->int16_rows, amx_rows, moe_work(m, T, E, work), out32);
+  }
+  narrow(out32, out, T * E, io_bf16);
+  return 0;
 }
 
 /* n float32 values rounded into a cache of `kind` as a decode step writes K and V (one head of n

@@ -23,9 +23,10 @@ per-head q/k norms, a sliding window on some or all layers, SiLU), the model com
 bfloat16 on the CPU (LongRoPE included: its factors and attention factor are in the rope table it
 reads); Gemma's (sandwich norms, GELU, soft-capping), an o bias, rope on part of each head
 (Phi-4-mini), a second rope table (Gemma 3), layers without rope (SmolLM3) and OLMoE's norm over
-the whole q and k projections keep decoder_layer (`why_not`). A mixture-of-experts layer runs on
-`per_layer` only: its MLP (nanoserve.model.moe) in torch between the C calls, its experts' matmuls
-in their forms; the one call has no place for it (the plan never routes such a model there).
+the whole q and k projections keep decoder_layer (`why_not`). A mixture-of-experts layer
+(nanoserve.model.moe) runs in the one call, its router, its experts and a shared expert read in their
+C forms (`moe_table`); on `per_layer`, one more C call (fused_moe) runs it where its experts' forms
+are in C at every width, else moe.py's MLP in torch, the experts in their forms, between the calls.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.model import blockdot
-from nanoserve.model.cabi import FusedLayer, FusedShape
+from nanoserve.model.cabi import FusedLayer, FusedMoe, FusedShape
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.forms import CForm
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.llama import MATMULS, LayerWeights, LlamaModel, ModelInputs
-from nanoserve.model.moe import moe_mlp
+from nanoserve.model.moe import MoeWeights, moe_mlp
 from nanoserve.model.rope import rope_table
 
 # fused_decode.c's KV_F32, KV_BF16, KV_F16, KV_Q8_0, KV_Q4_0: the caches it reads and writes, by KVCache.dtype
@@ -87,7 +88,10 @@ class FusedDecode:
     switches: list[tuple[torch.Tensor | None, ...]]  # per layer: qkv_bias, q_norm, k_norm in float32, or None
     windows: list[int]  # per layer: its sliding window W, 0 for none
     # per layer, its MATMULS as the one call reads them (each weight's c_form); empty where there is no one call
-    forms: list[list[tuple[torch.Tensor, int]]]
+    forms: list[list[tuple[torch.Tensor | None, int]]]
+    # per layer, its mixture of experts as fused_decode.c reads it; None for a dense layer, or where the
+    # experts run in torch (moe_mlp) between the per-layer calls. Every sparse layer has one with the one call.
+    moe: list[MoeTable | None]
     copy_bytes: int = 0  # the dense panels among them copied from torch's matrices
     _table: ctypes.Array | None = None  # the layers' structs, for the cache they were built against
     _cache: KVCache | None = None
@@ -142,7 +146,12 @@ class FusedDecode:
                                    io_bf16, *rows, torch.get_num_threads()):
                 raise MemoryError(f"fused_attention: no memory for the scratch of a {T}-row step")
             x = add_norm(layer.o(att), layer.post_norm)  # [T, E]
-            if layer.moe is not None:  # its experts' matmuls grouped by expert, in torch between the C calls
+            if self.moe[i] is not None and self.moe[i].per_layer:  # the whole sparse MLP in one C call
+                out = torch.empty(T, shape.E, dtype=self.dtype)  # [T, E]
+                if lib.fused_moe(ctypes.byref(shape), ctypes.byref(self.moe[i].table), x.data_ptr(), out.data_ptr(),
+                                 io_bf16, T, torch.get_num_threads()):
+                    raise MemoryError(f"fused_moe: no memory for the scratch of a {T}-row step")
+            elif layer.moe is not None:  # its experts' matmuls grouped by expert, in torch between the C calls
                 out = moe_mlp(x, layer.moe)  # [T, E]
             else:
                 gate_up = layer.gate_up(x).contiguous()  # [T, 2 I]
@@ -160,8 +169,48 @@ class FusedDecode:
             table[i] = FusedLayer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
                                   *(_address(t) for t, _ in forms), *(planes for _, planes in forms),
                                   kv.k[i].data_ptr(), kv.v[i].data_ptr(), *(_address(t) for t in self.switches[i]),
-                                  self.windows[i])
+                                  self.windows[i], None if self.moe[i] is None else ctypes.addressof(self.moe[i].table))
         return table
+
+
+@dataclass
+class MoeTable:
+    """A sparse layer's MLP as fused_decode.c reads it (struct fused_moe), and what its addresses point into."""
+
+    table: FusedMoe
+    held: tuple  # the matrices' C forms and the ctypes arrays of the experts' addresses and planes
+    copy_bytes: int  # dense panels copied from matrices torch runs (the router, the shared expert's gate)
+    per_layer: bool = False  # fused_moe runs it on the per-layer route too: its experts' forms run in C at every width
+
+
+def moe_table(moe: MoeWeights) -> MoeTable | None:
+    """What fused_decode.c reads of a sparse layer's MLP: each matrix's C form; None where some
+    matrix has none. The experts' own panels; dense panels copied for a router or a shared gate that
+    torch runs (X E and E weights: 1 MB a layer in float32 at 128 experts of a 2048 hidden)."""
+    forms = {name: w.c_form(blockdot.pack_dense) for name, w in (
+        ("router", moe.router), ("shared_gate_up", moe.shared_gate_up), ("shared_down", moe.shared_down),
+        ("shared_gate", moe.shared_gate)) if w is not None}
+    gate_up, down = [w.c_form(blockdot.pack_dense) for w in moe.gate_up], [w.c_form(blockdot.pack_dense) for w in moe.down]
+    if any(form is None for form in [*forms.values(), *gate_up, *down]):
+        return None
+    X = len(moe.gate_up)
+    pointers = [(ctypes.c_void_p * X)(*(f.data.data_ptr() for f in fs)) for fs in (gate_up, down)]
+    planes = [(ctypes.c_int64 * X)(*(f.code for f in fs)) for fs in (gate_up, down)]
+    shared = {name: forms.get(name) for name in ("shared_gate_up", "shared_down", "shared_gate")}
+    table = FusedMoe(forms["router"].data.data_ptr(), ctypes.addressof(pointers[0]), ctypes.addressof(pointers[1]),
+                     ctypes.addressof(planes[0]), ctypes.addressof(planes[1]),
+                     *(None if f is None else f.data.data_ptr() for f in shared.values()), forms["router"].code,
+                     *(0 if f is None else f.code for f in shared.values()), X, moe.top_k, moe.down[0].shape[1],
+                     0 if moe.shared_down is None else moe.shared_down.shape[1], int(moe.norm_topk_prob))
+    copied = sum(f.data.nbytes for f in [*forms.values(), *gate_up, *down] if f.copied)
+    return MoeTable(table, (forms, gate_up, down, pointers, planes), copied)
+
+
+def _experts_in_c(moe: MoeWeights) -> bool:
+    """Whether the experts' matrices are in C forms that run so at every width (fused_moe runs them
+    there, past a kernel's rows too); the router and a shared gate are copied where torch runs them."""
+    return all(w.form.name.in_c and w.form.kernel_rows is None
+               for name, w in moe.matrices() if name.startswith(("experts.", "shared.")))
 
 
 def _address(t: torch.Tensor | None) -> int | None:
@@ -213,19 +262,30 @@ def fused_decode(model: LlamaModel, one_call: bool, int16_rows: int | None,
     c_shape = FusedShape(config.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
                          config.intermediate_size, 0, 0, int16_rows or 0, amx_rows or 0, shape.eps, scale)  # block_size, kv_kind: from the cache
     cos, sin = rope_table(config, model.cos.shape[0], torch.float32, model.device)
-    forms: list[list[CForm]] = []
+    forms: list[list[CForm | None]] = []
+    moe = [None if layer.moe is None or not (one_call or _experts_in_c(layer.moe)) else moe_table(layer.moe)
+           for layer in model.layers]
+    for layer, table in zip(model.layers, moe, strict=True):
+        if table is not None:
+            table.per_layer = _experts_in_c(layer.moe)
     if one_call:
-        forms = [[getattr(layer, name).c_form(blockdot.pack_dense) for name in MATMULS] for layer in model.layers]
-        missing = [f"layer {i} {name}" for i, layer_forms in enumerate(forms)
-                   for name, form in zip(MATMULS, layer_forms, strict=True) if form is None]
+        # a sparse layer's gate_up and down are None: its MLP is moe's
+        forms = [[None if getattr(layer, name) is None else getattr(layer, name).c_form(blockdot.pack_dense)
+                  for name in MATMULS] for layer in model.layers]
+        missing = [f"layer {i} {name}" for i, (layer, layer_forms) in enumerate(zip(model.layers, forms, strict=True))
+                   for name, form in zip(MATMULS, layer_forms, strict=True)
+                   if form is None and getattr(layer, name) is not None]
+        missing += [f"layer {i} experts" for i, layer in enumerate(model.layers) if layer.moe is not None and moe[i] is None]
         if missing:
             raise ValueError(f"the one-call decode reads every matmul in C, but {missing[:4]} have no C form")
     switches = [tuple(None if t is None else t.float().contiguous() for t in (layer.qkv_bias, layer.q_norm, layer.k_norm))
                 for layer in model.layers]
     windows = [config.sliding_window if i in model.sliding_layers else 0 for i in range(config.num_layers)]
-    copy_bytes = sum(form.data.nbytes for layer_forms in forms for form in layer_forms if form.copied)
+    copy_bytes = sum(form.data.nbytes for layer_forms in forms for form in layer_forms if form is not None and form.copied)
+    copy_bytes += sum(table.copy_bytes for table in moe if table is not None)
     return FusedDecode(model.layers, c_shape, cos, sin, model.dtype, blockdot.library(), switches, windows,
-                       [[(form.data, form.code) for form in layer_forms] for layer_forms in forms], copy_bytes)
+                       [[(None, 0) if form is None else (form.data, form.code) for form in layer_forms]
+                        for layer_forms in forms], moe, copy_bytes)
 
 
 def run_one_call(model: LlamaModel, h: torch.Tensor, inputs: ModelInputs, kv: KVCache) -> torch.Tensor:

@@ -14,7 +14,8 @@ each row's result is written at that row's slot [T, k, E]; then each row sums it
 rank order, weighted by its routing weights. A row's output thus depends on its own x alone,
 whatever other rows share the step, wherever the matmuls' kernels are row-invariant (the
 batch-invariant plan's are). Grouping reads each sparse layer's per-expert row counts back once a
-step (as transformers' own loop over the experts hit does).
+step (as transformers' own loop over the experts hit does). fused_decode.c's moe_mlp is the same
+arithmetic in C (the C decode's sparse layers: nanoserve.model.fused_decode), in float32.
 
 Dimension names: T tokens this step, E hidden, X experts, k experts a token runs (top_k),
 Ie an expert's gated MLP width.

@@ -374,9 +374,8 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
         reasons.append("batch invariant: every step in three C calls a layer between the matmuls at every width, "
                        "every matmul on blockdot's or dense panels, o and down summed over the ranks in rank order")
     elif invariant and model.config.is_moe:
-        reasons.append("batch invariant: every step in three C calls a layer between the matmuls at every width (the "
-                       "one call has no mixture-of-experts MLP), every matmul on blockdot's or dense panels, each "
-                       "row's experts summed in rank order")
+        reasons.append("batch invariant: every step in one C call at every width, every matmul on blockdot's or "
+                       "dense panels, each row's experts summed in rank order")
     elif invariant:
         reasons.append("batch invariant: every step in one C call at every width, every matmul on blockdot's or "
                        "dense panels")
@@ -391,10 +390,6 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
                        else "torch.compile: torch's kernels, the compiled decoder_layer")
     if c_decode and c_reason is not None:
         reasons.append(f"no C decode: {c_reason}")
-        c_decode = False
-    if c_decode and not invariant and model.config.is_moe:
-        reasons.append("no C decode: fused_decode.c's one call has no mixture-of-experts MLP; every step on "
-                       "decoder_layer, the experts' matmuls grouped by expert")
         c_decode = False
 
     # Stage 2: the precision.
@@ -443,7 +438,9 @@ def _resolve(config: Any, model: LlamaModel, world_size: int, probe: Any, invari
     amx_rows = precision.amx_rows if any(m.form.name == FormKind.BLOCKDOT_INT8 for m in matrices) else None
 
     # Stage 4: the routes.
-    routes, copies = _routes(matrices, precision, parallel, compiled, invariant, c_decode, model.config.is_moe)
+    routes, copies = _routes(matrices, precision, parallel, compiled, invariant, c_decode)
+    if model.config.is_moe:
+        reasons += _moe_reasons(matrices, routes)
     exact_run = routes == _one_driver(Driver.TORCH) and all(
         m.form.name in (FormKind.TORCH, FormKind.ONEDNN) and m.form.dtype == "float32" for m in matrices)
     return ExecutionPlan(str(device), precision.dtype, precision.kv_cache_dtype, precision.quantization, matrices,
@@ -491,31 +488,46 @@ def _form_of(layer: int | None, form: Form, precision: Precision, dense: Form, i
                 **tensor_parallel)
 
 
+def _moe_reasons(matrices: tuple[MatrixPlan, ...], routes: tuple[Route, ...]) -> list[str]:
+    """What runs a mixture of experts on the C routes (fused_decode.py's `moe_table`, `_experts_in_c`)."""
+    drivers = {route.driver for route in routes}
+    experts = [m.form for m in matrices if m.name.startswith(("experts.", "shared."))]
+    found = []
+    if Driver.C_ONE_CALL in drivers:
+        found.append("the sparse layers' MLP in the one call: routed in float32 in C, each expert's matmuls over the "
+                     "step's rows that chose it, each row's k results summed in rank order")
+    if Driver.C_PER_LAYER in drivers:
+        in_c = all(f.name.in_c and f.kernel_rows is None for f in experts)
+        found.append("c-per-layer steps: the sparse layers' MLP " + (
+            "in one C call a layer (fused_moe), the one call's arithmetic" if in_c else
+            "in torch between the C calls (moe.py), the experts' matmuls grouped by expert in their forms"))
+    return found
+
+
 def _one_driver(driver: Driver) -> tuple[Route, ...]:
     return Route(False, EVERY_WIDTH, driver), Route(True, EVERY_WIDTH, driver)
 
 
 def _routes(matrices: tuple[MatrixPlan, ...], precision: Precision, parallel: bool, compiled: bool, invariant: bool,
-            c_decode: bool, moe: bool = False) -> tuple[tuple[Route, ...], bool]:
-    """Stage 4: the step table, and whether the one call reads dense copies of matrices torch runs
-    (moe: the model has a mixture-of-experts layer, which the one call does not run)."""
+            c_decode: bool) -> tuple[tuple[Route, ...], bool]:
+    """Stage 4: the step table, and whether the one call reads dense copies of matrices torch runs."""
     if parallel and invariant:  # fused_decode.c's one call has no place for an all-reduce
         return _one_driver(Driver.C_TENSOR_PARALLEL), False
-    if moe and invariant:  # nor for a mixture of experts: per_layer runs it between its C calls
-        return _one_driver(Driver.C_PER_LAYER), False
     if invariant:
         return _one_driver(Driver.C_ONE_CALL), False
     torch_driver = (Driver.TORCH_TENSOR_PARALLEL if parallel else Driver.TORCH_COMPILED if compiled else Driver.TORCH)
     with_prompt = Route(True, EVERY_WIDTH, torch_driver)
     if not c_decode:
         return (Route(False, EVERY_WIDTH, torch_driver), with_prompt), False
-    layer_forms = [m.form for m in matrices if m.layer is not None]
-    on_torch = [f for f in layer_forms if f.name in (FormKind.TORCH, FormKind.ONEDNN)]
-    if not all(f.name.in_c for f in layer_forms if f not in on_torch):
+    layer_matrices = [m for m in matrices if m.layer is not None]
+    on_torch = [m for m in layer_matrices if m.form.name in (FormKind.TORCH, FormKind.ONEDNN)]
+    if not all(m.form.name.in_c for m in layer_matrices if m not in on_torch):
         return (Route(False, EVERY_WIDTH, Driver.C_PER_LAYER), with_prompt), False
     dense_rows = DENSE_ONE_CALL_ROWS | {torch.bfloat16: precision.bf16_one_call_rows}
-    one_call_rows = min([dense_rows[precision.torch_dtype]] * bool(on_torch) + [EVERY_WIDTH]
-                        + [f.kernel_rows for f in layer_forms if f.kernel_rows is not None])
+    # a router's or a shared gate's copy (X E or E weights) does not cap the one call's width as a layer's matrices do
+    wide = any(m.name not in DENSE_ONLY for m in on_torch)
+    one_call_rows = min([dense_rows[precision.torch_dtype]] * wide + [EVERY_WIDTH]
+                        + [m.form.kernel_rows for m in layer_matrices if m.form.kernel_rows is not None])
     if one_call_rows >= EVERY_WIDTH:
         return (Route(False, EVERY_WIDTH, Driver.C_ONE_CALL), with_prompt), bool(on_torch)
     return (Route(False, one_call_rows, Driver.C_ONE_CALL), Route(False, EVERY_WIDTH, Driver.C_PER_LAYER),
