@@ -22,6 +22,7 @@ from nanoserve.model.config import LlamaConfig
 from nanoserve.model.gguf import (
     GGUF_TYPES_SERVED,
     BlockQuantized,
+    FileBlocks,
     find_gguf,
     load_gguf,
     load_gguf_tokenizer,
@@ -38,8 +39,8 @@ HF_NAMES = {"token_embd": "model.embed_tokens", "output": "lm_head", "output_nor
             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
-def dense(value: torch.Tensor | BlockQuantized) -> torch.Tensor:
-    return value.dequantize() if isinstance(value, BlockQuantized) else value.float()
+def dense(value: torch.Tensor | FileBlocks) -> torch.Tensor:
+    return value.float() if isinstance(value, torch.Tensor) else value.dequantize()
 
 
 def llama_cpp_permute(hf: np.ndarray, num_heads: int) -> np.ndarray:
@@ -87,11 +88,11 @@ def test_default_header_equals_gguf_reader(default_gguf, default_reader):
 @pytest.mark.weights
 def test_default_types_as_loaded(default_loaded):
     config, tensors = default_loaded
-    kinds = Counter(v.kind if isinstance(v, BlockQuantized) else str(v.dtype) for v in tensors.values())
+    kinds = Counter(v.kind if isinstance(v, FileBlocks) else str(v.dtype) for v in tensors.values())
     assert kinds == {"Q4_1": 210, "Q8_0": 1, "torch.float32": 61}
-    embed = tensors["model.embed_tokens.weight"]
+    embed = tensors["model.embed_tokens.weight"].decode()
     assert embed.kind == "Q8_0" and embed.codes.dtype == torch.int8 and embed.shape == (49152, 576)
-    q = tensors["model.layers.0.self_attn.q_proj.weight"]
+    q = tensors["model.layers.0.self_attn.q_proj.weight"].decode()
     assert q.kind == "Q4_1" and q.codes.dtype == torch.uint8 and int(q.codes.max()) <= 15
     assert q.scales.shape == q.mins.shape == (576, 576 // 32) and q.scales.dtype == torch.float32
     assert "lm_head.weight" not in tensors and config.tie_word_embeddings
@@ -113,7 +114,7 @@ def test_default_blocks_equal_gguf_dequantize(default_loaded, default_reader, la
             # transformers' reverse_permute_weights
             reference = reference.reshape(heads, -1, 2, reference.shape[1]).swapaxes(1, 2).reshape(reference.shape)
         value = tensors[hf_name]
-        assert isinstance(value, BlockQuantized) and value.kind == t.tensor_type.name
+        assert isinstance(value, FileBlocks) and value.kind == t.tensor_type.name
         assert torch.equal(value.dequantize(), torch.from_numpy(reference)), gguf_name
 
 
@@ -211,10 +212,10 @@ def test_tiny_every_served_type_exact(tmp_path):
     assert set(tensors) == set(expected)
     for name, value in tensors.items():
         assert torch.equal(dense(value), torch.from_numpy(expected[name])), name
-    assert {v.kind for v in tensors.values() if isinstance(v, BlockQuantized)} == {"Q4_0", "Q4_1", "Q8_0"}
-    assert tensors["model.layers.0.self_attn.q_proj.weight"].mins is None
-    assert tensors["model.layers.0.self_attn.k_proj.weight"].codes.dtype == torch.uint8
-    assert tensors["model.embed_tokens.weight"].codes.dtype == torch.int8
+    assert {v.kind for v in tensors.values() if isinstance(v, FileBlocks)} == {"Q4_0", "Q4_1", "Q8_0"}
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].decode().mins is None
+    assert tensors["model.layers.0.self_attn.k_proj.weight"].decode().codes.dtype == torch.uint8
+    assert tensors["model.embed_tokens.weight"].decode().codes.dtype == torch.int8
     # Dense tensors keep their own dtype.
     assert tensors["lm_head.weight"].dtype == torch.float16
     assert tensors["model.norm.weight"].dtype == torch.bfloat16
