@@ -5,9 +5,9 @@ holds them as `FileBlocks`, rows of the file's tensors still in the file's bytes
 memory map), and `FileBlocks.decode()` unpacks one into a `BlockQuantized` (codes, per-block
 scales and mins) when it is laid out (nanoserve.model.prepare) or called. Decoding one matrix at a
 time, and handing each one's pages of the map back as it is decoded (`GGUFFile.release`), keeps a
-load's peak resident memory near what the laid-out model holds (notes/realshapes.md: the codes
-take a byte a weight, twice a Q4_K file's bits and more, so decoding every tensor first peaked at
-3.4 times the file). F32/F16/BF16 tensors are copied out of the map, dense in their own dtype.
+load's peak resident memory near what the laid-out model holds: the codes take a byte a weight,
+over twice a Q4_K file's bits (notes/realshapes.md has the figures). F32/F16/BF16 tensors are
+copied out of the map, dense in their own dtype.
 Dimension names: N output rows, K input columns, B = K // 32 quantization blocks per row.
 
 The header is parsed here rather than by gguf.GGUFReader, which builds a memory-map view per
