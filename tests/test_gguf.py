@@ -5,6 +5,7 @@ served with that model's logits."""
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -18,10 +19,12 @@ from test_llama import PROMPTS, assert_logits_match, run_and_capture
 
 from nanoserve import Engine, EngineConfig
 from nanoserve.model import default
+from nanoserve.model import gguf as nanoserve_gguf
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.gguf import (
     GGUF_TYPES_SERVED,
     BlockQuantized,
+    FileBlocks,
     find_gguf,
     load_gguf,
     load_gguf_tokenizer,
@@ -38,8 +41,8 @@ HF_NAMES = {"token_embd": "model.embed_tokens", "output": "lm_head", "output_nor
             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
-def dense(value: torch.Tensor | BlockQuantized) -> torch.Tensor:
-    return value.dequantize() if isinstance(value, BlockQuantized) else value.float()
+def dense(value: torch.Tensor | FileBlocks) -> torch.Tensor:
+    return value.float() if isinstance(value, torch.Tensor) else value.dequantize()
 
 
 def llama_cpp_permute(hf: np.ndarray, num_heads: int) -> np.ndarray:
@@ -87,11 +90,11 @@ def test_default_header_equals_gguf_reader(default_gguf, default_reader):
 @pytest.mark.weights
 def test_default_types_as_loaded(default_loaded):
     config, tensors = default_loaded
-    kinds = Counter(v.kind if isinstance(v, BlockQuantized) else str(v.dtype) for v in tensors.values())
+    kinds = Counter(v.kind if isinstance(v, FileBlocks) else str(v.dtype) for v in tensors.values())
     assert kinds == {"Q4_1": 210, "Q8_0": 1, "torch.float32": 61}
-    embed = tensors["model.embed_tokens.weight"]
+    embed = tensors["model.embed_tokens.weight"].decode()
     assert embed.kind == "Q8_0" and embed.codes.dtype == torch.int8 and embed.shape == (49152, 576)
-    q = tensors["model.layers.0.self_attn.q_proj.weight"]
+    q = tensors["model.layers.0.self_attn.q_proj.weight"].decode()
     assert q.kind == "Q4_1" and q.codes.dtype == torch.uint8 and int(q.codes.max()) <= 15
     assert q.scales.shape == q.mins.shape == (576, 576 // 32) and q.scales.dtype == torch.float32
     assert "lm_head.weight" not in tensors and config.tie_word_embeddings
@@ -113,7 +116,7 @@ def test_default_blocks_equal_gguf_dequantize(default_loaded, default_reader, la
             # transformers' reverse_permute_weights
             reference = reference.reshape(heads, -1, 2, reference.shape[1]).swapaxes(1, 2).reshape(reference.shape)
         value = tensors[hf_name]
-        assert isinstance(value, BlockQuantized) and value.kind == t.tensor_type.name
+        assert isinstance(value, FileBlocks) and value.kind == t.tensor_type.name
         assert torch.equal(value.dequantize(), torch.from_numpy(reference)), gguf_name
 
 
@@ -211,10 +214,10 @@ def test_tiny_every_served_type_exact(tmp_path):
     assert set(tensors) == set(expected)
     for name, value in tensors.items():
         assert torch.equal(dense(value), torch.from_numpy(expected[name])), name
-    assert {v.kind for v in tensors.values() if isinstance(v, BlockQuantized)} == {"Q4_0", "Q4_1", "Q8_0"}
-    assert tensors["model.layers.0.self_attn.q_proj.weight"].mins is None
-    assert tensors["model.layers.0.self_attn.k_proj.weight"].codes.dtype == torch.uint8
-    assert tensors["model.embed_tokens.weight"].codes.dtype == torch.int8
+    assert {v.kind for v in tensors.values() if isinstance(v, FileBlocks)} == {"Q4_0", "Q4_1", "Q8_0"}
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].decode().mins is None
+    assert tensors["model.layers.0.self_attn.k_proj.weight"].decode().codes.dtype == torch.uint8
+    assert tensors["model.embed_tokens.weight"].decode().codes.dtype == torch.int8
     # Dense tensors keep their own dtype.
     assert tensors["lm_head.weight"].dtype == torch.float16
     assert tensors["model.norm.weight"].dtype == torch.bfloat16
@@ -224,6 +227,56 @@ def test_tiny_every_served_type_exact(tmp_path):
                                  num_kv_heads=HKV, head_dim=D, rms_norm_eps=float(np.float32(1e-5)),
                                  rope_theta=500000.0, max_position_embeddings=256, tie_word_embeddings=False,
                                  eos_token_ids=(2,), bos_token_id=1)
+
+
+def test_laying_a_file_out_holds_one_matrix_decoded_at_a_time(tmp_path, monkeypatch):
+    # An engine built from a loaded file decodes each matrix as the layout reaches it and drops its
+    # codes once laid out. The decoded bytes alive at once peak at the largest matrix's, gate_up's (a
+    # Q4_1 gate and a Q8_0 up, [I, E] each): a byte a weight, a float32 scale for each 32 weights and
+    # Q4_1's float32 min. A loader that decoded every matrix first held all of `total` at once.
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    gate_up = 2 * I * E + 2 * I * E // 32 * 4 + I * E // 32 * 4
+    counts = {"alive": 0, "peak": 0, "total": 0}
+    decode = nanoserve_gguf.decode_blocks
+
+    def freed(nbytes: int) -> None:
+        counts["alive"] -= nbytes
+
+    def counted(raw: np.ndarray, kind: str) -> BlockQuantized:
+        w = decode(raw, kind)
+        for t in (w.codes, w.scales, w.mins):
+            if t is not None:
+                counts["alive"] += t.nbytes
+                counts["total"] += t.nbytes
+                weakref.finalize(t, freed, t.nbytes)
+        counts["peak"] = max(counts["peak"], counts["alive"])
+        return w
+
+    monkeypatch.setattr(nanoserve_gguf, "decode_blocks", counted)
+    config, tensors = load_gguf(tmp_path / "tiny.gguf")
+    engine = Engine(LlamaModel.from_state_dict(config, tensors, torch.float32, "cpu"), None,
+                    EngineConfig(block_size=16, num_kv_blocks=4))
+    assert counts["peak"] == gate_up, counts
+    assert counts["total"] > 3 * gate_up, counts
+    assert counts["alive"] == 0, counts  # nothing the laid-out model holds is a decode's
+    assert engine.plan.form_of(0, "gate_up").name != "stored"
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads Linux's /proc/self/smaps")
+def test_released_pages_leave_resident_memory_and_read_back_the_same(tmp_path):
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    parsed = read_gguf_file(tmp_path / "tiny.gguf")
+
+    def resident_kib() -> int:  # the file's map's resident pages, from its entry in smaps
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+        start = next(i for i, line in enumerate(lines) if line.endswith(str(tmp_path / "tiny.gguf")))
+        return next(int(line.split()[1]) for line in lines[start + 1:] if line.startswith("Rss:"))
+
+    before = parsed.mapped.copy()  # reads every page
+    assert resident_kib() * 1024 >= parsed.mapped.nbytes - 4096
+    parsed.release(parsed.mapped)
+    assert resident_kib() == 0
+    assert np.array_equal(parsed.mapped, before)
 
 
 def test_tiny_qk_rows_back_in_hf_order(tmp_path):

@@ -21,7 +21,15 @@ from test_precision import fake
 from nanoserve.model import blockdot
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.ggml_blocks import BLOCK_TYPES
-from nanoserve.model.gguf import BlockQuantized, config_from_gguf, decode_blocks, load_gguf, read_gguf_file
+from nanoserve.model.gguf import (
+    BlockQuantized,
+    FileBlocks,
+    FileRows,
+    config_from_gguf,
+    decode_blocks,
+    load_gguf,
+    read_gguf_file,
+)
 from nanoserve.model.llama import MATMULS
 from nanoserve.model.plan import check_laid_out, resolve_plan
 from nanoserve.model.prepare import prepare_model
@@ -200,6 +208,33 @@ def test_a_block_type_of_groups_of_sixteen_keeps_its_shape():
     assert isinstance(w.rows(torch.tensor([2, 0])), BlockQuantized)
     with pytest.raises(ValueError, match=r"Q6_K codes \[3, 40\] need K a multiple of 16"):
         BlockQuantized("Q6_K", torch.zeros(3, 40, dtype=torch.int8), torch.zeros(3, 2), None)
+
+
+def test_rows_still_in_the_file_answer_as_the_matrix_they_decode_to():
+    # what the plan reads of a loaded matrix without decoding it (kind, row_kinds, shape) is what its
+    # decode has; the decode is each piece's rows unpacked and stacked, as decoded matrices stack
+    raws = {kind: random_blocks(kind, rows, 256, seed=rows, finite=True)
+            for kind, rows in (("Q4_K", 32), ("Q6_K", 16), ("Q8_0", 48))}
+    pieces = {kind: FileBlocks((FileRows(kind, raw, None),)) for kind, raw in raws.items()}
+    decoded = {kind: decode_blocks(raw, kind) for kind, raw in raws.items()}
+    for kinds in (["Q4_K"], ["Q4_K", "Q4_K"], ["Q4_K", "Q6_K"], ["Q8_0", "Q4_K", "Q6_K"]):
+        stacked = cat_rows([pieces[k] for k in kinds])
+        assert isinstance(stacked, FileBlocks)
+        expected = cat_rows([decoded[k] for k in kinds])
+        got = stacked.decode()
+        assert (stacked.kind, stacked.row_kinds, stacked.shape) == (expected.kind, expected.row_kinds, expected.shape)
+        assert (got.kind, got.row_kinds) == (expected.kind, expected.row_kinds)
+        assert all(torch.equal(a, b) for a, b in zip((got.codes, got.scales), (expected.codes, expected.scales),
+                                                         strict=True))
+        assert torch.equal(stacked.dequantize(), expected.dequantize()), kinds
+        assert stacked.form == expected.form and blockdot.can_pack_int8(stacked) == blockdot.can_pack_int8(expected)
+    q8 = pieces["Q8_0"]
+    index = torch.tensor([5, 0, 47, 5])
+    assert torch.equal(q8.rows(index).dequantize(), decoded["Q8_0"].dequantize()[index])
+    assert torch.equal(q8.rows(index).rows(torch.tensor([1, 3])).dequantize(), decoded["Q8_0"].dequantize()[[0, 5]])
+    assert torch.equal(q8.row_range(16, 32).dequantize(), decoded["Q8_0"].dequantize()[16:32])
+    assert torch.equal(q8.rows(index).in_memory().dequantize(), decoded["Q8_0"].dequantize()[index])
+    assert q8.rows(index).nbytes_by_kind() == {"stored": 4 * raws["Q8_0"].shape[1]}
 
 
 def test_rows_of_several_kinds_stack_into_one_matrix_exactly():

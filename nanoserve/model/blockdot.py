@@ -40,7 +40,7 @@ from nanoserve.model.cabi import BASE_FLAGS as _BASE  # noqa: F401
 from nanoserve.model.cabi import BUILDS, FLAGS, Library, load  # noqa: F401
 from nanoserve.model.forms import CForm, Form, FormKind, Regroup, dense_code, dtype_name
 from nanoserve.model.ggml_blocks import KVALUES, parts
-from nanoserve.model.gguf import BLOCK, BlockQuantized
+from nanoserve.model.gguf import BLOCK, BlockQuantized, FileBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -425,8 +425,9 @@ def _factor(values: torch.Tensor, low: int, high: int) -> tuple[torch.Tensor, to
 def can_pack_int8(w: object) -> bool:
     """Whether a stored matrix has a file-bit form (pack_int8): a kind blockdot.c multiplies on int8
     activations (INT8_KINDS), K a whole number of its units (`unit`), on the CPU; or rows of those kinds
-    stacked (cat_rows) in known runs of whole panels (the last may end short)."""
-    if not (isinstance(w, BlockQuantized) and w.codes.device.type == "cpu"):
+    stacked (cat_rows) in known runs of whole panels (the last may end short). A matrix still in its
+    file (FileBlocks) is asked as the BlockQuantized it decodes to."""
+    if not (isinstance(w, FileBlocks) or isinstance(w, BlockQuantized) and w.codes.device.type == "cpu"):
         return False
     if w.kind in INT8_KINDS:
         return w.shape[1] % unit(w.kind) == 0

@@ -4,9 +4,10 @@ bridge and the plan ask the weight rather than test its class.
 A matmul weight is a matrix [N, K] (N output rows, K input columns) in one of several forms: a
 dense tensor torch multiplies (`Dense`), the same reordered for oneDNN (`PackedDense`), blockdot's
 dense panels (nanoserve.model.blockdot.DensePanels), a quantized matrix as stored in its file
-(nanoserve.model.gguf.BlockQuantized, nanoserve.model.quant.ChannelInt8: the slow float32
-reference), a quantized matrix in a kernel's layout (nanoserve.model.quant.QuantLinear), or a
-tensor-parallel slice that completes its matmul with an all-reduce (nanoserve.model.shard.AllReduced).
+(nanoserve.model.gguf.FileBlocks, still in the file's bytes, and the BlockQuantized it decodes to;
+nanoserve.model.quant.ChannelInt8: the slow float32 reference), a quantized matrix in a kernel's
+layout (nanoserve.model.quant.QuantLinear), or a tensor-parallel slice that completes its matmul
+with an all-reduce (nanoserve.model.shard.AllReduced).
 Each answers:
 
 - `weight(x)`: x [M, K] -> [M, N] in x's dtype;

@@ -1,24 +1,30 @@
 """GGUF files read onto nanoserve's loader: a LlamaConfig and Hugging Face-named tensors.
 
-Block-quantized tensors stay quantized (BlockQuantized: codes, per-block scales and mins), so an
-int4/int8 kernel can consume them; F32/F16/BF16 tensors come back dense in their own dtype.
+Block-quantized tensors stay quantized, so an int4/int8 kernel can consume them: a loaded model
+holds them as `FileBlocks`, rows of the file's tensors still in the file's bytes (views of its
+memory map), and `FileBlocks.decode()` unpacks one into a `BlockQuantized` (codes, per-block
+scales and mins) when it is laid out (nanoserve.model.prepare) or called. Decoding one matrix at a
+time, and handing each one's pages of the map back as it is decoded (`GGUFFile.release`), keeps a
+load's peak resident memory near what the laid-out model holds: the codes take a byte a weight,
+over twice a Q4_K file's bits (notes/realshapes.md has the figures). F32/F16/BF16 tensors are
+copied out of the map, dense in their own dtype.
 Dimension names: N output rows, K input columns, B = K // 32 quantization blocks per row.
 
 The header is parsed here rather than by gguf.GGUFReader, which builds a memory-map view per
-array element (2.2 s for the default model's 147k tokenizer entries, against 0.1 s here). Tensor
-data is memory-mapped and copied once, into the codes or the dense tensor.
+array element (2.2 s for the default model's 147k tokenizer entries, against 0.1 s here).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import mmap
 import os
 import re
 import shutil
 import struct
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +131,138 @@ def decode_blocks(raw: np.ndarray, kind: str) -> BlockQuantized:
                           None if mins is None else torch.from_numpy(mins))
 
 
+def stacked_kind(matrices: list[tuple[str, int, tuple[tuple[str, int], ...] | None]]) -> tuple[
+        str, tuple[tuple[str, int], ...] | None]:
+    """The kind and row_kinds of matrices stacked along N (stack_rows), from each one's kind, rows
+    and row_kinds: one kind stays itself; several are joined by '+' with each matrix's runs in order
+    (None where some matrix's runs are not known)."""
+    kinds = {kind for kind, _, _ in matrices}
+    if len(kinds) == 1:
+        return matrices[0][0], None
+    kind = "+".join(sorted({part for k in kinds for part in parts(k)}))
+    if not all("+" not in k or runs for k, _, runs in matrices):
+        return kind, None
+    return kind, tuple(run for k, rows, runs in matrices for run in (runs or ((k, rows),)))
+
+
+def stack_rows(matrices: list[BlockQuantized]) -> BlockQuantized:
+    """Block-quantized matrices stacked along N (q, k, v into one qkv): of one kind, as they are; of
+    several (a llama.cpp mix: Q5_0 q and k beside a Q8_0 v, Q4_K beside Q6_K), their codes widened
+    to int8 (Q4_0's q - 8), scales and mins as they are, in groups of the smallest (a group of 32
+    beside groups of 16 gives its scale and min to both its halves): the same weights, exactly."""
+    first = matrices[0]
+    kind, row_kinds = stacked_kind([(m.kind, m.shape[0], m.row_kinds) for m in matrices])
+    if all(m.kind == first.kind for m in matrices):
+        return BlockQuantized(first.kind, torch.cat([m.codes for m in matrices]), torch.cat([m.scales for m in matrices]),
+                              None if first.mins is None else torch.cat([m.mins for m in matrices]))
+    group = min(m.group for m in matrices)
+    codes = [(m.codes.to(torch.int8) - 8 if m.kind == "Q4_0" else m.codes.to(torch.int8)) for m in matrices]
+    scales = [m.scales.repeat_interleave(m.group // group, dim=1) for m in matrices]
+    mins = [torch.zeros_like(s) if m.mins is None else m.mins.repeat_interleave(m.group // group, dim=1)
+            for m, s in zip(matrices, scales, strict=True)]
+    with_mins = any(m.mins is not None for m in matrices)
+    return BlockQuantized(kind, torch.cat(codes), torch.cat(scales), torch.cat(mins) if with_mins else None, row_kinds)
+
+
+@dataclass(frozen=True)
+class FileRows:
+    """Rows of one block-quantized tensor, still in its file's bytes."""
+
+    kind: str  # a key of ggml_blocks.BLOCK_TYPES
+    raw: np.ndarray = field(repr=False)  # [n, bytes a row] uint8: rows of `file`'s map, or a copy of them (file None)
+    file: GGUFFile | None = field(repr=False)
+    order: torch.Tensor | None = None  # [N] int64: the row of raw each row is (None: raw's rows, in order)
+
+    @property
+    def num_rows(self) -> int:
+        return self.raw.shape[0] if self.order is None else self.order.shape[0]
+
+    @property
+    def width(self) -> int:
+        """K, the weights a row holds."""
+        block = BLOCK_TYPES[self.kind]
+        return self.raw.shape[1] // block.nbytes * block.weights
+
+    def decode(self) -> BlockQuantized:
+        """The rows unpacked (a copy), their pages of the map handed back (GGUFFile.release)."""
+        raw = self.raw if self.order is None else self.raw[self.order.numpy()]
+        decoded = decode_blocks(raw, self.kind)
+        if self.file is not None:
+            self.file.release(self.raw)
+        return decoded
+
+
+@dataclass(frozen=True)
+class FileBlocks:
+    """A block-quantized matrix [N, K] still in its GGUF file: rows of one or more of the file's
+    tensors stacked along N (q, k and v as one qkv; one expert's gate and up, cut from the stacked
+    experts), each a view of the file's memory map. It answers the weight protocol
+    (nanoserve.model.forms) as the BlockQuantized it decodes to, decoding for each call; a layout
+    decodes it once (`decode`), so a model holds one matrix's codes at a time on its way to its
+    kernels' forms. The file stays mapped while one is alive (`in_memory`: a copy of its bytes)."""
+
+    pieces: tuple[FileRows, ...]
+
+    def __post_init__(self) -> None:
+        widths = {piece.width for piece in self.pieces}
+        if len(widths) != 1:
+            raise ValueError(f"stacked rows need one width K; got {sorted(widths)}")
+
+    @property
+    def kind(self) -> str:
+        return stacked_kind([(p.kind, p.num_rows, None) for p in self.pieces])[0]
+
+    @property
+    def row_kinds(self) -> tuple[tuple[str, int], ...] | None:
+        return stacked_kind([(p.kind, p.num_rows, None) for p in self.pieces])[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K), the dense matrix's shape."""
+        return sum(p.num_rows for p in self.pieces), self.pieces[0].width
+
+    @property
+    def form(self) -> Form:
+        return Form(STORED, "float32", stored=self.kind)
+
+    def decode(self) -> BlockQuantized:
+        """The matrix unpacked (nanoserve.model.ggml_blocks), a copy; the map's pages handed back."""
+        decoded = [piece.decode() for piece in self.pieces]
+        return decoded[0] if len(decoded) == 1 else stack_rows(decoded)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode()(x)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.decode().dequantize(dtype)
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        return {"stored": sum(p.num_rows * p.raw.shape[1] for p in self.pieces)}
+
+    def c_form(self, regroup: Regroup) -> None:
+        return None
+
+    def rows(self, index: torch.Tensor) -> FileBlocks | BlockQuantized:
+        """The rows index [M] int64, still in the file (one tensor's rows; stacked ones are decoded)."""
+        if len(self.pieces) > 1:
+            return self.decode().rows(index)
+        (piece,) = self.pieces
+        order = index if piece.order is None else piece.order.index_select(0, index)
+        return FileBlocks((replace(piece, order=order),))
+
+    def row_range(self, start: int, stop: int) -> FileBlocks | BlockQuantized:
+        """Rows start .. stop - 1 (one expert of a stacked [X N, K] tensor), a view of the same bytes."""
+        (piece,) = self.pieces
+        if piece.order is not None:
+            return self.rows(torch.arange(start, stop))
+        return FileBlocks((replace(piece, raw=piece.raw[start:stop]),))
+
+    def in_memory(self) -> FileBlocks:
+        """The same rows with their bytes copied out of the map (the file may change or go)."""
+        return FileBlocks(tuple(FileRows(p.kind, np.array(p.raw if p.order is None else p.raw[p.order.numpy()]),
+                                         None) for p in self.pieces))
+
+
 @dataclass(frozen=True)
 class GGUFTensor:
     name: str
@@ -139,7 +277,19 @@ class GGUFFile:
 
     metadata: dict[str, Any]  # key -> int, float, bool, str or a list of them
     tensors: dict[str, GGUFTensor]  # in file order
-    mapped: np.ndarray  # [file bytes] uint8
+    mapped: np.ndarray  # [file bytes] uint8, read-only, over `mapping`
+    mapping: mmap.mmap | None  # the map itself (None for an empty file)
+
+    def release(self, raw: np.ndarray) -> None:
+        """Takes the pages under `raw` (contiguous bytes of `mapped`) out of this process's resident
+        memory once they have been read: madvise(MADV_DONTNEED) on a read-only file mapping drops the
+        process's page-table entries only, so the file stays mapped and a later read faults the same
+        bytes back in from the page cache."""
+        if self.mapping is None or raw.size == 0 or not hasattr(self.mapping, "madvise"):
+            return
+        start = raw.__array_interface__["data"][0] - self.mapped.__array_interface__["data"][0]
+        first = start - start % mmap.PAGESIZE
+        self.mapping.madvise(mmap.MADV_DONTNEED, first, start + raw.nbytes - first)
 
     def type_name(self, name: str) -> str:
         type_id = self.tensors[name].type_id
@@ -210,7 +360,11 @@ def read_gguf_file(path: str | Path) -> GGUFFile:
             breaks any of the above, naming the file, the field, the value and the limit.
     """
     file = find_gguf(path)
-    mapped = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else np.zeros(0, np.uint8)
+    mapping = None
+    if file.stat().st_size:
+        with open(file, "rb") as f:  # the map keeps its own reference to the file
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    mapped = np.frombuffer(mapping, dtype=np.uint8) if mapping is not None else np.zeros(0, np.uint8)
     buf = memoryview(mapped)
     size = len(buf)
     pos = 0
@@ -301,7 +455,7 @@ def read_gguf_file(path: str | Path) -> GGUFFile:
             raise ValueError(f"{file}: tensor {name!r} needs {nbytes} bytes at byte {data_start + offset}; the file "
                              f"ends at byte {size} (truncated?)")
         expected = -(-(offset + nbytes) // alignment) * alignment
-    return GGUFFile(metadata, tensors, mapped)
+    return GGUFFile(metadata, tensors, mapped, mapping)
 
 
 def _nbytes(type_id: int, shape: tuple[int, ...]) -> int | None:
@@ -334,12 +488,13 @@ class GGUFArchitecture:
     # adds it back (LlamaConfig.norm_offset).
     norm_shift: float = 0.0
 
-    def as_hf(self, name: str, value: torch.Tensor | BlockQuantized, head_dim: int) -> torch.Tensor | BlockQuantized:
+    def as_hf(self, name: str, value: torch.Tensor | BlockQuantized | FileBlocks,
+              head_dim: int) -> torch.Tensor | BlockQuantized | FileBlocks:
         """A tensor read from the file (`name`: its HF name) in Hugging Face's convention."""
         if self.permutes_qk and name.split(".")[-2] in ("q_proj", "k_proj"):
             # rows are output channels (blocks run along K); the interleaving is within each head
             order = qk_row_order(value.shape[0], value.shape[0] // head_dim)
-            value = value.rows(order) if isinstance(value, BlockQuantized) else value.index_select(0, order)
+            value = value.index_select(0, order) if isinstance(value, torch.Tensor) else value.rows(order)
         if self.norm_shift and name.endswith("norm.weight"):
             value = value.float() - self.norm_shift
         return value
@@ -700,7 +855,19 @@ def hf_name(gguf_name: str, names: dict[str, str]) -> str:
 
 
 def load_tensor(parsed: GGUFFile, name: str) -> torch.Tensor | BlockQuantized:
-    """One tensor in GGUF row order: BlockQuantized [N, K], or dense (copied out of the map, own dtype).
+    """One tensor in GGUF row order: BlockQuantized [N, K] (decoded), or dense (copied out of the
+    map, own dtype).
+
+    Raises:
+        ValueError: file_tensor's.
+    """
+    value = file_tensor(parsed, name)
+    return value.decode() if isinstance(value, FileBlocks) else value
+
+
+def file_tensor(parsed: GGUFFile, name: str) -> torch.Tensor | FileBlocks:
+    """One tensor in GGUF row order: FileBlocks [N, K], still in the file, or dense (copied out of
+    the map, own dtype, its pages handed back).
 
     Raises:
         ValueError: naming the tensor and its GGUF type when that type is not in GGUF_TYPES_SERVED.
@@ -714,19 +881,21 @@ def load_tensor(parsed: GGUFFile, name: str) -> torch.Tensor | BlockQuantized:
         if len(tensor.shape) not in (2, 3):
             raise ValueError(f"tensor {name!r} is {kind} of shape {tensor.shape}: only matrices and stacks of them "
                              "are read")
-        return decode_blocks(data, kind)  # a stack [X, N, K] as its [X N, K] rows
+        return FileBlocks((FileRows(kind, data, parsed),))  # a stack [X, N, K] as its [X N, K] rows
     dense = torch.from_numpy(np.array(data))  # a copy: writable memory the tensor owns, not the file's pages
+    parsed.release(data)
     return dense.view(torch.bfloat16) if kind == "BF16" else dense
 
 
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x's rope scaling as llama.cpp's converter writes it: [D / 2] divisors
 
 
-def load_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor | BlockQuantized]]:
+def load_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor | FileBlocks]]:
     """The config and Hugging Face-named tensors of a GGUF file (path: the file or its directory).
 
-    Quantized matrices (every type in ggml_blocks.BLOCK_TYPES) come back as BlockQuantized [N, K];
-    F32/F16/BF16 as dense tensors in their own dtype. q_proj/k_proj rows come back in HF order.
+    Quantized matrices (every type in ggml_blocks.BLOCK_TYPES) come back as FileBlocks [N, K], still
+    in the file (a stacked tensor's experts each a view of its rows); F32/F16/BF16 as dense tensors
+    in their own dtype. q_proj/k_proj rows come back in HF order.
     lm_head.weight is present only when the file has its own output.weight
     (config.tie_word_embeddings is False). rope_freqs.weight goes into the config.
 
@@ -740,16 +909,16 @@ def load_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor | B
     _, spec = architecture_of(parsed)
     names = names_of(spec, config)
     check_tensor_infos(parsed, config, names)
-    tensors: dict[str, torch.Tensor | BlockQuantized] = {}
+    tensors: dict[str, torch.Tensor | FileBlocks] = {}
     for gguf_name in parsed.tensors:
         if gguf_name in ROPE_TENSORS:
             continue
         name = hf_name(gguf_name, names)
-        value = load_tensor(parsed, gguf_name)
-        if EXPERTS in name:  # [X, N, K] stacked: expert j is a view of its rows, decoded once for all
+        value = file_tensor(parsed, gguf_name)
+        if EXPERTS in name:  # [X, N, K] stacked: expert j is a view of its rows, decoded on its own
             X, N = parsed.tensors[gguf_name].shape[:2]
             for j in range(X):
-                tensors[name.format(j=j)] = (value.row_range(j * N, (j + 1) * N) if isinstance(value, BlockQuantized)
+                tensors[name.format(j=j)] = (value.row_range(j * N, (j + 1) * N) if isinstance(value, FileBlocks)
                                              else value[j])
             continue
         if name.endswith("shared_expert_gate.weight"):

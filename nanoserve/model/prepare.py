@@ -17,6 +17,7 @@ from nanoserve.model import blockdot
 from nanoserve.model.driver import Driver
 from nanoserve.model.forms import STORED, Dense, Form, FormKind, Weight, as_weight, pack
 from nanoserve.model.fused_decode import fused_decode
+from nanoserve.model.gguf import FileBlocks
 from nanoserve.model.llama import (
     MATMULS,
     LayerWeights,
@@ -34,9 +35,13 @@ from nanoserve.model.rope import local_rope_table, rope_table
 
 def _laid_out_weight(w: Weight, form: Form, pack_weights: bool) -> Weight:
     """`w` in `form`: itself where it is in that form already, else built from its dense matrix or
-    its stored quantized one (a tensor-parallel slice keeps its all-reduce, summed as the form says)."""
+    its stored quantized one (a tensor-parallel slice keeps its all-reduce, summed as the form says).
+    A matrix still in its file is decoded here, and its codes are garbage once laid out: a layout
+    holds one matrix's codes at a time."""
     if w.form == form:
         return w
+    if isinstance(w, FileBlocks):
+        w = w.decode()
     if form.all_reduced:  # a tensor-parallel slice: its matrix laid out, its all-reduce kept
         inner = _laid_out_weight(w.inner, dataclasses.replace(form, all_reduced=False, in_rank_order=False),
                                  pack_weights)
@@ -64,7 +69,8 @@ KERNEL_OF = {FormKind.BLOCKDOT: "blockdot", FormKind.BLOCKDOT_INT8: "blockdot-in
 
 def laid_out(model: LlamaModel, plan: ExecutionPlan) -> LlamaModel:
     """A model whose matmul weights are in the plan's forms and which computes in its dtype; a dense
-    embedding follows the dtype (a quantized one stays as stored: a lookup dequantizes its rows);
+    embedding follows the dtype (a quantized one stays as stored, its bytes copied out of the file
+    where it was still there: a lookup decodes its rows);
     the norms stay float32, as the residual stream does. `model` itself where nothing changes.
 
     Raises:
@@ -91,7 +97,8 @@ def laid_out(model: LlamaModel, plan: ExecutionPlan) -> LlamaModel:
         return model
     prepared = copy.copy(model)
     prepared.layers = layers
-    prepared.embed = model.embed.to(dtype) if isinstance(model.embed, torch.Tensor) else model.embed
+    prepared.embed = (model.embed.to(dtype) if isinstance(model.embed, torch.Tensor)
+                      else model.embed.in_memory() if isinstance(model.embed, FileBlocks) else model.embed)
     if model.lm_head is model.embed and isinstance(head, QuantLinear) and head.looks_up:
         prepared.embed = head  # a tied table on file-bit panels: lookups read the head's rows, held once
     prepared.lm_head = prepared.embed if model.lm_head is model.embed else model.lm_head

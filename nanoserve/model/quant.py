@@ -55,7 +55,7 @@ from nanoserve.model.forms import (
     pack,
 )
 from nanoserve.model.ggml_blocks import BLOCK_TYPES, parts
-from nanoserve.model.gguf import BLOCK, BlockQuantized
+from nanoserve.model.gguf import BLOCK, BlockQuantized, FileBlocks, stack_rows
 
 GROUP = BLOCK  # 32: the group size of every int4 layout here
 KERNELS = ("torch", "blockdot", "blockdot-int8")  # who runs a quantized linear's few-row passes
@@ -129,31 +129,17 @@ def quantize_int4(w: torch.Tensor) -> BlockQuantized:
 
 
 
-def cat_rows(matrices: list[torch.Tensor | Stored]) -> torch.Tensor | Stored:
-    """Stacks matrices along N (q, k, v into one qkv): quantized matrices of one kind stay as they
-    are; of several kinds (a llama.cpp mix: Q5_0 q and k beside a Q8_0 v, Q4_K beside Q6_K), their
-    codes widened to int8 (Q4_0's q - 8), scales and mins as they are, in groups of the smallest
-    (a group of 32 beside groups of 16 gives its scale and min to both its halves): the same
-    weights, exactly; anything else mixed becomes dense float32."""
+def cat_rows(matrices: list[torch.Tensor | Stored | FileBlocks]) -> torch.Tensor | Stored | FileBlocks:
+    """Stacks matrices along N (q, k, v into one qkv): quantized matrices still in their file stay
+    there, stacked when decoded; decoded ones are stacked by gguf.stack_rows (of one kind as they
+    are; of several, codes widened to int8: the same weights, exactly); anything else mixed becomes
+    dense float32."""
     if all(isinstance(m, torch.Tensor) for m in matrices):
         return torch.cat(matrices).contiguous()
-    first = matrices[0]
+    if all(isinstance(m, FileBlocks) for m in matrices):
+        return FileBlocks(tuple(piece for m in matrices for piece in m.pieces))
     if all(isinstance(m, BlockQuantized) for m in matrices):
-        if all(m.kind == first.kind for m in matrices):
-            return BlockQuantized(first.kind, torch.cat([m.codes for m in matrices]),
-                                  torch.cat([m.scales for m in matrices]),
-                                  None if first.mins is None else torch.cat([m.mins for m in matrices]))
-        group = min(m.group for m in matrices)
-        with_mins = any(m.mins is not None for m in matrices)
-        codes = [(m.codes.to(torch.int8) - 8 if m.kind == "Q4_0" else m.codes.to(torch.int8)) for m in matrices]
-        scales = [m.scales.repeat_interleave(m.group // group, dim=1) for m in matrices]
-        mins = [torch.zeros_like(s) if m.mins is None else m.mins.repeat_interleave(m.group // group, dim=1)
-                for m, s in zip(matrices, scales, strict=True)]
-        kind = "+".join(sorted({part for m in matrices for part in parts(m.kind)}))
-        runs = [m.row_kinds or ((m.kind, m.shape[0]),) for m in matrices]
-        known = all("+" not in m.kind or m.row_kinds for m in matrices)
-        return BlockQuantized(kind, torch.cat(codes), torch.cat(scales), torch.cat(mins) if with_mins else None,
-                              tuple(run for r in runs for run in r) if known else None)
+        return stack_rows(matrices)
     if all(isinstance(m, ChannelInt8) for m in matrices):
         return ChannelInt8(torch.cat([m.codes for m in matrices]), torch.cat([m.scales for m in matrices]))
     return torch.cat([m.float() if isinstance(m, torch.Tensor) else m.dequantize() for m in matrices]).contiguous()
@@ -342,7 +328,8 @@ def quant_linear(w: Stored, dtype: torch.dtype, max_kernel_rows: int | None, pac
     return QuantLinear(passes, dense, max_kernel_rows, w.shape, dtype)
 
 
-def embedding(ids: torch.Tensor, table: torch.Tensor | Stored | QuantLinear, dtype: torch.dtype) -> torch.Tensor:
+def embedding(ids: torch.Tensor, table: torch.Tensor | Stored | FileBlocks | QuantLinear,
+              dtype: torch.dtype) -> torch.Tensor:
     """ids [T] -> rows [T, E] in `dtype`; a quantized table dequantizes only the rows it looks up."""
     if isinstance(table, torch.Tensor):
         return F.embedding(ids, table).to(dtype)
