@@ -135,10 +135,11 @@ class FusedDecode:
         lib, shape, T = self.kernel.lib, self.shape, h.shape[0]
         io_bf16 = int(self.dtype == torch.bfloat16)
 
-        def add_norm(add: torch.Tensor | None, add_norm: torch.Tensor | None,
+        def add_norm(add: torch.Tensor | None, out_norm: torch.Tensor | None,
                      norm: torch.Tensor | None) -> torch.Tensor | None:
+            """h += add (normed by out_norm first, where given); x = h normed by `norm` (None: no x)."""
             x = None if norm is None else torch.empty(T, shape.E, dtype=self.dtype)  # [T, E]
-            lib.fused_add_norm(h.data_ptr(), None if add is None else add.contiguous().data_ptr(), _address(add_norm),
+            lib.fused_add_norm(h.data_ptr(), None if add is None else add.contiguous().data_ptr(), _address(out_norm),
                                _address(norm), _address(x), io_bf16, T, shape.E, shape.eps, torch.get_num_threads())
             return x
 
