@@ -160,12 +160,15 @@ def test_chunks_prefix_hits_and_preemption_all_happen_and_change_nothing(path_na
 
 
 # The families fused_decode.c runs, each switch on: a qkv bias, per-head q/k norms, sliding windows
-# (shorter than the prompts, on some layers or all).
+# (shorter than the prompts, on some layers or all); Gemma 3's sandwich norms, GELU gate, query scale
+# and its windowed layers' own rope table.
 FAMILIES = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 16}),
     "mistral-window": ("mistral", {"sliding_window": 6}),
     "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 7, "max_window_layers": 1}),
+    "gemma3": ("gemma3", {"sliding_window": 6, "sliding_window_pattern": 2, "query_pre_attn_scalar": 12,
+                          "rope_local_base_freq": 100.0}),
 }
 
 
@@ -196,8 +199,9 @@ def test_the_plan_says_which_choices_rule_invariance_out():
     asked = resolve_plan(config_of(dtype="float32", quantization=None, batch_invariant=True), model)
     assert not asked.exact and asked.is_batch_invariant and asked.mixed == "c-one-call"
     assert {m.form.name for m in asked.matrices} == {"dense-panels"}
-    gemma = resolve_plan(config_of(dtype="float32", quantization="int4"), nanoserve_model_from_hf(tiny_model("gemma")))
-    assert not gemma.is_batch_invariant and any("no C decode" in choice for choice, _, _ in gemma.batch_invariant)
+    gemma2 = resolve_plan(config_of(dtype="float32", quantization="int4"),
+                          nanoserve_model_from_hf(tiny_model("gemma2", attn_logit_softcapping=2.0)))
+    assert not gemma2.is_batch_invariant and any("no C decode" in choice for choice, _, _ in gemma2.batch_invariant)
     with pytest.raises(ValueError, match="batch_invariant"):
         EngineConfig(batch_invariant="yes")
 

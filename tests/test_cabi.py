@@ -68,8 +68,8 @@ def test_a_mirror_with_two_fields_swapped_is_refused_naming_both_offsets():
     with pytest.raises(OSError) as caught:
         cabi.check_layout(layout, {"fused_shape": swapped_shape()})
     assert str(caught.value) == (
-        "the library's structs are not laid out as their ctypes mirrors: struct fused_shape field eps at offset 72 "
-        "in C, 76 in SwappedShape; struct fused_shape field scale at offset 76 in C, 72 in SwappedShape")
+        "the library's structs are not laid out as their ctypes mirrors: struct fused_shape field eps at offset 80 "
+        "in C, 84 in SwappedShape; struct fused_shape field scale at offset 84 in C, 80 in SwappedShape")
 
 
 def test_a_mirror_with_a_narrower_or_missing_field_is_refused():
@@ -81,8 +81,8 @@ def test_a_mirror_with_a_narrower_or_missing_field_is_refused():
     assert str(caught.value) == ("the library's structs are not laid out as their ctypes mirrors: struct fused_layer "
                                  "field window is 8 bytes in C, 4 in Narrow")  # moe aligned to the same offset 128
     Short = type("Short", (ctypes.Structure,), {"_fields_": cabi.FusedLayer._fields_[:-1]})
-    with pytest.raises(OSError, match=r"struct fused_layer is 136 bytes in C, 128 in Short; "
-                                      r"struct fused_layer field moe is in C only$"):
+    with pytest.raises(OSError, match=r"struct fused_layer is 168 bytes in C, 160 in Short; "
+                                      r"struct fused_layer field sin is in C only$"):
         cabi.check_layout(layout, {"fused_layer": Short})
     with pytest.raises(OSError, match="struct fused_shape is not in the library's layout table"):
         cabi.check_layout({}, {"fused_shape": cabi.FusedShape})
@@ -92,11 +92,11 @@ def test_a_mirror_with_a_narrower_or_missing_field_is_refused():
 def test_the_compilers_layout_is_the_mirrors_and_a_wrong_mirror_fails_the_load(monkeypatch):
     layout = cabi.c_layout(blockdot.library().lib)
     assert layout == layout_of(cabi.MIRRORS)
-    # nine int64 fields (E .. amx_rows) before eps: 9 * 8 = 72
-    assert layout["fused_shape"]["eps"] == (72, 4) and layout["fused_layer"][None] == (0, 136)
+    # ten int64 fields (E .. activation) before eps: 10 * 8 = 80; fused_layer: 21 fields of 8 bytes
+    assert layout["fused_shape"]["eps"] == (80, 4) and layout["fused_layer"][None] == (0, 168)
     # the whole way: load refuses the build, and library() reports it as its failure
     monkeypatch.setattr(cabi, "MIRRORS", {**cabi.MIRRORS, "fused_shape": swapped_shape()})
-    with pytest.raises(OSError, match="struct fused_shape field eps at offset 72 in C, 76 in SwappedShape"):
+    with pytest.raises(OSError, match="struct fused_shape field eps at offset 80 in C, 84 in SwappedShape"):
         cabi.load()
     monkeypatch.setattr(blockdot, "_library", None)
     monkeypatch.setattr(blockdot, "_failure", None)

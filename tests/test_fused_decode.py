@@ -363,6 +363,15 @@ FAMILIES = {
     "phi3-longrope": ("phi3", {"pad_token_id": 0, "max_position_embeddings": 256, "original_max_position_embeddings": 4,
                                "rope_scaling": {"type": "longrope", "short_factor": [1.0, 2.0, 5.0, 30.0],
                                                 "long_factor": [1.0, 2.0, 5.0, 30.0]}}),
+    # Gemma: the embedding scaled, norms by (1 + w), GELU's tanh form
+    "gemma-gelu": ("gemma", {}),
+    # Gemma 3 (1B's heads: four query heads of 256 on one K/V head): sandwich norms, per-head q/k norms,
+    # a query scale of its own; windowed layer 0 on its own rope base of 100, global layer 1 on 10000
+    # slowed 8x (linear)
+    "gemma3-sandwich-local-rope": ("gemma3", {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                                              "sliding_window": 6, "sliding_window_pattern": 2,
+                                              "query_pre_attn_scalar": 12, "rope_local_base_freq": 100.0,
+                                              "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
 }
 
 
@@ -392,8 +401,6 @@ def test_family_switches_equal_transformers(name, layout):
 
 @needs_build
 @pytest.mark.parametrize("family, overrides, switches", [
-    ("gemma3", {"sliding_window": 6, "sliding_window_pattern": 2},
-     "['sandwich_norms', 'activation', 'rope_local_theta']"),
     ("phi3", {"pad_token_id": 0, "partial_rotary_factor": 0.5}, "['partial_rotary_factor']"),
     ("smollm3", {"pad_token_id": 0, "num_hidden_layers": 4}, "['no_rope_layers']"),
 ])
@@ -409,7 +416,7 @@ def test_families_and_layouts_it_cannot_run_are_named():
     gemma = fused_engine(make_hf_model("gemma2", seed=14, sliding_window=6, query_pre_attn_scalar=12,
                                        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, head_dim=16))
     assert gemma.model.fused_layers is None
-    why = "the family's ['sandwich_norms', 'attn_logit_softcap', 'activation'] are not in fused_decode.c"
+    why = "the family's ['attn_logit_softcap'] are not in fused_decode.c"
     assert why_not(gemma.model.config, CPU) == why and f"no C decode: {why}" in gemma.plan.reasons
     torch_kernels = fused_engine(make_hf_llama(seed=14), kernels="torch")
     assert torch_kernels.model.fused_layers.forms == [] and torch_kernels.plan.decode == "c-per-layer"

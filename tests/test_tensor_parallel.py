@@ -277,12 +277,17 @@ def test_a_model_that_does_not_split_is_refused_before_any_process_starts(tmp_pa
 
 # Its paths for the ranks: blockdot's int4 with x rounded to int16 from one row in bf16, and dense
 # panels in float32; 3 ranks (6 heads over 3 key/value heads) sum each partial over more than two.
-# int4 reads groups of 32: a rank's share of o's input (its heads' H_r D) must be a multiple.
+# int4 reads groups of 32: a rank's share of o's input (its heads' H_r D) must be a multiple. Gemma 3's
+# sandwich norms (on o's and down's sums over the ranks), GELU gate and windowed layers' own rope table.
 INVARIANT_CASES = {
-    "tp2-bf16-int4": (2, {"head_dim": 16}, {"dtype": "bfloat16", "quantization": "int4"}),
-    "tp2-float32-dense": (2, {}, {"dtype": "float32", "quantization": None, "batch_invariant": True}),
-    "tp3-float32-int4": (3, {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16,
-                             "intermediate_size": 96}, {"dtype": "float32", "quantization": "int4"}),
+    "tp2-bf16-int4": (2, "llama", {"head_dim": 16}, {"dtype": "bfloat16", "quantization": "int4"}),
+    "tp2-float32-dense": (2, "llama", {}, {"dtype": "float32", "quantization": None, "batch_invariant": True}),
+    "tp3-float32-int4": (3, "llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3,
+                                      "head_dim": 16, "intermediate_size": 96},
+                         {"dtype": "float32", "quantization": "int4"}),
+    "tp2-gemma3-float32-dense": (2, "gemma3", {"sliding_window": 6, "sliding_window_pattern": 2,
+                                               "query_pre_attn_scalar": 12, "rope_local_base_freq": 100.0},
+                                 {"dtype": "float32", "quantization": None, "batch_invariant": True}),
 }
 
 
@@ -297,8 +302,8 @@ def test_ranks_answer_a_request_as_it_is_answered_alone_under_any_load(tmp_path,
     # test_batch_invariance's hard load (chunks of 5 tokens, prefix-cache hits, preemption, deferred
     # output, greedy and seeded rows) on every rank: each request's tokens and logprobs (the exact
     # floats) are those of the request alone in a quiet engine of the same ranks.
-    size, overrides, path = INVARIANT_CASES[case]
-    checkpoint = tiny_checkpoint(tmp_path, "llama", None, **overrides)
+    size, family, overrides, path = INVARIANT_CASES[case]
+    checkpoint = tiny_checkpoint(tmp_path, family, None, **overrides)
     with Engine.from_pretrained(checkpoint, invariant_config(size, path, max_num_seqs=6, max_num_batched_tokens=5,
                                                              num_kv_blocks=48, deferred_output=True)) as busy:
         plan = busy.plan

@@ -68,7 +68,7 @@ class FusedShape(ctypes.Structure):
     """struct fused_shape (fused_decode.c): the model's dimensions and the cache's form."""
 
     _fields_ = [(name, _i64) for name in ("E", "H", "Hkv", "D", "I", "block_size", "kv_kind", "int16_rows",
-                                          "amx_rows")] + [
+                                          "amx_rows", "activation")] + [
         ("eps", _f32), ("scale", _f32)]
 
 
@@ -77,7 +77,8 @@ class FusedLayer(ctypes.Structure):
 
     _fields_ = [(name, _p) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")] + [
         (f"{name}_planes", _i64) for name in ("qkv", "o", "gate_up", "down")] + [
-        (name, _p) for name in ("k_cache", "v_cache", "qkv_bias", "q_norm", "k_norm")] + [("window", _i64), ("moe", _p)]
+        (name, _p) for name in ("k_cache", "v_cache", "qkv_bias", "q_norm", "k_norm")] + [("window", _i64), ("moe", _p)] + [
+        (name, _p) for name in ("attn_out_norm", "mlp_out_norm", "cos", "sin")]
 
 
 class FusedMoe(ctypes.Structure):
@@ -121,11 +122,11 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     # slot_mapping, tables, nb, cos, sin, nthreads -> 0, or -1 out of memory
     "fused_decode": ([_shape, _layer, _i64, _p, _i64, _p, _p, _p, _i64, _p, _p, _i32], _i32),
     # ... and its pieces for steps whose matmuls torch runs: shape, layer, qkv, att, io_bf16, T, positions,
-    # slot_mapping, tables, nb, cos, sin, nthreads; h, add, w, x, io_bf16, T, E, eps, nthreads; gu, out,
-    # io_bf16, T, I, nthreads
+    # slot_mapping, tables, nb, cos, sin, nthreads; h, add, add_norm, w, x, io_bf16, T, E, eps, nthreads; gu,
+    # out, io_bf16, T, I, activation, nthreads
     "fused_attention": ([_shape, _layer, _p, _p, _i32, _i64, _p, _p, _p, _i64, _p, _p, _i32], _i32),
-    "fused_add_norm": ([_p, _p, _p, _p, _i32, _i64, _i64, _f32, _i32], None),
-    "fused_silu_mul": ([_p, _p, _i32, _i64, _i64, _i32], None),
+    "fused_add_norm": ([_p, _p, _p, _p, _p, _i32, _i64, _i64, _f32, _i32], None),
+    "fused_gate_mul": ([_p, _p, _i32, _i64, _i64, _i64, _i32], None),
     # a sparse layer's MLP between them: shape, moe, x, out, io_bf16, T, nthreads -> 0, or -1 out of memory
     "fused_moe": ([_shape, _moe, _p, _p, _i32, _i64, _i32], _i32),
     # the cache's rounding and widening (x, cache, n, kind) and (cache, out, n, kind): for the tests

@@ -2,7 +2,7 @@
  * region, for a Llama-family model whose four matmuls per layer are in blockdot's panels (blockdot.c)
  * or dense panels of float32 or bf16 (blockdot.c's dense_tasks): a decode step's rows (one query per
  * sequence), and on the batch-invariant plan every step, each prompt token a row like a decode's.
- * And the same glue in three calls a layer (fused_attention, fused_add_norm, fused_silu_mul) for
+ * And the same glue in three calls a layer (fused_attention, fused_add_norm, fused_gate_mul) for
  * steps whose matmuls run outside it: the weights' own linears (decode steps wider than the one call
  * takes, forms C does not read), or a tensor-parallel rank's slices on blockdot's or dense panels, whose o
  * and down are summed over the ranks between the calls (the plan's c-per-layer and
@@ -25,15 +25,17 @@
  * context is cut into parts of at most PART keys by its own length; each part's softmax is two-pass,
  * over a per-thread scratch of the scores, and the parts are merged in order. Per layer, for rows r of T:
  *   x = rms_norm(h) * input_norm;  q, k, v = x @ qkv^T (+ qkv_bias);  q, k heads normed (q_norm,
- *   k_norm) and rotated (rotate-half, cos/sin of r's position);  k, v written to the cache at
- *   slot_mapping[r];  a = softmax(scale q . K^T) V over r's context (positions 0 .. position[r], the
- *   last W of them in a windowed layer, through its block table);  h += a @ o^T;
- *   x = rms_norm(h) * post_norm;  g, u = x @ gate_up^T;  h += (silu(g) u) @ down^T;
+ *   k_norm) and rotated (rotate-half, cos/sin of r's position: the layer's own table where it has
+ *   one);  k, v written to the cache at slot_mapping[r];  a = softmax(scale q . K^T) V over r's
+ *   context (positions 0 .. position[r], the last W of them in a windowed layer, through its block
+ *   table);  h += a @ o^T (normed first where the layer has attn_out_norm);
+ *   x = rms_norm(h) * post_norm;  g, u = x @ gate_up^T;  h += (act(g) u) @ down^T (act SiLU or GELU's
+ *   tanh form; the sum normed first where the layer has mlp_out_norm);
  * or, in a sparse layer (a mixture of experts, nanoserve/model/moe.py), h += moe_mlp(x): the router's
  * softmax and top k in float32, each expert some row chose multiplied once over its rows, each row's
  * k outputs summed in rank order by its routing weights (and a shared expert's, by its sigmoid gate).
  * The execution plan decides which steps run here; fused_decode.py's why_not, which families can
- * (no o bias, no sandwich norms, no softcap, SiLU).
+ * (no o bias, no softcap, rope on whole heads in every layer).
  */
 #include <math.h>
 #include <omp.h>
@@ -56,6 +58,10 @@ struct fused_layer {  /* one layer's weights and cache, as fused_decode.py lays 
   const float *q_norm, *k_norm;                  /* [D] float32: RMSNorm of each q and k head before rope (Qwen3) */
   int64_t window;                                /* W: a query at position p sees keys p - W + 1 .. p (Mistral) */
   const struct fused_moe *moe;                   /* a sparse layer's MLP in place of gate_up and down; NULL: dense */
+  const float *attn_out_norm, *mlp_out_norm;     /* [E] float32: RMSNorm of attention's and the MLP's outputs
+                                                    before their residual adds (Gemma 2 and 3's sandwich norms) */
+  const float *cos, *sin;                        /* [positions, D] float32: this layer's own rope table (Gemma 3's
+                                                    windowed layers); NULL: the step's */
 };
 
 /* A sparse layer's mixture of experts (nanoserve/model/moe.py), as fused_decode.py lays it out: each
@@ -77,6 +83,7 @@ struct fused_shape {
   int64_t kv_kind;     /* the K/V cache's dtype: KV_F32, KV_BF16, KV_F16, KV_Q8_0 or KV_Q4_0 */
   int64_t int16_rows;  /* from this many rows the matmuls take blockdot's int16 path (0: never) */
   int64_t amx_rows;    /* from this many rows file-bit panels multiply on AMX tiles (0: never) */
+  int64_t activation;  /* the MLP gate's: ACT_SILU or ACT_GELU_TANH */
   float eps, scale;
 };
 
@@ -96,14 +103,16 @@ static const struct layout_entry layout[] = {
   LAYOUT_STRUCT(fused_shape), LAYOUT_FIELD(fused_shape, E), LAYOUT_FIELD(fused_shape, H),
   LAYOUT_FIELD(fused_shape, Hkv), LAYOUT_FIELD(fused_shape, D), LAYOUT_FIELD(fused_shape, I),
   LAYOUT_FIELD(fused_shape, block_size), LAYOUT_FIELD(fused_shape, kv_kind), LAYOUT_FIELD(fused_shape, int16_rows),
-  LAYOUT_FIELD(fused_shape, amx_rows), LAYOUT_FIELD(fused_shape, eps), LAYOUT_FIELD(fused_shape, scale),
+  LAYOUT_FIELD(fused_shape, amx_rows), LAYOUT_FIELD(fused_shape, activation), LAYOUT_FIELD(fused_shape, eps),
+  LAYOUT_FIELD(fused_shape, scale),
   LAYOUT_STRUCT(fused_layer), LAYOUT_FIELD(fused_layer, input_norm), LAYOUT_FIELD(fused_layer, post_norm),
   LAYOUT_FIELD(fused_layer, qkv), LAYOUT_FIELD(fused_layer, o), LAYOUT_FIELD(fused_layer, gate_up),
   LAYOUT_FIELD(fused_layer, down), LAYOUT_FIELD(fused_layer, qkv_planes), LAYOUT_FIELD(fused_layer, o_planes),
   LAYOUT_FIELD(fused_layer, gate_up_planes), LAYOUT_FIELD(fused_layer, down_planes),
   LAYOUT_FIELD(fused_layer, k_cache), LAYOUT_FIELD(fused_layer, v_cache), LAYOUT_FIELD(fused_layer, qkv_bias),
   LAYOUT_FIELD(fused_layer, q_norm), LAYOUT_FIELD(fused_layer, k_norm), LAYOUT_FIELD(fused_layer, window),
-  LAYOUT_FIELD(fused_layer, moe),
+  LAYOUT_FIELD(fused_layer, moe), LAYOUT_FIELD(fused_layer, attn_out_norm), LAYOUT_FIELD(fused_layer, mlp_out_norm),
+  LAYOUT_FIELD(fused_layer, cos), LAYOUT_FIELD(fused_layer, sin),
   LAYOUT_STRUCT(fused_moe), LAYOUT_FIELD(fused_moe, router), LAYOUT_FIELD(fused_moe, gate_up),
   LAYOUT_FIELD(fused_moe, down), LAYOUT_FIELD(fused_moe, gate_up_planes), LAYOUT_FIELD(fused_moe, down_planes),
   LAYOUT_FIELD(fused_moe, shared_gate_up), LAYOUT_FIELD(fused_moe, shared_down), LAYOUT_FIELD(fused_moe, shared_gate),
@@ -255,6 +264,19 @@ static inline float exp_fast(float x) {
   p = p * r * r + r + 1.0f;
   const union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
   return p * two_n.f;
+}
+
+/* The MLP's gate, act(gate) up. GELU's tanh form is gate sigmoid(2 y), y = sqrt(2 / pi) (gate + 0.044715 gate^3),
+   since (1 + tanh y) / 2 = sigmoid(2 y): both it and SiLU are gate / (1 + e^(a gate (1 + c gate^2))) up, SiLU with
+   a = -1, c = 0 (exactly silu's gate / (1 + e^-gate)), GELU with a = -2 sqrt(2 / pi), c = 0.044715 (gate_of). */
+#define ACT_SILU 0
+#define ACT_GELU_TANH 1
+struct gate { float a, c; };
+static struct gate gate_of(int64_t activation) {
+  return activation == ACT_GELU_TANH ? (struct gate){-1.5957691216057308f, 0.044715f} : (struct gate){-1.0f, 0.0f};
+}
+static inline float gated(float gate, float up, struct gate g) {
+  return gate / (1.0f + exp_fast(g.a * gate * (1.0f + g.c * gate * gate))) * up;
 }
 
 /* A layer's matmul y = x @ w^T on blockdot's panels (`planes` > 0: 1 or 2 with blockdot.c's F32_HEADS,
@@ -723,6 +745,7 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
                       const int64_t *positions, const int64_t *slot_mapping, const int64_t *tables, int64_t nb,
                       const float *cos, const float *sin, float *scratch, int64_t max_len) {
   const int64_t H = s->H, Hkv = s->Hkv, D = s->D, group = H / Hkv, NQKV = (H + 2 * Hkv) * D;
+  if (w->cos) cos = w->cos, sin = w->sin;  /* the layer's own table */
   #pragma omp for schedule(static)
   for (int64_t task = 0; task < T * Hkv; task++) {
     const int64_t r = task / Hkv, g = task % Hkv, pos = positions[r];
@@ -986,6 +1009,7 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
         *gu = out + sizes[4], *scores = gu + sizes[5], *moe_scratch = scores + sizes[6];
   const int q16 = s->int16_rows > 0 && T >= s->int16_rows;
   const int64_t amx_rows = s->amx_rows > 0 && blockdot_amx() ? s->amx_rows : 0;  /* asked before the team starts */
+  const struct gate act = gate_of(s->activation);
 
   /* Between the matmuls every row's work (norms, residual adds, the gate, blockdot's preparation of
      x) is split over the team by rows: at 16 rows the gate's 24,576 expf a layer alone took ~3 ms a
@@ -1011,27 +1035,27 @@ int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, 
       matmul(&in_att, att, T, H * D, E, w->o, w->o_planes, out);
       #pragma omp for schedule(static)
       for (int64_t r = 0; r < T; r++) {
+        if (w->attn_out_norm) rms_norm(out + r * E, w->attn_out_norm, out + r * E, E, s->eps);
         for (int64_t i = r * E; i < (r + 1) * E; i++) h[i] += out[i];
         rms_norm(h + r * E, w->post_norm, x + r * E, E, s->eps);
         prepare_row(&in_e, E, w->moe ? 1 : w->gate_up_planes, r);  /* a sparse layer: for any of its matrices */
       }
       if (w->moe) {
         moe_mlp(w->moe, x, &in_e, T, E, (int)s->int16_rows, amx_rows, moe_work(w->moe, T, E, moe_scratch), out);
+      } else {
+        matmul(&in_e, x, T, E, 2 * I, w->gate_up, w->gate_up_planes, gu);
         #pragma omp for schedule(static)
-        for (int64_t i = 0; i < T * E; i++) h[i] += out[i];
-        continue;
-      }
-      matmul(&in_e, x, T, E, 2 * I, w->gate_up, w->gate_up_planes, gu);
-      #pragma omp for schedule(static)
-      for (int64_t r = 0; r < T; r++) {
-        #pragma omp simd
-        for (int64_t i = 0; i < I; i++) {
-          const float gate = gu[r * 2 * I + i], up = gu[r * 2 * I + I + i];
-          x[r * I + i] = gate / (1.0f + exp_fast(-gate)) * up;
+        for (int64_t r = 0; r < T; r++) {
+          #pragma omp simd
+          for (int64_t i = 0; i < I; i++) x[r * I + i] = gated(gu[r * 2 * I + i], gu[r * 2 * I + I + i], act);
+          prepare_row(&in_i, I, w->down_planes, r);
         }
-        prepare_row(&in_i, I, w->down_planes, r);
+        matmul(&in_i, x, T, I, E, w->down, w->down_planes, out);
       }
-      matmul(&in_i, x, T, I, E, w->down, w->down_planes, out);
+      if (w->mlp_out_norm) {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < T; r++) rms_norm(out + r * E, w->mlp_out_norm, out + r * E, E, s->eps);
+      }
       #pragma omp for schedule(static)
       for (int64_t i = 0; i < T * E; i++) h[i] += out[i];
     }
@@ -1071,26 +1095,32 @@ int fused_attention(const struct fused_shape *s, const struct fused_layer *w, co
   return 0;
 }
 
-/* h [T, E] float32 += add (float32 or bf16; NULL: nothing), then x = rms_norm(h) * w in float32
-   or bf16 (w NULL: no norm, x untouched); the rows split over nthreads threads. */
-void fused_add_norm(float *h, const void *add, const float *w, void *x, int io_bf16, int64_t T, int64_t E, float eps,
-                    int nthreads) {
+/* h [T, E] float32 += add (float32 or bf16; NULL: nothing), normed first where add_norm is given
+   (rms_norm(add) * add_norm: Gemma's sandwich norms), then x = rms_norm(h) * w in float32 or bf16 (w
+   NULL: no norm, x untouched); the rows split over nthreads threads. */
+void fused_add_norm(float *h, const void *add, const float *add_norm, const float *w, void *x, int io_bf16, int64_t T,
+                    int64_t E, float eps, int nthreads) {
   #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 1)
   for (int64_t r = 0; r < T; r++) {
     float normed[E];
     float *row = h + r * E;
-    if (add)
-      for (int64_t i = 0; i < E; i++)
-        row[i] += io_bf16 ? bf16_to_f32(((const uint16_t *)add)[r * E + i]) : ((const float *)add)[r * E + i];
+    if (add) {
+      widen(io_bf16 ? (const void *)((const uint16_t *)add + r * E) : (const void *)((const float *)add + r * E),
+            normed, E, io_bf16);
+      if (add_norm) rms_norm(normed, add_norm, normed, E, eps);
+      for (int64_t i = 0; i < E; i++) row[i] += normed[i];
+    }
     if (!w) continue;
     rms_norm(row, w, normed, E, eps);
     narrow(normed, io_bf16 ? (void *)((uint16_t *)x + r * E) : (void *)((float *)x + r * E), E, io_bf16);
   }
 }
 
-/* gu [T, 2 I] (gate, then up) -> out [T, I] = silu(gate) up, in float32 or bf16; the rows split over
-   nthreads threads (at 16 rows, 24,576 exponentials a layer: ~150 us on one thread on the Zen 5 as expf calls). */
-void fused_silu_mul(const void *gu, void *out, int io_bf16, int64_t T, int64_t I, int nthreads) {
+/* gu [T, 2 I] (gate, then up) -> out [T, I] = act(gate) up (activation: ACT_SILU or ACT_GELU_TANH), in
+   float32 or bf16; the rows split over nthreads threads (at 16 rows, 24,576 exponentials a layer: ~150 us
+   on one thread on the Zen 5 as expf calls). */
+void fused_gate_mul(const void *gu, void *out, int io_bf16, int64_t T, int64_t I, int64_t activation, int nthreads) {
+  const struct gate act = gate_of(activation);
   #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 1)
   for (int64_t r = 0; r < T; r++)
     for (int64_t i = 0; i < I; i++) {
@@ -1102,7 +1132,7 @@ void fused_silu_mul(const void *gu, void *out, int io_bf16, int64_t T, int64_t I
         gate = ((const float *)gu)[r * 2 * I + i];
         up = ((const float *)gu)[r * 2 * I + I + i];
       }
-      const float y = gate / (1.0f + exp_fast(-gate)) * up;
+      const float y = gated(gate, up, act);
       if (io_bf16) ((uint16_t *)out)[r * I + i] = f32_to_bf16(y);
       else ((float *)out)[r * I + i] = y;
     }

@@ -8,7 +8,7 @@ steps to (nanoserve.model.plan: which kinds and widths of step go to which):
 - `FusedDecode.per_layer` (Driver.C_PER_LAYER, and Driver.C_TENSOR_PARALLEL between a rank's
   all-reduces): the model's linears as their forms run them, and between them three C calls a layer
   in place of ~25 torch operations: rope, the K/V write and attention (fused_attention), the
-  residual add with the next norm (fused_add_norm), and the gate (fused_silu_mul), in the linears'
+  residual add with the next norm (fused_add_norm), and the gate (fused_gate_mul), in the linears'
   dtype at their edges and float32 inside.
 
 Why: at one sequence the default model's linears take 8-10 ms a step back to back, but 15 ms when
@@ -17,13 +17,14 @@ each follows ~25 small torch operations of glue (notes/blockdot.md: a call after
 Either driver takes a step's prompt tokens as rows like a decode's (the batch-invariant plan routes
 every step to them): each row's K/V is written to the cache before any row reads, then its query
 attends its own context read back from there, so a row's arithmetic does not depend on the step it
-came in. The embedding, the final norm and the head stay in llama.py's forward. It applies to the
-Llama family's switches that SmolLM, Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 use (a qkv bias,
-per-head q/k norms, a sliding window on some or all layers, SiLU), the model computing in float32 or
-bfloat16 on the CPU (LongRoPE included: its factors and attention factor are in the rope table it
-reads); Gemma's (sandwich norms, GELU, soft-capping), an o bias, rope on part of each head
-(Phi-4-mini), a second rope table (Gemma 3), layers without rope (SmolLM3) and OLMoE's norm over
-the whole q and k projections keep decoder_layer (`why_not`). A mixture-of-experts layer
+came in. The embedding (and Gemma's scale of it), the final norm and the head stay in llama.py's
+forward. It applies to the Llama family's switches that SmolLM, Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
+Gemma and Gemma 3 use (a qkv bias, per-head q/k norms, a sliding window on some or all layers, a
+query scale of its own, SiLU or GELU's tanh form, norms on attention's and the MLP's outputs, a
+second rope table for the windowed layers), the model computing in float32 or bfloat16 on the CPU
+(LongRoPE included: its factors and attention factor are in the rope table it reads); soft-capping
+(Gemma 2), an o bias, rope on part of each head (Phi-4-mini), layers without rope (SmolLM3) and
+OLMoE's norm over the whole q and k projections keep decoder_layer (`why_not`). A mixture-of-experts layer
 (nanoserve.model.moe) runs in the one call, its router, its experts and a shared expert read in their
 C forms (`moe_table`); on `per_layer`, one more C call (fused_moe) runs it where its experts' forms
 are in C at every width, else moe.py's MLP in torch, the experts in their forms, between the calls.
@@ -43,7 +44,7 @@ from nanoserve.model.forms import CForm
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.llama import MATMULS, LayerWeights, LlamaModel, ModelInputs
 from nanoserve.model.moe import MoeWeights, moe_mlp
-from nanoserve.model.rope import rope_table
+from nanoserve.model.rope import local_rope_table, rope_table
 
 # fused_decode.c's KV_F32, KV_BF16, KV_F16, KV_Q8_0, KV_Q4_0: the caches it reads and writes, by KVCache.dtype
 KV_KINDS: dict[torch.dtype | str, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "q8_0": 3, "q4_0": 4}
@@ -53,6 +54,7 @@ KV_KINDS: dict[torch.dtype | str, int] = {torch.float32: 0, torch.bfloat16: 1, t
 # than float32: Precision.bf16_one_call_rows). A constant, not probed; the measurements behind it:
 # notes/execution-plan.md, "Why the constants are what they are".
 DENSE_ONE_CALL_ROWS = {torch.float32: 2**31, torch.bfloat16: 2}
+C_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP gates fused_decode.c runs, by its code: ACT_SILU, ACT_GELU_TANH
 
 
 def why_not(config: LlamaConfig, device: torch.device) -> str | None:
@@ -62,12 +64,13 @@ def why_not(config: LlamaConfig, device: torch.device) -> str | None:
         return f"the model is on {device}"
     if blockdot.library() is None:
         return f"fused_decode.c could not be built: {blockdot.failure()}"
-    switches = {"o_bias": config.o_bias, "sandwich_norms": config.sandwich_norms,
-                "attn_logit_softcap": config.attn_logit_softcap is not None, "activation": config.hidden_act != "silu",
-                # fused_decode.c rotates whole heads by one table, in every layer
+    switches = {"o_bias": config.o_bias, "attn_logit_softcap": config.attn_logit_softcap is not None,
+                "activation": config.hidden_act not in C_ACTIVATIONS,
+                # fused_decode.c rotates whole heads, in every layer
                 "partial_rotary_factor": config.rotary_dim != config.head_dim,
-                "rope_local_theta": config.rope_local_theta is not None, "no_rope_layers": bool(config.no_rope_layers),
-                "qk_norm_whole": config.qk_norm_whole}
+                "no_rope_layers": bool(config.no_rope_layers), "qk_norm_whole": config.qk_norm_whole,
+                # moe_mlp's gate is SiLU's
+                "moe_activation": config.is_moe and config.hidden_act != "silu"}
     if any(switches.values()):
         return f"the family's {[name for name, on in switches.items() if on]} are not in fused_decode.c"
     return None
@@ -83,6 +86,7 @@ class FusedDecode:
     shape: FusedShape
     cos: torch.Tensor  # [P, D] float32
     sin: torch.Tensor  # [P, D] float32
+    ropes: list[tuple[torch.Tensor | None, ...]]  # per layer: its own cos, sin [P, D] float32 (Gemma 3's windowed layers), or None
     dtype: torch.dtype  # the linears' (and the K/V cache's): float32 or bfloat16
     kernel: blockdot.Library
     switches: list[tuple[torch.Tensor | None, ...]]  # per layer: qkv_bias, q_norm, k_norm in float32, or None
@@ -131,21 +135,22 @@ class FusedDecode:
         lib, shape, T = self.kernel.lib, self.shape, h.shape[0]
         io_bf16 = int(self.dtype == torch.bfloat16)
 
-        def add_norm(add: torch.Tensor | None, norm: torch.Tensor | None) -> torch.Tensor | None:
+        def add_norm(add: torch.Tensor | None, out_norm: torch.Tensor | None,
+                     norm: torch.Tensor | None) -> torch.Tensor | None:
+            """h += add (normed by out_norm first, where given); x = h normed by `norm` (None: no x)."""
             x = None if norm is None else torch.empty(T, shape.E, dtype=self.dtype)  # [T, E]
-            lib.fused_add_norm(h.data_ptr(), None if add is None else add.contiguous().data_ptr(),
-                               None if norm is None else norm.data_ptr(), None if x is None else x.data_ptr(), io_bf16,
-                               T, shape.E, shape.eps, torch.get_num_threads())
+            lib.fused_add_norm(h.data_ptr(), None if add is None else add.contiguous().data_ptr(), _address(out_norm),
+                               _address(norm), _address(x), io_bf16, T, shape.E, shape.eps, torch.get_num_threads())
             return x
 
-        x = add_norm(None, self.layers[0].input_norm)
+        x = add_norm(None, None, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(x).contiguous()  # [T, (H + 2 Hkv) D]
             att = torch.empty(T, shape.H * shape.D, dtype=self.dtype)  # [T, H D]
             if lib.fused_attention(ctypes.byref(shape), ctypes.byref(self._table[i]), qkv.data_ptr(), att.data_ptr(),
                                    io_bf16, *rows, torch.get_num_threads()):
                 raise MemoryError(f"fused_attention: no memory for the scratch of a {T}-row step")
-            x = add_norm(layer.o(att), layer.post_norm)  # [T, E]
+            x = add_norm(layer.o(att), layer.attn_out_norm, layer.post_norm)  # [T, E]
             if self.moe[i] is not None and self.moe[i].per_layer:  # the whole sparse MLP in one C call
                 out = torch.empty(T, shape.E, dtype=self.dtype)  # [T, E]
                 if lib.fused_moe(ctypes.byref(shape), ctypes.byref(self.moe[i].table), x.data_ptr(), out.data_ptr(),
@@ -156,10 +161,11 @@ class FusedDecode:
             else:
                 gate_up = layer.gate_up(x).contiguous()  # [T, 2 I]
                 act = torch.empty(T, shape.I, dtype=self.dtype)  # [T, I]
-                lib.fused_silu_mul(gate_up.data_ptr(), act.data_ptr(), io_bf16, T, shape.I, torch.get_num_threads())
+                lib.fused_gate_mul(gate_up.data_ptr(), act.data_ptr(), io_bf16, T, shape.I, shape.activation,
+                                   torch.get_num_threads())
                 out = layer.down(act)
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
-            x = add_norm(out, following)
+            x = add_norm(out, layer.mlp_out_norm, following)
         return h
 
     def _layer_table(self, kv: KVCache) -> ctypes.Array:
@@ -169,7 +175,9 @@ class FusedDecode:
             table[i] = FusedLayer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
                                   *(_address(t) for t, _ in forms), *(planes for _, planes in forms),
                                   kv.k[i].data_ptr(), kv.v[i].data_ptr(), *(_address(t) for t in self.switches[i]),
-                                  self.windows[i], None if self.moe[i] is None else ctypes.addressof(self.moe[i].table))
+                                  self.windows[i], None if self.moe[i] is None else ctypes.addressof(self.moe[i].table),
+                                  _address(layer.attn_out_norm), _address(layer.mlp_out_norm),
+                                  *(_address(t) for t in self.ropes[i]))
         return table
 
 
@@ -260,8 +268,11 @@ def fused_decode(model: LlamaModel, one_call: bool, int16_rows: int | None,
     config, shape = model.config, model.shape
     scale = shape.attn_scale if shape.attn_scale is not None else shape.head_dim ** -0.5
     c_shape = FusedShape(config.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                         config.intermediate_size, 0, 0, int16_rows or 0, amx_rows or 0, shape.eps, scale)  # block_size, kv_kind: from the cache
+                         config.intermediate_size, 0, 0, int16_rows or 0, amx_rows or 0,  # block_size, kv_kind: from the cache
+                         C_ACTIVATIONS.index(shape.activation), shape.eps, scale)
     cos, sin = rope_table(config, model.cos.shape[0], torch.float32, model.device)
+    local = local_rope_table(config, model.cos.shape[0], torch.float32, model.device)
+    ropes = [local if local is not None and i in model.sliding_layers else (None, None) for i in range(config.num_layers)]
     forms: list[list[CForm | None]] = []
     moe = [None if layer.moe is None or not (one_call or _experts_in_c(layer.moe)) else moe_table(layer.moe)
            for layer in model.layers]
@@ -283,7 +294,7 @@ def fused_decode(model: LlamaModel, one_call: bool, int16_rows: int | None,
     windows = [config.sliding_window if i in model.sliding_layers else 0 for i in range(config.num_layers)]
     copy_bytes = sum(form.data.nbytes for layer_forms in forms for form in layer_forms if form is not None and form.copied)
     copy_bytes += sum(table.copy_bytes for table in moe if table is not None)
-    return FusedDecode(model.layers, c_shape, cos, sin, model.dtype, blockdot.library(), switches, windows,
+    return FusedDecode(model.layers, c_shape, cos, sin, ropes, model.dtype, blockdot.library(), switches, windows,
                        [[(None, 0) if form is None else (form.data, form.code) for form in layer_forms]
                         for layer_forms in forms], moe, copy_bytes)
 
