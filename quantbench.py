@@ -553,7 +553,7 @@ def against_llamacpp(file: Path, context: int, chunks: int, threads: int,
         text = saved.tokens[1:] if bos is not None else saved.tokens
         nll = nll_base = kl = 0.0
         agree = count = 0
-        top_prob = top_prob_base = 0.0
+        top_prob = top_prob_base = spread = 0.0
         for c, (targets, logprobs) in enumerate(scored_chunks(engine.model, text, bos, context)):
             ours, base_lp = logprobs.double(), saved.chunk(c).double()  # [n, V] each
             picked = targets.unsqueeze(1)  # [n, 1]
@@ -564,13 +564,16 @@ def against_llamacpp(file: Path, context: int, chunks: int, threads: int,
             agree += (ours.argmax(-1) == base_lp.argmax(-1)).sum().item()
             top_prob += ours.max(-1).values.exp().sum().item()
             top_prob_base += base_lp.max(-1).values.exp().sum().item()
+            # how far llama.cpp's distributions are from flat: the KL a model ignoring its input would score
+            spread += torch.where(kept, base_lp.exp() * (base_lp + math.log(saved.vocab_size)), 0.0).sum().item()
             count += len(targets)
         del engine
     return {"gguf": file.name, "plan": plan, "context": context, "windows": saved.num_chunks, "positions": count,
             "nanoserve_perplexity": math.exp(nll / count), "llamacpp_perplexity": theirs,
             "llamacpp_perplexity_saved": math.exp(nll_base / count), "mean_kl": kl / count,
             "top1_agreement": agree / count, "nanoserve_top1_prob": top_prob / count,
-            "llamacpp_top1_prob": top_prob_base / count, "vocab_size": saved.vocab_size,
+            "llamacpp_top1_prob": top_prob_base / count,
+            "llamacpp_kl_from_uniform": spread / count, "vocab_size": saved.vocab_size,
             "threads": threads, "date": time.strftime("%Y-%m-%d")}
 
 
@@ -585,7 +588,8 @@ def models(files: list[Path], context: int, chunks: int, threads: int, out: str)
         print(f"  {file.name} ({row['plan']}): nanoserve {row['nanoserve_perplexity']:.4f}, llama.cpp "
               f"{row['llamacpp_perplexity']:.4f} (saved {row['llamacpp_perplexity_saved']:.4f}); mean KL "
               f"{row['mean_kl']:.5f}, top-1 {row['top1_agreement']:.2%} over {row['positions']} positions; top-1 "
-              f"probability {row['nanoserve_top1_prob']:.4f} / {row['llamacpp_top1_prob']:.4f}", flush=True)
+              f"probability {row['nanoserve_top1_prob']:.4f} / {row['llamacpp_top1_prob']:.4f}, llama.cpp's KL from uniform "
+              f"{row['llamacpp_kl_from_uniform']:.4f}", flush=True)
     write_csv(out, rows)
     print(f"wrote {out}")
 
