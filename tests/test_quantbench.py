@@ -6,6 +6,7 @@ file llama.cpp's converter wrote, against llama-perplexity (skipped where the to
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 
@@ -15,6 +16,7 @@ from conftest import make_hf_llama, make_hf_model, nanoserve_model_from_hf
 from test_llamacpp_files import convert, needs_tools, save_checkpoint
 
 import quantbench
+from benchmarks.peerbench.realshapes import PHI4_MINI_LONG_FACTOR
 from nanoserve import EngineConfig
 
 
@@ -113,15 +115,29 @@ def test_llama_perplexitys_log_probabilities_are_read_as_it_writes_them(tmp_path
 @pytest.mark.skipif(not quantbench.perplexity_binary().is_file(),
                     reason=f"llama-perplexity is not built at {quantbench.perplexity_binary()} (cmake --build "
                            ".peers/llama.cpp-build --target llama-perplexity)")
-def test_nanoserve_scores_a_converter_file_as_llama_perplexity_does(tmp_path):
-    # A tiny Llama converted to F32 by llama.cpp's converter, its final norm raised to 4 so the logits
-    # spread (std about 1.3) but stay within 16 of the top one, where llama.cpp's saved log-probabilities
-    # are exact to its 16-bit codes: the same windows of the same tokens by both, in float32 here.
-    hf = make_hf_model("llama", seed=51, vocab_size=49152, hidden_size=256, intermediate_size=512,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+@pytest.mark.parametrize("family", ["llama", "phi4-mini-rope"])
+def test_nanoserve_scores_a_converter_file_as_llama_perplexity_does(tmp_path, family):
+    # A tiny Llama (and a tiny Phi-3 with Phi-4-mini's rope: on 0.75 of each head, LongRoPE's factors
+    # and attention factor, a window wider than the text) converted to F32 by llama.cpp's converter,
+    # its final norm raised to 4 so the logits spread (std about 1.3) but stay within 16 of the top
+    # one, where llama.cpp's saved log-probabilities are exact to its 16-bit codes: the same windows of
+    # the same tokens by both, in float32 here.
+    wide = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, tie_word_embeddings=True)
+    if family == "llama":
+        hf = make_hf_model("llama", seed=51, num_attention_heads=4, num_key_value_heads=2, head_dim=64, **wide)
+    else:
+        hf = make_hf_model("phi3", seed=51, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                           partial_rotary_factor=0.75, max_position_embeddings=131072, pad_token_id=0,
+                           original_max_position_embeddings=4096, sliding_window=262144, **wide,
+                           rope_scaling={"type": "longrope", "short_factor": [1.0] * 48,
+                                         "long_factor": PHI4_MINI_LONG_FACTOR})
     with torch.no_grad():
         hf.model.norm.weight.fill_(4.0)
-    file = convert(save_checkpoint(hf, tmp_path / "hf"), tmp_path / "tiny-f32.gguf")
+    folder = save_checkpoint(hf, tmp_path / "hf")
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer_config["tokenizer_class"] = "GPT2Tokenizer"  # the one Phi-3's converter reads a BPE vocabulary under
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    file = convert(folder, tmp_path / "tiny-f32.gguf")
     row = quantbench.against_llamacpp(file, 128, 2, 2, EngineConfig(dtype="float32", quantization=None,
                                                                    max_model_len=136))
     assert (row["windows"], row["positions"], row["vocab_size"]) == (2, 2 * 63, 49152)
