@@ -39,6 +39,15 @@ windows of the same file and text where the binary is built (a quantized V cache
 in llama.cpp). Both turn q, k and v by a Walsh-Hadamard matrix before quantizing them (nanoserve.model.kv_quant;
 llama.cpp unless LLAMA_ATTN_ROT_DISABLE=1 is in the environment). --tokens N scores the text's first N tokens.
 
+--model scores nanoserve against llama.cpp's own distributions on any GGUF file (a real-shape file of
+benchmarks/peerbench/realshapes.py, say): `llama-perplexity -c N --chunks K --kl-divergence-base` saves
+its log-probabilities over K windows of N tokens of the text (LlamaLogProbs reads the file), nanoserve
+(the file as served: the plan's choices) scores the same tokens in the same windows, and each file gets
+both perplexities, the mean KL(llama.cpp || nanoserve) and the top-1 agreement, computed as
+`llama-perplexity --kl-divergence` computes them, and each side's mean top-1 probability:
+
+    python quantbench.py --model .peers/qwen3-moe-shape-random-q4_k_m.gguf --context 512 --chunks 4 --out runs/x.csv
+
 llama-cpp-python apart from the venv (after `python -m benchmarks.peerbench --setup-llamacpp`):
     CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \
     -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" python -m pip install --no-deps \
@@ -55,6 +64,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -133,7 +143,12 @@ def main(argv: list[str] | None = None) -> None:
                              "precision pairs, e.g. q4_k_m q6_k) by nanoserve and by llama-perplexity")
     parser.add_argument("--kv-cache-dtype", nargs="+", default=None, choices=list(KV_CACHE_TYPES), metavar="KIND",
                         help="instead: K/V caches of these kinds (q8_0, q4_0) against the float16 cache at --context")
-    parser.add_argument("--context", type=int, default=4096, help="--kv-cache-dtype's window in tokens")
+    parser.add_argument("--context", type=int, default=None,
+                        help="--kv-cache-dtype's window in tokens (default 4096), --model's (default 512)")
+    parser.add_argument("--model", nargs="+", type=Path, default=None, metavar="FILE",
+                        help="instead: nanoserve against llama-perplexity's own log-probabilities on each GGUF file, "
+                             "over the same --chunks windows of --context tokens")
+    parser.add_argument("--chunks", type=int, default=4, help="--model's windows")
     parser.add_argument("--file", type=Path, default=None,
                         help="--kv-cache-dtype on this GGUF file (default: the default model's)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -142,8 +157,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.file_types:
         file_types(args.file_types, args.threads, args.out)
         return
+    if args.model:
+        models(args.model, args.context or CHUNK, args.chunks, args.threads, args.out)
+        return
     if args.kv_cache_dtype:
-        kv_caches(args.kv_cache_dtype, args.context, args.file, args.threads, args.out, args.tokens)
+        kv_caches(args.kv_cache_dtype, args.context or 4096, args.file, args.threads, args.out, args.tokens)
         return
     if args.child:
         child(args.child, args.slots, args.steps)
@@ -430,6 +448,148 @@ def kv_caches(kinds: list[str], context: int, file: Path | None, threads: int, o
         print(f"  {kind:<8} nanoserve {scored['perplexity']:.4f} ({scored['chunks']} windows, {plan}), vs float16 "
               f"{rows[-1]['change_from_float16']:+.3%}, top-1 {top1:.2%}, KL {kl:.5f}; llama.cpp -ctk/-ctv "
               f"{cache_type}: {theirs:.4f} ({their_chunks} chunks)", flush=True)
+    write_csv(out, rows)
+    print(f"wrote {out}")
+
+
+# --- --model: nanoserve's distributions against llama.cpp's own on the same file, windows and tokens ---
+
+LOGITS_MAGIC = b"_logits_"
+KL_FLOOR = -16.0  # llama-perplexity's KL takes the base's log-probabilities above this only
+
+
+@dataclass(frozen=True)
+class LlamaLogProbs:
+    """A file llama-perplexity writes with --kl-divergence-base (tools/perplexity/perplexity.cpp): after
+    "_logits_", int32 n_ctx, n_vocab and n_chunk, the n_chunk x n_ctx int32 tokens it evaluated (as
+    tokenized, BOS first where the file adds one; each window's first token is replaced by BOS when
+    evaluated), then for each window its n_ctx - 1 - n_ctx / 2 scored positions, each a row of
+    nv = 2 * ((n_vocab + 1) // 2) + 4 uint16: two float32 (scale, min_log_prob), then a code q per
+    token, the log-probability min_log_prob + scale * q (the logits more than 16 below the top one
+    all at min_log_prob), padded to an even count."""
+
+    path: Path
+    context: int  # n_ctx: a window's tokens
+    vocab_size: int  # n_vocab
+    num_chunks: int  # n_chunk: windows
+    tokens: list[int]  # [n_chunk * n_ctx]
+
+    @property
+    def scored(self) -> int:
+        """Scored positions a window: its logits at n_ctx / 2 .. n_ctx - 2."""
+        return self.context - 1 - self.context // 2
+
+    @property
+    def row_width(self) -> int:
+        return 2 * ((self.vocab_size + 1) // 2) + 4  # nv, in uint16
+
+    @classmethod
+    def read(cls, path: Path) -> LlamaLogProbs:
+        """The header and tokens of `path`; ValueError where it is not such a file or its size is not
+        what its header says."""
+        import numpy as np
+
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(20)
+            if len(head) < 20 or head[:8] != LOGITS_MAGIC:
+                raise ValueError(f"{path} does not start with {LOGITS_MAGIC!r} and three int32: not llama-perplexity's "
+                                 "--kl-divergence-base file")
+            context, vocab_size, num_chunks = np.frombuffer(head[8:], dtype="<i4").tolist()
+            if context < 4 or vocab_size < 1 or num_chunks < 1:
+                raise ValueError(f"{path}: n_ctx={context}, n_vocab={vocab_size}, n_chunk={num_chunks} "
+                                 "(need n_ctx >= 4, n_vocab >= 1, n_chunk >= 1)")
+            found = cls(path, context, vocab_size, num_chunks, [])
+            want = 20 + 4 * num_chunks * context + 2 * num_chunks * found.scored * found.row_width
+            if size != want:
+                raise ValueError(f"{path} holds {size} bytes; its header (n_ctx={context}, n_vocab={vocab_size}, "
+                                 f"n_chunk={num_chunks}) says {want}")
+            tokens = np.frombuffer(f.read(4 * num_chunks * context), dtype="<i4").tolist()
+        return cls(path, context, vocab_size, num_chunks, tokens)
+
+    def chunk(self, c: int) -> torch.Tensor:
+        """Window c's log-probabilities as llama.cpp decodes them: [scored, n_vocab] float32."""
+        import numpy as np
+
+        if not 0 <= c < self.num_chunks:
+            raise ValueError(f"window {c} is outside [0, {self.num_chunks})")
+        offset = 20 + 4 * self.num_chunks * self.context + 2 * c * self.scored * self.row_width
+        rows = np.fromfile(self.path, dtype="<u2", count=self.scored * self.row_width, offset=offset)
+        rows = rows.reshape(self.scored, self.row_width)
+        scale_min = np.ascontiguousarray(rows[:, :4]).view("<f4")  # [scored, 2]: scale, min_log_prob
+        codes = torch.from_numpy(rows[:, 4:4 + self.vocab_size].astype(np.float32))  # [scored, V]
+        scale, low = torch.from_numpy(scale_min[:, :1].copy()), torch.from_numpy(scale_min[:, 1:].copy())
+        return scale * codes + low
+
+
+def against_llamacpp(file: Path, context: int, chunks: int, threads: int,
+                     config: EngineConfig | None = None) -> dict:
+    """llama-perplexity on `file` (-c context, --chunks chunks) saving its log-probabilities, then
+    nanoserve (Engine.from_pretrained(file, config): the plan's choices where config is None) over
+    the same windows of the same tokens (llama.cpp's own tokenization), position by position:
+    both perplexities (llama.cpp's as it printed it, and from its saved log-probabilities), the
+    mean KL(llama.cpp || nanoserve) and the share of positions whose top token is the same, both as
+    `llama-perplexity --kl-divergence` computes them, and each side's mean top-1 probability (near
+    1 / V where the logits are flat)."""
+    import tempfile
+
+    from nanoserve.model.gguf import read_gguf_file
+
+    metadata = read_gguf_file(file).metadata
+    bos = metadata.get("tokenizer.ggml.bos_token_id") if metadata.get("tokenizer.ggml.add_bos_token") else None
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp, "logprobs.bin")
+        theirs, their_chunks = llama_perplexity(file, TEXT, threads, context,
+                                                ("--kl-divergence-base", str(base), "--chunks", str(chunks)))
+        saved = LlamaLogProbs.read(base)
+        if saved.context != context or saved.num_chunks != their_chunks:
+            raise RuntimeError(f"{base.name}: n_ctx {saved.context}, {saved.num_chunks} windows; asked for {context}, "
+                               f"llama-perplexity said {their_chunks}")
+        if bos is not None and saved.tokens[0] != bos:
+            raise RuntimeError(f"llama.cpp's tokens start with {saved.tokens[0]}, not the file's BOS {bos}")
+        engine = Engine.from_pretrained(file, config or EngineConfig(max_model_len=context + 8))
+        plan = f"{engine.plan.dtype}/{engine.plan.quantization}"
+        # scored_chunks puts the BOS before the text itself: llama.cpp's tokens hold it already
+        text = saved.tokens[1:] if bos is not None else saved.tokens
+        nll = nll_base = kl = 0.0
+        agree = count = 0
+        top_prob = top_prob_base = spread = 0.0
+        for c, (targets, logprobs) in enumerate(scored_chunks(engine.model, text, bos, context)):
+            ours, base_lp = logprobs.double(), saved.chunk(c).double()  # [n, V] each
+            picked = targets.unsqueeze(1)  # [n, 1]
+            nll -= ours.gather(1, picked).sum().item()
+            nll_base -= base_lp.gather(1, picked).sum().item()
+            kept = base_lp > KL_FLOOR
+            kl += torch.where(kept, base_lp.exp() * (base_lp - ours), 0.0).sum().item()
+            agree += (ours.argmax(-1) == base_lp.argmax(-1)).sum().item()
+            top_prob += ours.max(-1).values.exp().sum().item()
+            top_prob_base += base_lp.max(-1).values.exp().sum().item()
+            # how far llama.cpp's distributions are from flat: the KL a model ignoring its input would score
+            spread += torch.where(kept, base_lp.exp() * (base_lp + math.log(saved.vocab_size)), 0.0).sum().item()
+            count += len(targets)
+        del engine
+    return {"gguf": file.name, "plan": plan, "context": context, "windows": saved.num_chunks, "positions": count,
+            "nanoserve_perplexity": math.exp(nll / count), "llamacpp_perplexity": theirs,
+            "llamacpp_perplexity_saved": math.exp(nll_base / count), "mean_kl": kl / count,
+            "top1_agreement": agree / count, "nanoserve_top1_prob": top_prob / count,
+            "llamacpp_top1_prob": top_prob_base / count,
+            "llamacpp_kl_from_uniform": spread / count, "vocab_size": saved.vocab_size,
+            "threads": threads, "date": time.strftime("%Y-%m-%d")}
+
+
+def models(files: list[Path], context: int, chunks: int, threads: int, out: str) -> None:
+    """against_llamacpp on each file, one CSV row each."""
+    print(f"quantbench --model: nanoserve against llama-perplexity on the same file, {chunks} windows of {context} "
+          f"tokens of {TEXT.name} (each window's second half scored), {threads} threads")
+    rows = []
+    for file in files:
+        row = against_llamacpp(file, context, chunks, threads)
+        rows.append(row)
+        print(f"  {file.name} ({row['plan']}): nanoserve {row['nanoserve_perplexity']:.4f}, llama.cpp "
+              f"{row['llamacpp_perplexity']:.4f} (saved {row['llamacpp_perplexity_saved']:.4f}); mean KL "
+              f"{row['mean_kl']:.5f}, top-1 {row['top1_agreement']:.2%} over {row['positions']} positions; top-1 "
+              f"probability {row['nanoserve_top1_prob']:.4f} / {row['llamacpp_top1_prob']:.4f}, llama.cpp's KL from uniform "
+              f"{row['llamacpp_kl_from_uniform']:.4f}", flush=True)
     write_csv(out, rows)
     print(f"wrote {out}")
 

@@ -49,6 +49,25 @@ def test_teacher_forced_logits_equal_transformers(num_tokens, chunk, arch):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("num_tokens", "chunk"), [(40, 40), (40, 16), (40, 1)], ids=["one-chunk", "chunks", "decode-steps"])
+@pytest.mark.parametrize(("family", "arch"), [
+    ("mistral", {"sliding_window": 6}),
+    # Gemma 3: windowed layers on their own rope base, every third layer global (transformers' layer_types)
+    ("gemma3", {"sliding_window": 6, "num_hidden_layers": 3, "head_dim": 16, "rope_local_base_freq": 100.0,
+                "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}),
+], ids=["mistral", "gemma3"])
+def test_teacher_forced_logits_of_windowed_layers_equal_transformers(num_tokens, chunk, family, arch):
+    hf = make_hf_model(family, seed=5, **arch)
+    ids = random_ids(num_tokens)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]  # [T, V]
+    got = teacher_forced_logits(nanoserve_model_from_hf(hf), ids, chunk=chunk)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    hf.config.sliding_window = 10**6  # the window matters at this length: without it, other logits
+    with torch.no_grad():
+        assert not torch.allclose(hf(torch.tensor([ids])).logits[0], expected, atol=1e-3)
+
+
 @pytest.mark.skipif(blockdot.library() is None, reason=f"no fused decode here: {blockdot.failure()}")
 def test_teacher_forced_decode_steps_run_the_models_fused_decode():
     hf = make_hf_llama(seed=4)
@@ -72,9 +91,6 @@ def test_teacher_forced_logits_refuses_bad_input():
         teacher_forced_logits(model, [5, 6], chunk=0)
     with pytest.raises(ValueError, match="empty"):
         teacher_forced_logits(model, [])
-    windowed = nanoserve_model_from_hf(make_hf_model("mistral", sliding_window=5))
-    with pytest.raises(ValueError, match="sliding_window=5 is not supported here"):
-        teacher_forced_logits(windowed, [5, 6])
 
 
 def test_compare_against_hand_arithmetic():

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.inputs import decode_group
-from nanoserve.model.attention import AttentionMetadata, PrefillRun
+from nanoserve.inputs import TokenRun, lay_out
 from nanoserve.model.kv_cache import KVCache
-from nanoserve.model.llama import LlamaModel, ModelInputs
+from nanoserve.model.llama import LlamaModel
 
 BLOCK_SIZE = 16  # tokens per KV block; the blocks are 0 .. nb - 1 in order, so a token's slot is its position
 COMPARE_ROWS = 256  # positions per float64 slice in compare: bounds its temporaries at 2 x 256 x V doubles
@@ -39,12 +38,8 @@ def teacher_forced_logits(model: LlamaModel, token_ids: Sequence[int], chunk: in
 
     Raises:
         ValueError: token_ids empty or longer than the model's rope table, an id outside the
-            vocabulary, chunk < 1, or a model with a sliding window (its chunks would need the
-            windowed metadata build_inputs makes; this instrument has only been needed on full attention).
+            vocabulary, or chunk < 1.
     """
-    if model.config.sliding_window is not None:
-        raise ValueError(f"a model with sliding_window={model.config.sliding_window} is not supported here: "
-                         "teacher_forced_logits builds full-attention metadata only")
     num_tokens = len(token_ids)  # T
     max_positions = model.cos.shape[0]
     if num_tokens == 0:
@@ -60,38 +55,16 @@ def teacher_forced_logits(model: LlamaModel, token_ids: Sequence[int], chunk: in
     device = model.device
     num_blocks = -(-num_tokens // BLOCK_SIZE)
     kv = KVCache(model.config, num_blocks, BLOCK_SIZE, kv_dtype or model.dtype, device)
-    ids = torch.tensor(list(token_ids), dtype=torch.int64)  # [T]
     logits = torch.empty(num_tokens, vocab_size, dtype=torch.float32)  # [T, V]
     with torch.inference_mode():
         for start in range(0, num_tokens, chunk):
             end = min(start + chunk, num_tokens)
-            positions = torch.arange(start, end, device=device)  # [Tq], also the slots: slot == position
-            if chunk == 1:
-                # the token at `start` as a decode step, one query over keys 0 .. start (a slot is its position)
-                table = [list(range(start // BLOCK_SIZE + 1))]
-                group = decode_group([0], None, table, [start + 1], BLOCK_SIZE, device)
-                attn = AttentionMetadata(positions, [group], [], BLOCK_SIZE)
-            else:
-                attn = AttentionMetadata(positions, [], [_chunk_run(start, end, device)], BLOCK_SIZE)
-            # every row's table, as fused_decode.c reads it: the one sequence's, whose slot is its position
-            attn.block_tables = torch.arange(-(-end // BLOCK_SIZE), device=device)[None]  # [1, nb]
-            attn.row_seqs = torch.zeros(end - start, dtype=torch.int64, device=device)  # [Tq]
-            every_row = torch.arange(end - start, device=device)  # [Tq]: every position is scored
-            inputs = ModelInputs(ids[start:end].to(device), positions, every_row, attn)
+            # one sequence whose blocks are 0 .. in order (a slot is its position), every row scored;
+            # laid out as a step's inputs are, the windowed layers' metadata included
+            run = TokenRun(list(token_ids[start:end]), start, list(range(-(-end // BLOCK_SIZE))), scored=(0, end - start))
+            inputs = lay_out([run], BLOCK_SIZE, device, sliding_window=model.config.sliding_window)
             logits[start:end] = model(inputs, kv).cpu()  # [Tq, V]
     return logits
-
-
-def _chunk_run(start: int, end: int, device: torch.device) -> PrefillRun:
-    """Tokens start .. end - 1 as one run over rows 0 .. Tq - 1; after the first chunk they read the cache."""
-    if start == 0:  # nothing cached: causal attention over the chunk alone
-        return PrefillRun(0, end, None, None)
-    num_blocks = -(-end // BLOCK_SIZE)
-    key_pos = torch.arange(num_blocks * BLOCK_SIZE)  # [L]
-    query_pos = torch.arange(start, end)  # [Tq]
-    mask = (key_pos[None, :] <= query_pos[:, None])[None, None].to(device)  # [1, 1, Tq, L]
-    block_table = torch.arange(num_blocks, device=device)[None]  # [1, nb]
-    return PrefillRun(0, end - start, block_table, mask)
 
 
 @dataclass(frozen=True)
