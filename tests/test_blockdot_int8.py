@@ -8,6 +8,7 @@ kernel's output must equal that rounded x times the file's matrix up to float32 
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -268,3 +269,26 @@ def test_blockdot_amx_rows_takes_a_row_count_false_or_auto():
     for bad in (0, -3, True, "16", 2.5):
         with pytest.raises(ValueError, match="blockdot_amx_rows"):
             PlanOverrides(blockdot_amx_rows=bad)
+
+
+@pytest.mark.parametrize("nthreads", [1, 2, 3])
+def test_a_group_of_matrices_in_one_pass_gives_each_matrix_its_own_bits(nthreads):
+    # blockdot_group (a mixture of experts' matmuls, each expert its own rows, dealt out to the team in
+    # one pass): every matrix's output is what it gives alone, bit for bit, whichever thread ran which panels
+    q4k = [matrix("Q4_K", 136, 512, seed=s)[0] for s in (1, 2)]
+    mixed = cat_rows([matrix(kind, rows, 512, seed=rows)[0] for kind, rows in (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 40))])
+    q6k = matrix("Q6_K", 136, 512, seed=3)[0]
+    panels = [blockdot.pack_int8(w) for w in (*q4k, mixed, q6k, q4k[0])]
+    widths = [1, 3, 2, 9, 5]
+    xs = [torch.randn(m, 512, generator=torch.Generator().manual_seed(20 + m)) for m in widths]
+    ys = [torch.full((m, 136), float("nan")) for m in widths]
+
+    def pointers(tensors):
+        return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+    lib = panels[0].kernel.lib
+    done = lib.blockdot_grouped(pointers(xs), (ctypes.c_int64 * 5)(*widths), 512, 136, pointers([p.data for p in panels]),
+                                (ctypes.c_int * 5)(*(p.planes for p in panels)), pointers(ys), 5, nthreads)
+    assert done == 1
+    for p, x, y in zip(panels, xs, ys, strict=True):
+        assert torch.equal(y, p(x))

@@ -4,9 +4,9 @@ Each pair serves one file: the f32 GGUF of the default model's weights (written 
 the dequantized Q4_1), BF16, Q8_0, Q4_K_M, Q5_K_M, Q6_K, IQ4_XS and Q3_K_M GGUFs made from it by
 llama.cpp's own llama-quantize, and the shipped Q4_1 file itself; then random files in real shapes
 (SHAPES below: Llama 3.2 1B and 3B; benchmarks/peerbench/realshapes.py: a mixture of experts in
-Qwen3-30B-A3B's layers, Gemma 3 1B, Phi-4-mini). --bandwidth counts the whole file as a token's
-read, which a mixture of experts' token is not (it reads k of X experts: realshapes --read-bytes
-counts that). Prefill is compared too: prompt
+Qwen3-30B-A3B's layers, Gemma 3 1B, Phi-4-mini). --bandwidth counts what a token reads from the
+file at one sequence (realshapes.token_read_bytes: every tensor once, one row of an untied
+embedding, k of X experts of a mixture's stacked expert tensors), for both systems alike. Prefill is compared too: prompt
 tokens/s over the prompts of every slot (llama-batched-bench's S_PP). nanoserve serves each file as stored (f32 in float32; BF16 in bfloat16;
 Q8_0 and Q4_1 as int4 kernel passes with bf16 activations where the probe picks bf16), llama.cpp
 runs llama-batched-bench on it, and transformers' generate runs the same weights (the converted
@@ -433,17 +433,20 @@ def main() -> None:
                              "date": time.strftime("%Y-%m-%d")})
     if bandwidths and 1 in args.slots:
         bandwidth = statistics.median(bandwidths)
-        print(f"\nat one sequence, bytes read a token x tokens/s over the read bandwidth ({bandwidth:.1f} GB/s, "
-              f"median of {len(bandwidths)}: {min(bandwidths):.1f}-{max(bandwidths):.1f}):")
+        print(f"\nat one sequence, the bytes a token reads from the file x tokens/s over the read bandwidth "
+              f"({bandwidth:.1f} GB/s, median of {len(bandwidths)}: {min(bandwidths):.1f}-{max(bandwidths):.1f}):")
         for name, system in [key for key in got if key[1].startswith("nanoserve")]:
             ours, theirs = got[(name, system)], got[(name, "llama.cpp")]
-            n = statistics.median(x["rates"][1] for x in ours) * ours[0]["weight_bytes"] / 1e9 / bandwidth
-            ll = statistics.median(x["rates"][1] for x in theirs) * files[name].stat().st_size / 1e9 / bandwidth
-            print(f"  {name:<10} nanoserve {n:.0%} (its {ours[0]['weight_bytes'] / 2**20:.0f} MiB of weights), "
-                  f"llama.cpp {ll:.0%} (the file's {files[name].stat().st_size / 2**20:.0f} MiB)")
+            read = realshapes.token_read_bytes(files[name])
+            n = statistics.median(x["rates"][1] for x in ours) * read["total"] / 1e9 / bandwidth
+            ll = statistics.median(x["rates"][1] for x in theirs) * read["total"] / 1e9 / bandwidth
+            print(f"  {name:<10} nanoserve {n:.0%}, llama.cpp {ll:.0%} (a token reads {read['total'] / 2**20:.0f} MiB "
+                  f"of the file's {read['file'] / 2**20:.0f} MiB; nanoserve holds "
+                  f"{ours[0]['weight_bytes'] / 2**20:.0f} MiB of weights)")
             rows.append({"file": name, "gguf": files[name].name, "slots": 1, "read_bandwidth_gbs": bandwidth,
+                         "token_read_bytes": read["total"], "file_bytes": read["file"],
                          "nanoserve_weight_bytes": ours[0]["weight_bytes"], "nanoserve_share_of_bandwidth": n,
-                         "file_bytes": files[name].stat().st_size, "llamacpp_share_of_bandwidth": ll,
+                         "llamacpp_share_of_bandwidth": ll,
                          "rounds": args.rounds, "threads": args.threads, "date": time.strftime("%Y-%m-%d")})
     write_csv(args.out, rows)
     print(f"wrote {args.out}")

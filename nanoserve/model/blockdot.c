@@ -53,6 +53,7 @@
  * per build, are in blockdot_tasks and task below, and in docs/cpu-kernels.md ("Tiles").
  */
 #include <math.h>
+#include <omp.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -1498,6 +1499,68 @@ void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const
   }
 }
 
+/* Whether tasks8_of runs M rows of `type` on the AMX tiles. */
+static int on_tiles(const struct xin *in, int64_t M, int type) {
+#if AMX
+  return in->amx_rows > 0 && M >= in->amx_rows && I8_TYPES[type].weights == SB;
+#else
+  (void)in, (void)M, (void)type;
+  return 0;
+#endif
+}
+
+/* One segment of one matrix of a group (blockdot_group): tasks8_of's tasks of NP panels. */
+struct unit8 {
+  const struct xin *in;
+  int64_t M, rows, panels, tasks;
+  const uint8_t *w;
+  char *y;
+  int type, NP;
+};
+#define GROUP_UNITS 512
+
+int blockdot_group(const struct xin *ins, const int64_t *Ms, int64_t K, int64_t N, const uint8_t *const *ws,
+                   const int *planes, float *const *ys, int count) {
+  struct unit8 units[GROUP_UNITS];
+  int n = 0;
+  int64_t all = 0;  /* panels in all */
+  for (int j = 0; j < count; j++) {
+    if (!(planes[j] & I8P)) return 0;
+    const int32_t *head = (const int32_t *)ws[j];
+    const int mixed = I8_TYPE(planes[j]) == I8_MIXED, segments = mixed ? head[0] : 1;
+    const uint8_t *w = mixed ? ws[j] + 64 : ws[j];
+    int64_t n0 = 0;
+    for (int i = 0; i < segments; i++) {  /* FOR_SEGMENTS' walk */
+      const int type = mixed ? head[2 + 2 * i] : I8_TYPE(planes[j]);
+      const int64_t panels = mixed ? head[1 + 2 * i] : (N + P - 1) / P, rows = N - n0 < panels * P ? N - n0 : panels * P;
+      if (n == GROUP_UNITS || on_tiles(&ins[j], Ms[j], type)) return 0;
+      const int NP = SIMD == 256 ? (Ms[j] <= 1 ? 2 : 1) : Ms[j] <= 2 ? 4 : Ms[j] <= 4 ? 2 : 1;
+      units[n++] = (struct unit8){&ins[j], Ms[j], rows, panels, (panels + NP - 1) / NP, w, (char *)ys[j] + n0 * 4, type, NP};
+      all += panels;
+      w += panels * (K / I8_TYPES[type].weights) * I8_TYPES[type].bytes;
+      n0 += panels * P;
+    }
+  }
+  /* this thread's share: the tasks whose first panel is in [lo, hi) of all the panels in order */
+  const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+  const int64_t lo = all * me / threads, hi = all * (me + 1) / threads;
+  int64_t first = 0;  /* the current unit's first panel among all */
+  for (int u = 0; u < n && first < hi; first += units[u].panels, u++) {
+    const struct unit8 *t = &units[u];
+    if (first + t->panels <= lo) continue;
+    for (int64_t k = 0; k < t->tasks; k++) {
+      const int64_t at = first + k * t->NP;
+      if (at < lo) continue;
+      if (at >= hi) break;
+      const int whole = (k + 1) * t->NP <= t->panels;
+      for (int64_t p = k * t->NP; p < (whole ? k * t->NP + 1 : t->panels); p++)
+        task8(t->in, t->M, K, t->rows, N, t->w, t->type, p, whole ? t->NP : 1, t->y, 0);
+    }
+  }
+  #pragma omp barrier
+  return 1;
+}
+
 /* Dense panels: a dense w [N, K] (float32, or bf16 where bf16) regrouped once (blockdot.py's
    DensePanels) into panels of 16 output rows, k-major: panel p holds, for each k, the 16 weights
    w[16 p + j, k] in one vector (bf16 in AVX2 builds in the order 0, 8, 1, 9, .. 7, 15, so that each
@@ -1718,4 +1781,32 @@ int blockdot(const void *x, int x_bf16, int64_t M, int64_t K, int64_t N, const u
   #pragma omp parallel num_threads(nthreads)
   blockdot_tasks(&in, M, K, N, w, planes, y, y_bf16);
   return 0;
+}
+
+/* blockdot_group on its own, for the tests: count matrices ws of one shape [N, K] on file-bit panels
+   against x_j [M_j, K] float32 into y_j [M_j, N] float32, over nthreads threads. Returns 1, 0 where
+   blockdot_group did not take them (nothing written), -1 when out of memory. */
+int blockdot_grouped(const float *const *xs, const int64_t *Ms, int64_t K, int64_t N, const uint8_t *const *ws,
+                     const int *planes, float *const *ys, int count, int nthreads) {
+  int64_t floats = 0;
+  for (int j = 0; j < count; j++) floats += blockdot_scratch_floats(Ms[j], K);
+  float *scratch = blockdot_scratch(sizeof(float) * floats);
+  struct xin *ins = malloc(sizeof(struct xin) * (count > 0 ? count : 1));
+  if (!scratch || !ins) {
+    free(ins);
+    return -1;
+  }
+  for (int j = 0, at = 0; j < count; at += blockdot_scratch_floats(Ms[j], K), j++) {
+    blockdot_prepare(xs[j], Ms[j], K, 0, scratch + at, &ins[j]);
+    ins[j].amx_rows = 0;
+  }
+  int done = 0;
+  #pragma omp parallel num_threads(nthreads)
+  {
+    const int mine = blockdot_group(ins, Ms, K, N, ws, planes, ys, count);
+    #pragma omp single
+    done = mine;
+  }
+  free(ins);
+  return done;
 }

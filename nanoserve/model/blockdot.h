@@ -57,6 +57,15 @@ void blockdot_prepare_rows(const struct xin *in, int64_t K, int64_t r0, int64_t 
 void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const uint8_t *w, int planes, void *y,
                     int y_bf16);
 
+/* Several matmuls of one shape's K and N inside a parallel region (every thread of the team calls
+   it with the same arguments): y_j [M_j, N] float32 = x_j @ w_j^T for file-bit panels w_j, with
+   blockdot_tasks' tasks of all of them dealt out in one pass, each thread a run of consecutive panels
+   of about equal length, and one barrier at the end: each row's sums are blockdot_tasks' own, bit for
+   bit. Returns 0, having done nothing, where one of them is not for this pass (not file-bit panels,
+   or on the AMX tiles at its M): the caller then runs blockdot_tasks on each. */
+int blockdot_group(const struct xin *ins, const int64_t *Ms, int64_t K, int64_t N, const uint8_t *const *ws,
+                   const int *planes, float *const *ys, int count);
+
 /* y [M, N] float32 = x [M, K] float32 @ w^T for a dense w [N, K] (float32, or bf16 where w_bf16) in
    dense panels (blockdot.c): an orphaned `omp for` over the panels, as blockdot_tasks. */
 void dense_tasks(const float *x, int64_t M, int64_t K, int64_t N, const void *w, int w_bf16, float *y);

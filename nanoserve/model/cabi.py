@@ -107,6 +107,8 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "blockdot_simd": ([], _i32),
     # x, x_bf16, M, K, N, w, planes, y, y_bf16, nthreads, int16_rows, amx_rows -> 0, or -1 out of memory
     "blockdot": ([_p, _i32, _i64, _i64, _i64, _p, _i32, _p, _i32, _i32, _i64, _i64], _i32),
+    # xs, Ms, K, N, ws, planes, ys, count, nthreads -> 1, 0 not taken, -1 out of memory: for the tests
+    "blockdot_grouped": ([_p, _i64s, _i64, _i64, _p, _p, _p, _i32, _i32], _i32),
     "blockdot_amx": ([], _i32),  # whether file-bit panels can multiply on AMX tiles here (asks Linux once)
     "blockdot_dequantize": ([_p, _i32, _i64, _i64, _p, _i32, _i32], None),  # w, planes, N, K, out, out_bf16, nthreads
     # dense panels (DensePanels): x, M, K, N, w, w_bf16, y; called from C, bound for the tests

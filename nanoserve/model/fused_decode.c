@@ -872,6 +872,36 @@ static void expert_inputs(const float *rows, const int64_t *start, int64_t j, in
   in->amx_rows = amx_rows;
 }
 
+/* Each chosen expert j's rows of `rows` [T k, K] (gathered by expert, prepared) times its matrix
+   weights[j] [N, K] into out [T k, N], inside a parallel region. On file-bit panels the experts'
+   matmuls are one pass over the team (blockdot_group: each thread a run of consecutive panels across
+   the experts, one barrier); otherwise one matmul an expert, each split over the team. */
+static void experts_matmul(const uint8_t *const *weights, const int64_t *planes, const float *rows, const int64_t *start,
+                           int64_t X, int64_t K, int64_t N, int q16_rows, int64_t amx_rows, float *prep, float *out) {
+  enum { MOST = 256 };  /* experts in one pass; a layer with more runs them one matmul each */
+  struct xin ins[MOST];
+  const uint8_t *ws[MOST];
+  int64_t Ms[MOST];
+  int ps[MOST];
+  float *ys[MOST];
+  int n = 0;
+  for (int64_t j = 0; j < X && X <= MOST; j++) {
+    const int64_t first = start[j], count = start[j + 1] - first;
+    if (!count) continue;
+    expert_inputs(rows, start, j, K, q16_rows, amx_rows, prep, &ins[n]);
+    ws[n] = weights[j], Ms[n] = count, ps[n] = (int)planes[j], ys[n] = out + first * N;
+    n++;
+  }
+  if (X <= MOST && blockdot_group(ins, Ms, K, N, ws, ps, ys, n)) return;
+  for (int64_t j = 0; j < X; j++) {  /* every thread the same experts, each matmul split over the team */
+    const int64_t first = start[j], count = start[j + 1] - first;
+    if (!count) continue;
+    struct xin in;
+    expert_inputs(rows, start, j, K, q16_rows, amx_rows, prep, &in);
+    matmul(&in, rows + first * K, count, K, N, weights[j], planes[j], out + first * N);
+  }
+}
+
 /* One sparse layer's MLP inside a parallel region: x [T, E] float32 (prepared for blockdot in in_x)
    -> out [T, E] float32, moe.py's arithmetic. Routing in float32: the router's logits, a softmax over
    the X experts, each row's top k (the largest first, a tie to the lower index), renormalised to sum
@@ -924,13 +954,7 @@ static void moe_mlp(const struct fused_moe *m, const float *x, const struct xin 
     expert_inputs(w.xg, w.start, j, E, q16_rows, amx_rows, w.prep, &in);
     prepare_row(&in, E, m->gate_up_planes[j], p - w.start[j]);
   }
-  for (int64_t j = 0; j < X; j++) {  /* every thread the same experts, each matmul split over the team */
-    const int64_t first = w.start[j], count = w.start[j + 1] - first;
-    if (!count) continue;
-    struct xin in;
-    expert_inputs(w.xg, w.start, j, E, q16_rows, amx_rows, w.prep, &in);
-    matmul(&in, w.xg + first * E, count, E, 2 * Ie, m->gate_up[j], m->gate_up_planes[j], w.gu + first * 2 * Ie);
-  }
+  experts_matmul(m->gate_up, m->gate_up_planes, w.xg, w.start, X, E, 2 * Ie, q16_rows, amx_rows, w.prep, w.gu);
   #pragma omp for schedule(static)
   for (int64_t p = 0; p < Tk; p++) {
     #pragma omp simd
@@ -943,13 +967,7 @@ static void moe_mlp(const struct fused_moe *m, const float *x, const struct xin 
     expert_inputs(w.act, w.start, j, Ie, q16_rows, amx_rows, w.prep, &in);
     prepare_row(&in, Ie, m->down_planes[j], p - w.start[j]);
   }
-  for (int64_t j = 0; j < X; j++) {
-    const int64_t first = w.start[j], count = w.start[j + 1] - first;
-    if (!count) continue;
-    struct xin in;
-    expert_inputs(w.act, w.start, j, Ie, q16_rows, amx_rows, w.prep, &in);
-    matmul(&in, w.act + first * Ie, count, Ie, E, m->down[j], m->down_planes[j], w.eo + first * E);
-  }
+  experts_matmul(m->down, m->down_planes, w.act, w.start, X, Ie, E, q16_rows, amx_rows, w.prep, w.eo);
   float *gate = NULL, *shared = NULL;
   if (m->shared_gate_up) {  /* every row's shared expert, as a dense layer's MLP of width Is */
     const int64_t Is = m->Is;
