@@ -223,14 +223,16 @@ def test_fused_decode_with_a_bfloat16_cache_stays_within_bf16_precision():
 
 @needs_build
 @pytest.mark.parametrize("quantization", ["int4", None], ids=["panels", "dense"])
-def test_a_float16_cache_is_read_alike_by_the_fused_decode_and_llama_py(quantization):
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_a_float16_cache_is_read_alike_by_the_fused_decode_and_llama_py(quantization, head_dim):
     # Both round K/V to float16 on the way in (to nearest even: C's _Float16, torch's .to) and widen
     # them on the way out, so the fused decode and llama.py's decoder_layer agree to float32's 1e-4;
     # against transformers' float32, whose K/V are not rounded, both are within float16's rounding
     # (2^-11 of a value) of logits of ~0.5: 5e-4, where they measured 3e-5 (a float32 cache: 1e-7, so
     # the rounding is there to see). The 40-token prompt is prefilled in chunks of 16, so llama.py also
-    # reads its earlier chunks back from the cache.
-    hf = make_hf_llama(seed=12)
+    # reads its earlier chunks back from the cache. Heads of 64: AVX-512's four-head loops read the
+    # float16 blocks in place (the contexts' lengths not multiples of their four keys at a time).
+    hf = make_hf_llama(seed=12, head_dim=head_dim)
     runs = []
     for fused in (True, False):
         engine = fused_engine(hf, kv_cache_dtype="float16", quantization=quantization, fused_decode=fused,

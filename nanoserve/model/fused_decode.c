@@ -401,22 +401,28 @@ static inline __m512 sum16(const __m512 *a) {
   return hadd16(v0, v1);
 }
 
+/* 16 values of a float32 or float16 (kind) run from element i: a float16 one widened as it is loaded */
+INLINE __m512 load16(const void *p, int64_t i, const int kind) {
+  if (kind == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+  return _mm512_loadu_ps((const float *)p + i);
+}
+
 /* scores[h n + j] = scale q_h . k_j for nh <= 4 query heads q_h = q + h D (one kv head's group, or
-   part of it) and n float32 keys k_j = k + j stride, D a multiple of 16: four keys at a time, each
-   16 values of a key read once for every head, the 16 dot products of 4 heads by 4 keys folded
-   together (sum16); the keys of n % 4 as scores_run does them */
-INLINE void scores_heads(const float *q, int nh, const float *k, int64_t stride, int64_t n, int64_t D, float scale,
-                         float *scores, int64_t sstride) {
+   part of it) and n keys k_j at offset at + j stride of k, float32 or float16 (kind), D a multiple of
+   16: four keys at a time, each 16 values of a key read once for every head, the 16 dot products of 4
+   heads by 4 keys folded together (sum16); the keys of n % 4 as scores_run does them in float32 */
+INLINE void scores_heads(const float *q, int nh, const void *k, int64_t at, int64_t stride, int64_t n, int64_t D,
+                         float scale, float *scores, int64_t sstride, const int kind) {
   const __m512i head_major = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   const __m512 vscale = _mm512_set1_ps(scale);
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     __m512 a[16];
     for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
-    const float *key = k + j * stride;
+    const int64_t key = at + j * stride;
     for (int64_t i = 0; i < D; i += 16) {
-      const __m512 k0 = _mm512_loadu_ps(key + i), k1 = _mm512_loadu_ps(key + stride + i);
-      const __m512 k2 = _mm512_loadu_ps(key + 2 * stride + i), k3 = _mm512_loadu_ps(key + 3 * stride + i);
+      const __m512 k0 = load16(k, key + i, kind), k1 = load16(k, key + stride + i, kind);
+      const __m512 k2 = load16(k, key + 2 * stride + i, kind), k3 = load16(k, key + 3 * stride + i, kind);
       for (int h = 0; h < 4; h++) {
         if (h >= nh) break;
         const __m512 x = _mm512_loadu_ps(q + h * D + i);
@@ -431,22 +437,31 @@ INLINE void scores_heads(const float *q, int nh, const float *k, int64_t stride,
     _mm512_storeu_ps(out, sums);
     for (int h = 0; h < nh; h++) memcpy(scores + h * sstride + j, out + 4 * h, 4 * sizeof(float));
   }
-  for (int h = 0; h < nh; h++) scores_run(q + h * D, k, j * stride, stride, n - j, D, scale, scores + h * sstride + j, KV_F32);
+  if (j == n) return;
+  if (kind == KV_F32) {
+    for (int h = 0; h < nh; h++)
+      scores_run(q + h * D, k, at + j * stride, stride, n - j, D, scale, scores + h * sstride + j, KV_F32);
+    return;
+  }
+  float rest[3 * D];  /* the last keys widened, so that they are summed as float32's are */
+  for (int64_t key = 0; key < n - j; key++)
+    for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(rest + key * D + i, load16(k, at + (j + key) * stride + i, kind));
+  for (int h = 0; h < nh; h++) scores_run(q + h * D, rest, 0, D, n - j, D, scale, scores + h * sstride + j, KV_F32);
 }
 
 /* out_h [D] += sum_j p_h[j] v_j for nh <= 4 heads (out_h = out + h D, p_h = p + h pstride) over n
-   float32 values v_j = v + j stride, D a multiple of 64: each 64 values of v_j read once for every
-   head, 64 of each head's out held in registers, one multiply-add an element and value, in key
-   order (the same sums as values64's) */
-INLINE void values_heads(float *out, int nh, const float *p, int64_t pstride, const float *v, int64_t stride,
-                         int64_t n, int64_t D) {
+   values v_j at offset at + j stride of v, float32 or float16 (kind), D a multiple of 64: each 64
+   values of v_j read once for every head, 64 of each head's out held in registers, one multiply-add
+   an element and value, in key order (the same sums as values64's) */
+INLINE void values_heads(float *out, int nh, const float *p, int64_t pstride, const void *v, int64_t at,
+                         int64_t stride, int64_t n, int64_t D, const int kind) {
   for (int64_t i = 0; i < D; i += 64) {
     __m512 o[4][4];
     for (int h = 0; h < nh; h++)
       for (int c = 0; c < 4; c++) o[h][c] = _mm512_loadu_ps(out + h * D + i + 16 * c);
     for (int64_t j = 0; j < n; j++) {
       __m512 x[4];
-      for (int c = 0; c < 4; c++) x[c] = _mm512_loadu_ps(v + j * stride + i + 16 * c);
+      for (int c = 0; c < 4; c++) x[c] = load16(v, at + j * stride + i + 16 * c, kind);
       for (int h = 0; h < 4; h++) {
         if (h >= nh) break;
         const __m512 weight = _mm512_set1_ps(p[h * pstride + j]);
@@ -586,9 +601,9 @@ static void widen_kv(const void *cache, int64_t at, float *out, int64_t n, int k
 /* The keys of a run of one block that start at j, up to L; a widened kind's at most RUN_WIDE keys,
    widened whole into a float32 scratch on the stack before its heads read it. */
 #define RUN_WIDE 16
-INLINE int64_t run_at(int64_t j, int64_t L, int64_t bs, const int kind) {
+INLINE int64_t run_at(int64_t j, int64_t L, int64_t bs, const int widened) {
   const int64_t run = bs - j % bs < L - j ? bs - j % bs : L - j;
-  return WIDENED(kind) && run > RUN_WIDE ? RUN_WIDE : run;
+  return widened && run > RUN_WIDE ? RUN_WIDE : run;
 }
 
 /* The `run` keys from j of kv heads g0 .. g0 + ng - 1, the blocks ahead of them prefetched: where the
@@ -596,10 +611,10 @@ INLINE int64_t run_at(int64_t j, int64_t L, int64_t bs, const int kind) {
    widened into `wide` [run, ng D] (offset 0, stride ng D): only the heads the task reads. */
 INLINE const void *run_rows(const void *cache, const int64_t *table, int64_t j, int64_t run, int64_t end, int64_t bs,
                             int64_t row, int64_t g0, int64_t ng, int64_t D, float *wide, int64_t *at, int64_t *stride,
-                            const int kind) {
+                            const int kind, const int widened) {
   *at = (table[j / bs] * bs + j % bs) * row + g0 * D, *stride = row;
   prefetch_block(cache, table, j, end, bs, row, g0 * D, ng * D, kind);
-  if (!WIDENED(kind)) return cache;
+  if (!widened) return cache;
   if (ng * D == row) widen_kv(cache, *at, wide, run * row, kind);  /* every head: one contiguous run */
   else
     for (int64_t key = 0; key < run; key++) widen_kv(cache, *at + key * row, wide + key * ng * D, ng * D, kind);
@@ -615,19 +630,20 @@ static inline int64_t heads4(int64_t h, int64_t h1, int64_t group) {
 
 INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
                       const int64_t *table, int64_t first, int64_t L, int64_t end, int64_t h0, int64_t h1,
-                      float *scores, float *out, float *part, const int kind) {
+                      float *scores, float *out, float *part, const int kind, const int direct) {
   const int64_t D = s->D, bs = s->block_size, row = s->Hkv * D, n = L - first, H = s->H, group = H / s->Hkv;
   const int64_t g0 = h0 / group, ng = (h1 - 1) / group + 1 - g0;  /* the kv heads heads h0 .. h1 - 1 read */
-  const int read = WIDENED(kind) ? KV_F32 : kind;  /* what the loops read: a widened run as float32 */
-  float wide[WIDENED(kind) ? RUN_WIDE * row : 1];
+  /* what the loops read: a widened run as float32, float16 in place where `direct` (the four-head loops) */
+  const int widened = WIDENED(kind) && !direct, read = widened ? KV_F32 : kind;
+  float wide[widened ? RUN_WIDE * row : 1];
   for (int64_t j = first, run, at, stride; j < L; j += run) {
-    run = run_at(j, L, bs, kind);
-    const void *keys = run_rows(k_cache, table, j, run, end, bs, row, g0, ng, D, wide, &at, &stride, kind);
+    run = run_at(j, L, bs, widened);
+    const void *keys = run_rows(k_cache, table, j, run, end, bs, row, g0, ng, D, wide, &at, &stride, kind, widened);
 #if GROUP16
-    if (read == KV_F32 && D % 64 == 0) {  /* a kv head's key read once for four of its heads */
+    if ((read == KV_F32 || read == KV_F16) && D % 64 == 0) {  /* a kv head's key read once for four of its heads */
       for (int64_t h = h0; h < h1; h += heads4(h, h1, group))
-        scores_heads(q + h * D, (int)heads4(h, h1, group), (const float *)keys + at + (h / group - g0) * D, stride,
-                     run, D, s->scale, scores + h * n + j - first, n);
+        scores_heads(q + h * D, (int)heads4(h, h1, group), keys, at + (h / group - g0) * D, stride, run, D, s->scale,
+                     scores + h * n + j - first, n, read);
       continue;
     }
 #endif
@@ -648,13 +664,13 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
   }
   for (int64_t i = h0 * D; i < h1 * D; i++) out[i] = 0;
   for (int64_t j = first, run, at, stride; j < L; j += run) {
-    run = run_at(j, L, bs, kind);
-    const void *values = run_rows(v_cache, table, j, run, end, bs, row, g0, ng, D, wide, &at, &stride, kind);
+    run = run_at(j, L, bs, widened);
+    const void *values = run_rows(v_cache, table, j, run, end, bs, row, g0, ng, D, wide, &at, &stride, kind, widened);
 #if GROUP16
-    if (read == KV_F32 && D % 64 == 0) {  /* a kv head's value read once for four of its heads */
+    if ((read == KV_F32 || read == KV_F16) && D % 64 == 0) {  /* a kv head's value read once for four of its heads */
       for (int64_t h = h0; h < h1; h += heads4(h, h1, group))
-        values_heads(out + h * D, (int)heads4(h, h1, group), scores + h * n + j - first, n,
-                     (const float *)values + at + (h / group - g0) * D, stride, run, D);
+        values_heads(out + h * D, (int)heads4(h, h1, group), scores + h * n + j - first, n, values,
+                     at + (h / group - g0) * D, stride, run, D, read);
       continue;
     }
 #endif
@@ -670,11 +686,16 @@ __attribute__((noinline)) static void attend(const struct fused_shape *s, const 
                                              int64_t end, int64_t h0, int64_t h1, float *scores, float *out,
                                              float *part) {
   switch (s->kv_kind) {
-    case KV_BF16: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_BF16); break;
-    case KV_F16: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_F16); break;
-    case KV_Q8_0: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_Q8_0); break;
-    case KV_Q4_0: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_Q4_0); break;
-    default: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_F32);
+    case KV_BF16: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_BF16, 0); break;
+    case KV_F16:  /* read in place by the four-head loops (AVX-512, D a multiple of 64), else widened a run at a time */
+      if (GROUP16 && s->D % 64 == 0)
+        attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_F16, 1);
+      else
+        attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_F16, 0);
+      break;
+    case KV_Q8_0: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_Q8_0, 0); break;
+    case KV_Q4_0: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_Q4_0, 0); break;
+    default: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_F32, 0);
   }
 }
 
