@@ -68,8 +68,8 @@ def test_a_mirror_with_two_fields_swapped_is_refused_naming_both_offsets():
     with pytest.raises(OSError) as caught:
         cabi.check_layout(layout, {"fused_shape": swapped_shape()})
     assert str(caught.value) == (
-        "the library's structs are not laid out as their ctypes mirrors: struct fused_shape field eps at offset 80 "
-        "in C, 84 in SwappedShape; struct fused_shape field scale at offset 84 in C, 80 in SwappedShape")
+        "the library's structs are not laid out as their ctypes mirrors: struct fused_shape field eps at offset 88 "
+        "in C, 92 in SwappedShape; struct fused_shape field scale at offset 92 in C, 88 in SwappedShape")
 
 
 def test_a_mirror_with_a_narrower_or_missing_field_is_refused():
@@ -92,11 +92,11 @@ def test_a_mirror_with_a_narrower_or_missing_field_is_refused():
 def test_the_compilers_layout_is_the_mirrors_and_a_wrong_mirror_fails_the_load(monkeypatch):
     layout = cabi.c_layout(blockdot.library().lib)
     assert layout == layout_of(cabi.MIRRORS)
-    # ten int64 fields (E .. activation) before eps: 10 * 8 = 80; fused_layer: 21 fields of 8 bytes
-    assert layout["fused_shape"]["eps"] == (80, 4) and layout["fused_layer"][None] == (0, 168)
+    # eleven int64 fields (E .. rot) before eps: 11 * 8 = 88; fused_layer: 21 fields of 8 bytes
+    assert layout["fused_shape"]["eps"] == (88, 4) and layout["fused_layer"][None] == (0, 168)
     # the whole way: load refuses the build, and library() reports it as its failure
     monkeypatch.setattr(cabi, "MIRRORS", {**cabi.MIRRORS, "fused_shape": swapped_shape()})
-    with pytest.raises(OSError, match="struct fused_shape field eps at offset 80 in C, 84 in SwappedShape"):
+    with pytest.raises(OSError, match="struct fused_shape field eps at offset 88 in C, 92 in SwappedShape"):
         cabi.load()
     monkeypatch.setattr(blockdot, "_library", None)
     monkeypatch.setattr(blockdot, "_failure", None)

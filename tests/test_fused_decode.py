@@ -365,6 +365,12 @@ FAMILIES = {
     "phi3-longrope": ("phi3", {"pad_token_id": 0, "max_position_embeddings": 256, "original_max_position_embeddings": 4,
                                "rope_scaling": {"type": "longrope", "short_factor": [1.0, 2.0, 5.0, 30.0],
                                                 "long_factor": [1.0, 2.0, 5.0, 30.0]}}),
+    # Phi-4-mini's rope: on the first 0.75 of each head (12 of 16 dimensions, hidden 64 over 4 heads; 4
+    # keep their values), with LongRoPE's factors, one a pair of those 12
+    "phi3-partial-longrope": ("phi3", {"pad_token_id": 0, "hidden_size": 64, "head_dim": 16, "partial_rotary_factor": 0.75,
+                                       "max_position_embeddings": 256, "original_max_position_embeddings": 4,
+                                       "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 5.0, 9.0, 30.0],
+                                                        "long_factor": [1.0, 1.5, 2.0, 5.0, 9.0, 30.0]}}),
     # Gemma: the embedding scaled, norms by (1 + w), GELU's tanh form
     "gemma-gelu": ("gemma", {}),
     # Gemma 3 (1B's heads: four query heads of 256 on one K/V head): sandwich norms, per-head q/k norms,
@@ -403,7 +409,6 @@ def test_family_switches_equal_transformers(name, layout):
 
 @needs_build
 @pytest.mark.parametrize("family, overrides, switches", [
-    ("phi3", {"pad_token_id": 0, "partial_rotary_factor": 0.5}, "['partial_rotary_factor']"),
     ("smollm3", {"pad_token_id": 0, "num_hidden_layers": 4}, "['no_rope_layers']"),
 ])
 def test_rope_switches_it_lacks_keep_decoder_layer_and_are_named(family, overrides, switches):

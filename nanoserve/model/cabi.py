@@ -68,7 +68,7 @@ class FusedShape(ctypes.Structure):
     """struct fused_shape (fused_decode.c): the model's dimensions and the cache's form."""
 
     _fields_ = [(name, _i64) for name in ("E", "H", "Hkv", "D", "I", "block_size", "kv_kind", "int16_rows",
-                                          "amx_rows", "activation")] + [
+                                          "amx_rows", "activation", "rot")] + [
         ("eps", _f32), ("scale", _f32)]
 
 

@@ -60,7 +60,7 @@ struct fused_layer {  /* one layer's weights and cache, as fused_decode.py lays 
   const struct fused_moe *moe;                   /* a sparse layer's MLP in place of gate_up and down; NULL: dense */
   const float *attn_out_norm, *mlp_out_norm;     /* [E] float32: RMSNorm of attention's and the MLP's outputs
                                                     before their residual adds (Gemma 2 and 3's sandwich norms) */
-  const float *cos, *sin;                        /* [positions, D] float32: this layer's own rope table (Gemma 3's
+  const float *cos, *sin;                        /* [positions, rot] float32: this layer's own rope table (Gemma 3's
                                                     windowed layers); NULL: the step's */
 };
 
@@ -84,6 +84,7 @@ struct fused_shape {
   int64_t int16_rows;  /* from this many rows the matmuls take blockdot's int16 path (0: never) */
   int64_t amx_rows;    /* from this many rows file-bit panels multiply on AMX tiles (0: never) */
   int64_t activation;  /* the MLP gate's: ACT_SILU or ACT_GELU_TANH */
+  int64_t rot;         /* rope's dimensions of each head, the first rot of D (Phi-3's partial rotary), even */
   float eps, scale;
 };
 
@@ -103,8 +104,8 @@ static const struct layout_entry layout[] = {
   LAYOUT_STRUCT(fused_shape), LAYOUT_FIELD(fused_shape, E), LAYOUT_FIELD(fused_shape, H),
   LAYOUT_FIELD(fused_shape, Hkv), LAYOUT_FIELD(fused_shape, D), LAYOUT_FIELD(fused_shape, I),
   LAYOUT_FIELD(fused_shape, block_size), LAYOUT_FIELD(fused_shape, kv_kind), LAYOUT_FIELD(fused_shape, int16_rows),
-  LAYOUT_FIELD(fused_shape, amx_rows), LAYOUT_FIELD(fused_shape, activation), LAYOUT_FIELD(fused_shape, eps),
-  LAYOUT_FIELD(fused_shape, scale),
+  LAYOUT_FIELD(fused_shape, amx_rows), LAYOUT_FIELD(fused_shape, activation), LAYOUT_FIELD(fused_shape, rot),
+  LAYOUT_FIELD(fused_shape, eps), LAYOUT_FIELD(fused_shape, scale),
   LAYOUT_STRUCT(fused_layer), LAYOUT_FIELD(fused_layer, input_norm), LAYOUT_FIELD(fused_layer, post_norm),
   LAYOUT_FIELD(fused_layer, qkv), LAYOUT_FIELD(fused_layer, o), LAYOUT_FIELD(fused_layer, gate_up),
   LAYOUT_FIELD(fused_layer, down), LAYOUT_FIELD(fused_layer, qkv_planes), LAYOUT_FIELD(fused_layer, o_planes),
@@ -138,7 +139,8 @@ static void rms_norm(const float *x, const float *w, float *out, int64_t n, floa
   for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
 }
 
-/* rotate-half rope of one head x [D] in place, cos and sin [D] of its position */
+/* rotate-half rope of the first D values of a head x in place (the whole head, or Phi-3's partial
+   rotary's first dimensions; the rest are left as they are), cos and sin [D] of its position */
 static void rope(float *x, const float *cos, const float *sin, int64_t D) {
   const int64_t half = D / 2;
   for (int64_t i = 0; i < half; i++) {
@@ -765,7 +767,7 @@ static int64_t attention_scratch(const struct fused_shape *s, int64_t T, int64_t
 static void attention(const struct fused_shape *s, const struct fused_layer *w, float *qkv, float *att, int64_t T,
                       const int64_t *positions, const int64_t *slot_mapping, const int64_t *tables, int64_t nb,
                       const float *cos, const float *sin, float *scratch, int64_t max_len) {
-  const int64_t H = s->H, Hkv = s->Hkv, D = s->D, group = H / Hkv, NQKV = (H + 2 * Hkv) * D;
+  const int64_t H = s->H, Hkv = s->Hkv, D = s->D, R = s->rot, group = H / Hkv, NQKV = (H + 2 * Hkv) * D;
   if (w->cos) cos = w->cos, sin = w->sin;  /* the layer's own table */
   #pragma omp for schedule(static)
   for (int64_t task = 0; task < T * Hkv; task++) {
@@ -778,10 +780,10 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
     }
     for (int64_t j = 0; j < group; j++) {
       if (w->q_norm) rms_norm(q + j * D, w->q_norm, q + j * D, D, s->eps);
-      rope(q + j * D, cos + pos * D, sin + pos * D, D);
+      rope(q + j * D, cos + pos * R, sin + pos * R, R);
     }
     if (w->k_norm) rms_norm(k, w->k_norm, k, D, s->eps);
-    rope(k, cos + pos * D, sin + pos * D, D);
+    rope(k, cos + pos * R, sin + pos * R, R);
     for (int64_t j = 0; j < group; j++) turn(q + j * D, D, turn_qk(D, (int)s->kv_kind));
     turn(k, D, turn_qk(D, (int)s->kv_kind)), turn(v, D, turn_v(D, (int)s->kv_kind));
     const int64_t at = (slot_mapping[r] * Hkv + g) * D;
@@ -1027,7 +1029,7 @@ static void moe_mlp(const struct fused_moe *m, const float *x, const struct xin 
 }
 
 /* h [T, E] float32, updated in place through every layer. positions, slot_mapping [T]; tables
-   [T, nb] block ids; cos, sin [positions, D] float32. Returns 0, or -1 when out of memory (the
+   [T, nb] block ids; cos, sin [positions, rot] float32 (rope.rope_table). Returns 0, or -1 when out of memory (the
    thread's scratch, blockdot_scratch). */
 int fused_decode(const struct fused_shape *s, const struct fused_layer *layers, int64_t num_layers, float *h,
                  int64_t T, const int64_t *positions, const int64_t *slot_mapping, const int64_t *tables, int64_t nb,

@@ -19,11 +19,11 @@ every step to them): each row's K/V is written to the cache before any row reads
 attends its own context read back from there, so a row's arithmetic does not depend on the step it
 came in. The embedding (and Gemma's scale of it), the final norm and the head stay in llama.py's
 forward. It applies to the Llama family's switches that SmolLM, Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
-Gemma and Gemma 3 use (a qkv bias, per-head q/k norms, a sliding window on some or all layers, a
+Gemma, Gemma 3 and Phi-3 use (a qkv bias, per-head q/k norms, a sliding window on some or all layers, a
 query scale of its own, SiLU or GELU's tanh form, norms on attention's and the MLP's outputs, a
-second rope table for the windowed layers), the model computing in float32 or bfloat16 on the CPU
-(LongRoPE included: its factors and attention factor are in the rope table it reads); soft-capping
-(Gemma 2), an o bias, rope on part of each head (Phi-4-mini), layers without rope (SmolLM3) and
+second rope table for the windowed layers, rope on the first dimensions of each head), the model
+computing in float32 or bfloat16 on the CPU (LongRoPE included: its factors and attention factor are
+in the rope table it reads); soft-capping (Gemma 2), an o bias, layers without rope (SmolLM3) and
 OLMoE's norm over the whole q and k projections keep decoder_layer (`why_not`). A mixture-of-experts layer
 (nanoserve.model.moe) runs in the one call, its router, its experts and a shared expert read in their
 C forms (`moe_table`); on `per_layer`, one more C call (fused_moe) runs it where its experts' forms
@@ -66,8 +66,7 @@ def why_not(config: LlamaConfig, device: torch.device) -> str | None:
         return f"fused_decode.c could not be built: {blockdot.failure()}"
     switches = {"o_bias": config.o_bias, "attn_logit_softcap": config.attn_logit_softcap is not None,
                 "activation": config.hidden_act not in C_ACTIVATIONS,
-                # fused_decode.c rotates whole heads, in every layer
-                "partial_rotary_factor": config.rotary_dim != config.head_dim,
+                # fused_decode.c rotates every layer's heads (their first rotary_dim dimensions)
                 "no_rope_layers": bool(config.no_rope_layers), "qk_norm_whole": config.qk_norm_whole,
                 # moe_mlp's gate is SiLU's
                 "moe_activation": config.is_moe and config.hidden_act != "silu"}
@@ -84,9 +83,9 @@ class FusedDecode:
 
     layers: list[LayerWeights]
     shape: FusedShape
-    cos: torch.Tensor  # [P, D] float32
-    sin: torch.Tensor  # [P, D] float32
-    ropes: list[tuple[torch.Tensor | None, ...]]  # per layer: its own cos, sin [P, D] float32 (Gemma 3's windowed layers), or None
+    cos: torch.Tensor  # [P, Dr] float32
+    sin: torch.Tensor  # [P, Dr] float32
+    ropes: list[tuple[torch.Tensor | None, ...]]  # per layer: its own cos, sin [P, Dr] float32 (Gemma 3's windowed layers), or None
     dtype: torch.dtype  # the linears' (and the K/V cache's): float32 or bfloat16
     kernel: blockdot.Library
     switches: list[tuple[torch.Tensor | None, ...]]  # per layer: qkv_bias, q_norm, k_norm in float32, or None
@@ -269,7 +268,7 @@ def fused_decode(model: LlamaModel, one_call: bool, int16_rows: int | None,
     scale = shape.attn_scale if shape.attn_scale is not None else shape.head_dim ** -0.5
     c_shape = FusedShape(config.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
                          config.intermediate_size, 0, 0, int16_rows or 0, amx_rows or 0,  # block_size, kv_kind: from the cache
-                         C_ACTIVATIONS.index(shape.activation), shape.eps, scale)
+                         C_ACTIVATIONS.index(shape.activation), config.rotary_dim, shape.eps, scale)
     cos, sin = rope_table(config, model.cos.shape[0], torch.float32, model.device)
     local = local_rope_table(config, model.cos.shape[0], torch.float32, model.device)
     ropes = [local if local is not None and i in model.sliding_layers else (None, None) for i in range(config.num_layers)]
