@@ -292,3 +292,8 @@ def test_a_group_of_matrices_in_one_pass_gives_each_matrix_its_own_bits(nthreads
     assert done == 1
     for p, x, y in zip(panels, xs, ys, strict=True):
         assert torch.equal(y, p(x))
+    # a matrix of another form (dense panels' planes are negative) sends the whole group back untouched
+    ys = [torch.full((m, 136), float("nan")) for m in widths]
+    done = lib.blockdot_grouped(pointers(xs), (ctypes.c_int64 * 5)(*widths), 512, 136, pointers([p.data for p in panels]),
+                                (ctypes.c_int * 5)(*(p.planes for p in panels[:4]), -1), pointers(ys), 5, nthreads)
+    assert done == 0 and all(y.isnan().all() for y in ys)

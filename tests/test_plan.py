@@ -49,8 +49,8 @@ PATHS = {
 }
 # test_families' switches; Qwen3's head_dim 16, so that o's input width (H D = 64) quantizes to int4
 CASES = FAMILIES | {"qwen3": ("qwen3", {"head_dim": 16})}
-# the others' switches are not in fused_decode.c (Gemma 2's soft-caps, an o bias, partial rope, NoPE layers)
-C_FAMILIES = {"mistral-window", "qwen2", "qwen2-window", "qwen3", "gemma", "gemma3"}
+# the others' switches are not in fused_decode.c (Gemma 2's soft-caps, an o bias, NoPE layers)
+C_FAMILIES = {"mistral-window", "qwen2", "qwen2-window", "qwen3", "gemma", "gemma3", "phi3"}
 # Mixtures of experts whose other switches fused_decode.c runs: their sparse MLP runs there too, on
 # every route a dense model of the family takes (OLMoE's norm over the whole q and k keeps it on torch).
 MOE_IN_C = {"qwen3-moe", "mixtral", "qwen2-moe"}

@@ -1525,7 +1525,7 @@ int blockdot_group(const struct xin *ins, const int64_t *Ms, int64_t K, int64_t 
   int n = 0;
   int64_t all = 0;  /* panels in all */
   for (int j = 0; j < count; j++) {
-    if (!(planes[j] & I8P)) return 0;
+    if (planes[j] <= 0 || !(planes[j] & I8P)) return 0;  /* dense panels (planes < 0) and the other panels: not here */
     const int32_t *head = (const int32_t *)ws[j];
     const int mixed = I8_TYPE(planes[j]) == I8_MIXED, segments = mixed ? head[0] : 1;
     const uint8_t *w = mixed ? ws[j] + 64 : ws[j];
