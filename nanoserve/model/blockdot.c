@@ -1212,17 +1212,30 @@ static void amx_tasks_of(const struct xin *in, int64_t M, int64_t K, int64_t N, 
 int blockdot_amx(void) { return 0; }
 #endif
 
+/* Whether tasks8_of runs M rows of `type` on the AMX tiles (the K-quants' tiles only). */
+static int on_tiles(const struct xin *in, int64_t M, int type) {
+#if AMX
+  return in->amx_rows > 0 && M >= in->amx_rows && I8_TYPES[type].weights == SB;
+#else
+  (void)in, (void)M, (void)type;
+  return 0;
+#endif
+}
+
+/* Panels a task of the vector tiles takes for M rows of x. */
+static int tasks8_np(int64_t M) { return SIMD == 256 ? (M <= 1 ? 2 : 1) : M <= 2 ? 4 : M <= 4 ? 2 : 1; }
+
 /* One type's panels w (N rows, rows of y ldy apart) split among the team's threads. */
 static void tasks8_of(const struct xin *in, int64_t M, int64_t K, int64_t N, int64_t ldy, const uint8_t *w, int type,
                       void *y, int y_bf16) {
 #if AMX
-  if (in->amx_rows > 0 && M >= in->amx_rows && I8_TYPES[type].weights == SB) {  /* the K-quants' tiles only */
+  if (on_tiles(in, M, type)) {
     amx_tasks_of(in, M, K, N, ldy, w, type, y, y_bf16);
     return;
   }
 #endif
   const int64_t panels = (N + P - 1) / P;
-  const int NP = SIMD == 256 ? (M <= 1 ? 2 : 1) : M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  const int NP = tasks8_np(M);
   const int64_t tasks = (panels + NP - 1) / NP;
   #pragma omp for schedule(static)
   for (int64_t t = 0; t < tasks; t++) {
@@ -1232,7 +1245,7 @@ static void tasks8_of(const struct xin *in, int64_t M, int64_t K, int64_t N, int
 }
 
 /* Calls f(segment's panels, its type, its first row, its rows) for each segment of w (one, unless I8_MIXED). */
-#define FOR_SEGMENTS(w, planes, N, K, BODY)                                                              \
+#define FOR_SEGMENTS(w, planes, N, K, ...)                                                               \
   do {                                                                                                   \
     const int32_t *head_ = (const int32_t *)(w);                                                         \
     const int mixed_ = I8_TYPE(planes) == I8_MIXED, count_ = mixed_ ? head_[0] : 1;                      \
@@ -1242,7 +1255,7 @@ static void tasks8_of(const struct xin *in, int64_t M, int64_t K, int64_t N, int
       const int seg_type = mixed_ ? head_[2 + 2 * i_] : I8_TYPE(planes);                                 \
       const int64_t seg_panels = mixed_ ? head_[1 + 2 * i_] : ((N) + P - 1) / P;                         \
       const int64_t seg_rows = (N) - seg_n0 < seg_panels * P ? (N) - seg_n0 : seg_panels * P;            \
-      BODY;                                                                                              \
+      __VA_ARGS__;                                                                                       \
       seg_w += seg_panels * ((K) / I8_TYPES[seg_type].weights) * I8_TYPES[seg_type].bytes;               \
       seg_n0 += seg_panels * P;                                                                          \
     }                                                                                                    \
@@ -1499,16 +1512,6 @@ void blockdot_tasks(const struct xin *in, int64_t M, int64_t K, int64_t N, const
   }
 }
 
-/* Whether tasks8_of runs M rows of `type` on the AMX tiles. */
-static int on_tiles(const struct xin *in, int64_t M, int type) {
-#if AMX
-  return in->amx_rows > 0 && M >= in->amx_rows && I8_TYPES[type].weights == SB;
-#else
-  (void)in, (void)M, (void)type;
-  return 0;
-#endif
-}
-
 /* One segment of one matrix of a group (blockdot_group): tasks8_of's tasks of NP panels. */
 struct unit8 {
   const struct xin *in;
@@ -1526,20 +1529,13 @@ int blockdot_group(const struct xin *ins, const int64_t *Ms, int64_t K, int64_t 
   int64_t all = 0;  /* panels in all */
   for (int j = 0; j < count; j++) {
     if (planes[j] <= 0 || !(planes[j] & I8P)) return 0;  /* dense panels (planes < 0) and the other panels: not here */
-    const int32_t *head = (const int32_t *)ws[j];
-    const int mixed = I8_TYPE(planes[j]) == I8_MIXED, segments = mixed ? head[0] : 1;
-    const uint8_t *w = mixed ? ws[j] + 64 : ws[j];
-    int64_t n0 = 0;
-    for (int i = 0; i < segments; i++) {  /* FOR_SEGMENTS' walk */
-      const int type = mixed ? head[2 + 2 * i] : I8_TYPE(planes[j]);
-      const int64_t panels = mixed ? head[1 + 2 * i] : (N + P - 1) / P, rows = N - n0 < panels * P ? N - n0 : panels * P;
-      if (n == GROUP_UNITS || on_tiles(&ins[j], Ms[j], type)) return 0;
-      const int NP = SIMD == 256 ? (Ms[j] <= 1 ? 2 : 1) : Ms[j] <= 2 ? 4 : Ms[j] <= 4 ? 2 : 1;
-      units[n++] = (struct unit8){&ins[j], Ms[j], rows, panels, (panels + NP - 1) / NP, w, (char *)ys[j] + n0 * 4, type, NP};
-      all += panels;
-      w += panels * (K / I8_TYPES[type].weights) * I8_TYPES[type].bytes;
-      n0 += panels * P;
-    }
+    FOR_SEGMENTS(ws[j], planes[j], N, K, {
+      if (n == GROUP_UNITS || on_tiles(&ins[j], Ms[j], seg_type)) return 0;
+      const int NP = tasks8_np(Ms[j]);
+      units[n++] = (struct unit8){&ins[j], Ms[j], seg_rows, seg_panels, (seg_panels + NP - 1) / NP, seg_w,
+                                  (char *)ys[j] + seg_n0 * 4, seg_type, NP};
+      all += seg_panels;
+    });
   }
   /* this thread's share: the tasks whose first panel is in [lo, hi) of all the panels in order */
   const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();

@@ -907,15 +907,17 @@ static void experts_matmul(const uint8_t *const *weights, const int64_t *planes,
   int64_t Ms[MOST];
   int ps[MOST];
   float *ys[MOST];
-  int n = 0;
-  for (int64_t j = 0; j < X && X <= MOST; j++) {
-    const int64_t first = start[j], count = start[j + 1] - first;
-    if (!count) continue;
-    expert_inputs(rows, start, j, K, q16_rows, amx_rows, prep, &ins[n]);
-    ws[n] = weights[j], Ms[n] = count, ps[n] = (int)planes[j], ys[n] = out + first * N;
-    n++;
+  if (X <= MOST) {
+    int n = 0;
+    for (int64_t j = 0; j < X; j++) {
+      const int64_t first = start[j], count = start[j + 1] - first;
+      if (!count) continue;
+      expert_inputs(rows, start, j, K, q16_rows, amx_rows, prep, &ins[n]);
+      ws[n] = weights[j], Ms[n] = count, ps[n] = (int)planes[j], ys[n] = out + first * N;
+      n++;
+    }
+    if (blockdot_group(ins, Ms, K, N, ws, ps, ys, n)) return;
   }
-  if (X <= MOST && blockdot_group(ins, Ms, K, N, ws, ps, ys, n)) return;
   for (int64_t j = 0; j < X; j++) {  /* every thread the same experts, each matmul split over the team */
     const int64_t first = start[j], count = start[j + 1] - first;
     if (!count) continue;
