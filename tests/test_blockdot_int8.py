@@ -238,13 +238,15 @@ def test_amx_tiles_give_the_vector_tiles_bits_at_every_width(kind):
     else:
         w, reference = matrix(kind, rows=40, cols=768, seed=7)
     vector = blockdot.pack_int8(w)
-    tiles = blockdot.pack_int8(w, amx_rows=1)
+    tiles = blockdot.pack_int8(w, amx_rows=1)  # every block of rows on the tiles, a last short one padded
+    from16 = blockdot.pack_int8(w, amx_rows=16)  # whole blocks of 16 on the tiles, the rest on the vector tiles
     gen = torch.Generator().manual_seed(8)
     for rows in (1, 5, 16, 17, 40):
         x = torch.randn(rows, 768, generator=gen)
         x[-1, 32:64] = 0  # an all-zero block: scale 0
         assert torch.equal(tiles(x), vector(x)), rows
         assert torch.equal(tiles(x.bfloat16()), vector(x.bfloat16())), rows
+        assert torch.equal(from16(x), vector(x)), rows
     # and the sums are the file's matrix times x rounded, not merely the vector tiles' (independent of both)
     x = torch.randn(17, 768, generator=gen)
     expected = rounded_x(x) @ reference.double().numpy().T

@@ -947,13 +947,13 @@ INLINE void tile8_out(const struct xin *in, int64_t K, int64_t N, int64_t ldy, c
     }
 }
 
-/* Panels [p0, p0 + NP) against every row of x, in tiles of NP panels by up to 8 / NP rows (AVX2, whose
-   vectors are two registers: 4 / NP). Each tile reads its panels' codes once for all its rows. */
+/* Panels [p0, p0 + NP) against rows [r_from, M) of x, in tiles of NP panels by up to 8 / NP rows (AVX2,
+   whose vectors are two registers: 4 / NP). Each tile reads its panels' codes once for all its rows. */
 #define I8_TILES(type)                                                                                     \
   static void task8_##type(const struct xin *in, int64_t M, int64_t K, int64_t N, int64_t ldy, const uint8_t *w, \
-                           int64_t p0, int NP, void *y, int y_bf16) {                                      \
+                           int64_t p0, int NP, void *y, int y_bf16, int64_t r_from) {                      \
     const int most = (SIMD == 256 ? 4 : 8) / NP;                                                           \
-    for (int64_t r0 = 0; r0 < M;) {                                                                        \
+    for (int64_t r0 = r_from; r0 < M;) {                                                                   \
       const int MR = M - r0 < most ? (int)(M - r0) : most;                                                 \
       switch (NP * 16 + MR) {                                                                              \
         case 4 * 16 + 1: tile8_out(in, K, N, ldy, w, type, p0, r0, 4, 1, y, y_bf16); break;                     \
@@ -985,32 +985,37 @@ I8_TILES(I8_Q5_0)
 I8_TILES(I8_Q5_1)
 #undef I8_TILES
 
-/* One panel (NP = 1) or NP from p0 of one type against every row of x on the vector tiles. */
+/* One panel (NP = 1) or NP from p0 of one type against rows [r_from, M) of x on the vector tiles. */
 static void task8(const struct xin *in, int64_t M, int64_t K, int64_t N, int64_t ldy, const uint8_t *w, int type,
-                  int64_t p0, int NP, void *y, int y_bf16) {
+                  int64_t p0, int NP, void *y, int y_bf16, int64_t r_from) {
   switch (type) {
-    case I8_Q4_K: task8_I8_Q4_K(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
-    case I8_Q6_K: task8_I8_Q6_K(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
-    case I8_IQ4_XS: task8_I8_IQ4_XS(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
-    case I8_Q4_0: task8_I8_Q4_0(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
-    case I8_IQ4_NL: task8_I8_IQ4_NL(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
-    case I8_Q8_0: task8_I8_Q8_0(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
-    case I8_Q4_1: task8_I8_Q4_1(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
-    case I8_Q5_0: task8_I8_Q5_0(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
-    default: task8_I8_Q5_1(in, M, K, N, ldy, w, p0, NP, y, y_bf16); break;
+    case I8_Q4_K: task8_I8_Q4_K(in, M, K, N, ldy, w, p0, NP, y, y_bf16, r_from); break;
+    case I8_Q6_K: task8_I8_Q6_K(in, M, K, N, ldy, w, p0, NP, y, y_bf16, r_from); break;
+    case I8_IQ4_XS: task8_I8_IQ4_XS(in, M, K, N, ldy, w, p0, NP, y, y_bf16, r_from); break;
+    case I8_Q4_0: task8_I8_Q4_0(in, M, K, N, ldy, w, p0, NP, y, y_bf16, r_from); break;
+    case I8_IQ4_NL: task8_I8_IQ4_NL(in, M, K, N, ldy, w, p0, NP, y, y_bf16, r_from); break;
+    case I8_Q8_0: task8_I8_Q8_0(in, M, K, N, ldy, w, p0, NP, y, y_bf16, r_from); break;
+    case I8_Q4_1: task8_I8_Q4_1(in, M, K, N, ldy, w, p0, NP, y, y_bf16, r_from); break;
+    case I8_Q5_0: task8_I8_Q5_0(in, M, K, N, ldy, w, p0, NP, y, y_bf16, r_from); break;
+    default: task8_I8_Q5_1(in, M, K, N, ldy, w, p0, NP, y, y_bf16, r_from); break;
   }
 }
 
 /* ---- AMX tiles (Sapphire Rapids and later: builds with __AMX_INT8__, where the kernel grants them) ----
  *
- * tile8's sums for 16 rows of x at a time against one panel: TDPBSUD multiplies a tile of x's int8
- * codes (16 rows by one group's 32 k; 16 k for Q6_K) by a tile of the panel's unsigned codes in VNNI
- * order (tile row i: the 16 outputs' codes at k = 4 i .. 4 i + 3, which is what an octet's low, then
- * high, nibbles are: amx_unpack writes them out once per panel and call) into 16 x 16 exact int32
- * sums, tile8's g. Those are stored to memory and go through the same float steps (q4k_step,
- * q6k_step) in the same order, so a row's outputs are bit for bit tile8's: which rows take the tiles
+ * tile8's sums for 16 rows of x at a time against one panel: TDPBSUD (TDPBSSD) multiplies a tile of
+ * x's int8 codes (16 rows by one group's 32 k; 16 k for Q6_K) by a tile of the panel's unsigned
+ * (signed) codes in VNNI order (tile row i: the 16 outputs' codes at k = 4 i .. 4 i + 3, which is what
+ * an octet's low, then high, nibbles are: unpacked pair by pair of groups as the panel streams past)
+ * into 16 x 16 exact int32 sums: tile8's g, or for Q6_K and IQ4_XS g with its offset term already in
+ * (the same integer, so the same float). Those are stored to memory and go through tile8's float
+ * steps in the same order, so a row's outputs are bit for bit tile8's: which rows take the tiles
  * (struct xin's amx_rows, the plan's) changes the speed, never a number. Rows past the last whole 16
- * are copied into a zeroed block of 16, whose extra rows sum to 0 and are not stored. */
+ * are copied into a zeroed block of 16, whose extra rows sum to 0 and are not stored.
+ *
+ * Measured (notes/amx-tiles.md): the tile unit's work does not overlap the vector unit's here, so
+ * what a pair of groups costs is the tiles' loads, products and stores plus the vector work of the
+ * float steps (4 operations a row and group of Q4_K, 3 of Q6_K and IQ4_XS) and the unpacking. */
 #if SIMD == 512 && defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -1041,68 +1046,80 @@ static void amx_configure(int kb) {
   _tile_loadconfig(&c);
 }
 
-/* Panel p's codes into u [K / 4][64], row i holding the 16 outputs' codes at k = 4 i .. 4 i + 3 (q in
-   0..15 for Q4_K, 0..63 for Q6_K, IQ4_XS's values plus 128): octet o of a super-block is k = 8 o .. 8 o + 7, its low nibbles
-   row 2 o and its high ones row 2 o + 1. */
-static void amx_unpack(const uint8_t *w, int type, int64_t p, int64_t K, uint8_t *u) {
-  const int64_t S = K / SB, sb = I8_TYPES[type].bytes;
-  for (int64_t s = 0; s < S; s++) {
-    const uint8_t *blk = w + (p * S + s) * sb;
-    uint8_t *us = u + s * SB * P;
-    for (int o = 0; o < 32; o++) {
-      const vi c = vi_load(blk + (type == I8_Q4_K ? Q4K_CODES : type == I8_Q6_K ? Q6K_LOW : IQ4_CODES) + o * 64);
-      vi lo = vi_mask(c, LOW4), hi = vi_mask(vi_srl(c, 4), LOW4);
-      if (type == I8_Q6_K) {  /* octet o is half o % 2 of group o / 2 */
-        const vi h = vi_load(blk + Q6K_HIGH + (o / 2) * 64);
-        lo = vi_or(lo, q6_high(h, 2 * (o % 2))), hi = vi_or(hi, q6_high(h, 2 * (o % 2) + 1));
-      } else if (type == I8_IQ4_XS) {
-        lo = vlut(IQ4_BYTES, lo), hi = vlut(IQ4_BYTES, hi);
-      }
-      _mm512_storeu_si512(us + 2 * o * 64, lo);
-      _mm512_storeu_si512(us + (2 * o + 1) * 64, hi);
+/* A panel's codes unpacked (u [K / 4][64]) are rows of 64 bytes, row i holding the 16 outputs' codes
+   at k = 4 i .. 4 i + 3, as the tiles take them: Q4_K's q (0..15) unsigned, Q6_K's q - 32 and IQ4_XS's
+   table values signed (so their sums need no offset term). Octet o of a super-block is k = 8 o ..
+   8 o + 7, its low nibbles one row and its high ones the next: octets [o0, o0 + count) of super-block
+   blk into rows from us. */
+INLINE void amx_unpack_octets(const uint8_t *blk, int type, int o0, int count, uint8_t *us) {
+  for (int o = o0; o < o0 + count; o++) {
+    const vi c = vi_load(blk + (type == I8_Q4_K ? Q4K_CODES : type == I8_Q6_K ? Q6K_LOW : IQ4_CODES) + o * 64);
+    vi lo = vi_mask(c, LOW4), hi = vi_mask(vi_srl(c, 4), LOW4);
+    if (type == I8_Q6_K) {  /* octet o is half o % 2 of group o / 2; q - 32 as signed bytes */
+      const vi h = vi_load(blk + Q6K_HIGH + (o / 2) * 64);
+      lo = _mm512_sub_epi8(vi_or(lo, q6_high(h, 2 * (o % 2))), _mm512_set1_epi8(32));
+      hi = _mm512_sub_epi8(vi_or(hi, q6_high(h, 2 * (o % 2) + 1)), _mm512_set1_epi8(32));
+    } else if (type == I8_IQ4_XS) {
+      lo = vlut((const uint8_t *)IQ4_VALUES, lo), hi = vlut((const uint8_t *)IQ4_VALUES, hi);
     }
+    _mm512_storeu_si512(us + 2 * (o - o0) * 64, lo);
+    _mm512_storeu_si512(us + (2 * (o - o0) + 1) * 64, hi);
   }
+}
+
+/* Pair i of groups (k = 2 i kb .. 2 (i + 1) kb) of panel p into dst, and the lines of the thread's
+   stream of panels AMX_DIST bytes ahead on their way to L2. */
+#define AMX_DIST 4096
+INLINE void amx_unpack_pair(const uint8_t *w, int type, int64_t p, int64_t K, int64_t i, int kb, uint8_t *dst) {
+  const int64_t S = K / SB, sb = I8_TYPES[type].bytes, k0 = 2 * i * kb, s = k0 / SB;
+  const uint8_t *blk = w + (p * S + s) * sb;
+  const int64_t per = SB / (2 * kb), bpp = sb / per, at = (p * S + s) * sb + (i % per) * bpp + AMX_DIST;
+  for (int64_t l = at & ~63; l < at + bpp; l += 64) prefetch(w + l);
+  amx_unpack_octets(blk, type, (int)(k0 % SB / 8), kb / 4, dst);
 }
 
 /* x as the tiles read it, per block of 16 rows (the last one's missing rows zero) and group of 32 k:
    the 16 rows' codes, 32 bytes each (one A tile: a Q4_K group, or at a stride of 32 two Q6_K groups),
-   then for each row x8d, Q4_K's neg_xs and Q6_K's neg32 of each half, as floats: [M16 / 16][K / 32]
-   blocks of AMX_ROWS_BYTES. Made by each thread for its own panels' use, once a call: a pass over x. */
-#define AMX_ROWS_BYTES (16 * 32 + 4 * 16 * 4)
+   then for each row x8d and Q4_K's neg_xs, as floats: [M16 / 16][K / 32] blocks of AMX_ROWS_BYTES.
+   Made by each thread for its own panels' use, once a call: a pass over x. */
+#define AMX_ROWS_BYTES (16 * 32 + 2 * 16 * 4)
 static void amx_rows_of(const struct xin *in, int64_t M, int64_t K, uint8_t *xa) {
   const int64_t B = K / G;
   for (int64_t r0 = 0; r0 < M; r0 += 16)
     for (int64_t b = 0; b < B; b++) {
       uint8_t *blk = xa + (r0 / 16 * B + b) * AMX_ROWS_BYTES;
-      float *f = (float *)(blk + 16 * 32);  /* x8d[16], neg_xs[16], neg32[2][16] */
+      float *f = (float *)(blk + 16 * 32);  /* x8d[16], neg_xs[16] */
       for (int r = 0; r < 16; r++) {
         const int64_t row = r0 + r, rb = row * B + b;
         if (row >= M) {
           memset(blk + 32 * r, 0, 32);
-          f[r] = f[16 + r] = f[32 + r] = f[48 + r] = 0;
+          f[r] = f[16 + r] = 0;
           continue;
         }
         memcpy(blk + 32 * r, in->x8 + row * K + b * G, 32);
         f[r] = in->x8d[rb];
         f[16 + r] = q4k_neg_xs(in->x8sum16 + 2 * rb);
-        f[32 + r] = q6k_neg32(in->x8sum16[2 * rb]);
-        f[48 + r] = q6k_neg32(in->x8sum16[2 * rb + 1]);
       }
     }
 }
 
 /* Two groups' sums (blocks a and a2 of x's rows, kb = 32 k or Q6_K's 16 from each at offset o and o2)
    against the panel's unpacked codes at k0 and k0 + kb, into tiles C0 and C1 and from there to c [2][16][16]. */
-#define AMX_TWO_GROUPS(a, a2, u, k0, kb, C0, C1, c)                                                       \
+#define AMX_TWO_GROUPS(a, a2, b, kb, C0, C1, c)                                                           \
   do {                                                                                                   \
     _tile_loadd(0, (a), 32);                                                                             \
-    _tile_loadd(1, (u) + (k0) / 4 * 64, 64);                                                             \
+    _tile_loadd(1, (b), 64);                                                                             \
     _tile_loadd(4, (a2), 32);                                                                            \
-    _tile_loadd(5, (u) + ((k0) + (kb)) / 4 * 64, 64);                                                    \
+    _tile_loadd(5, (b) + (kb) * 16, 64);                                                                 \
     _tile_zero(C0);                                                                                      \
     _tile_zero(C1);                                                                                      \
-    _tile_dpbsud(C0, 0, 1);                                                                              \
-    _tile_dpbsud(C1, 4, 5);                                                                              \
+    if (type == I8_Q4_K) {                                                                               \
+      _tile_dpbsud(C0, 0, 1);                                                                            \
+      _tile_dpbsud(C1, 4, 5);                                                                            \
+    } else { /* Q6_K's and IQ4_XS's codes signed */                                                      \
+      _tile_dpbssd(C0, 0, 1);                                                                            \
+      _tile_dpbssd(C1, 4, 5);                                                                            \
+    }                                                                                                    \
     _tile_stored(C0, (c), 64);                                                                           \
     _tile_stored(C1, (c) + 256, 64);                                                                     \
   } while (0)
@@ -1119,18 +1136,18 @@ INLINE void amx_scale(const uint8_t *xa, int64_t K, const uint8_t *w, const int 
     if (type == I8_Q4_K) {
       const float *f = (const float *)(xa + (s * 8 + j) * AMX_ROWS_BYTES + 16 * 32);
       const vf ds = vmul(d, vu8(blk + Q4K_SC + j * P)), dm = vmul(vload((const float *)blk + P), vu8(blk + Q4K_MN + j * P));
-      for (int r = 0; r < 16; r++)
+      _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++)
         acc[r] = q4k_step(acc[r], ds, dm, vi_load((const uint8_t *)(c + 256 * h + 16 * r)), f[16 + r], f[r]);
-    } else if (type == I8_IQ4_XS) {
+    } else if (type == I8_IQ4_XS) {  /* q6k_step with the offset term in g (signed codes): the same t */
       const float *f = (const float *)(xa + (s * 8 + j) * AMX_ROWS_BYTES + 16 * 32);
       const vf dsc = vmul(d, vs8(blk + IQ4_SC + j * P));
-      for (int r = 0; r < 16; r++)
-        acc[r] = q6k_step(acc[r], dsc, vi_load((const uint8_t *)(c + 256 * h + 16 * r)), iq4_neg(f[16 + r]), f[r]);
+      _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++)
+        acc[r] = vfma(vmul(dsc, vset1(f[r])), vcvt(vi_load((const uint8_t *)(c + 256 * h + 16 * r))), acc[r]);
     } else {
       const float *f = (const float *)(xa + (s * 8 + j / 2) * AMX_ROWS_BYTES + 16 * 32);
       const vf dsc = vmul(d, vs8(blk + Q6K_SC + j * P));
-      for (int r = 0; r < 16; r++)
-        acc[r] = q6k_step(acc[r], dsc, vi_load((const uint8_t *)(c + 256 * h + 16 * r)), f[32 + 16 * (j % 2) + r], f[r]);
+      _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++)
+        acc[r] = vfma(vmul(dsc, vset1(f[r])), vcvt(vi_load((const uint8_t *)(c + 256 * h + 16 * r))), acc[r]);
     }
   }
 }
@@ -1138,64 +1155,68 @@ INLINE void amx_scale(const uint8_t *xa, int64_t K, const uint8_t *w, const int 
 /* Group g's A tile: block g (Q4_K, IQ4_XS), or Q6_K's block g / 2 from its (g % 2)'th 16 bytes. */
 #define AMX_A(xa, type, g) ((xa) + ((type) != I8_Q6_K ? (g) : (g) / 2) * AMX_ROWS_BYTES + ((type) != I8_Q6_K ? 0 : 16 * ((g) % 2)))
 
-/* 16 rows of x (xa) against panel p (its heads in w, its codes unpacked in u): acc[16], in tile8's
-   order. Pipelined: pair i of groups is multiplied on the tiles and stored to c's ring of AMX_RING
-   pairs while pair i - AMX_LAG is scaled from there: a tile's store is read back only when it has long
-   reached the cache (a load right behind it waited for it, and held up the next tiles). */
+/* 16 rows of x (xa) against panel p (its heads in w): acc[16], in tile8's order. The first block of
+   rows (unpack) unpacks each pair of groups into u two pairs ahead of its tiles, as the panel streams
+   past; later blocks read u as it is. Pipelined: pair i of groups is multiplied on the tiles and
+   stored to c's ring of AMX_RING pairs while pair i - AMX_LAG is scaled from there: a tile's store is
+   read back only when it has long reached the cache (a load right behind it waited for it, and held
+   up the next tiles). */
 #define AMX_RING 4
 #define AMX_LAG 3
-INLINE void amx_block(const uint8_t *xa, int64_t K, const uint8_t *w, const int type, int64_t p, const uint8_t *u,
-                      int32_t *c, const uint8_t *next, vf acc[16]) {
+INLINE void amx_block(const uint8_t *xa, int64_t K, const uint8_t *w, const int type, int64_t p, uint8_t *u,
+                      int32_t *c, int unpack, vf acc[16]) {
   const int kb = type == I8_Q6_K ? 16 : 32;
   const int64_t pairs = K / kb / 2;  /* a multiple of 4: K is of 256 */
-  /* the thread's next panel on its way while this one is multiplied, a share of its lines each step */
-  const int64_t lines = next ? K / SB * I8_TYPES[type].bytes / 64 : 0, share = (lines + pairs / 2 - 1) / (pairs / 2);
-  for (int r = 0; r < 16; r++) acc[r] = vzero();
+#define AMX_B(i) (u + (i) * 32 * kb)
+  _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) acc[r] = vzero();
+  if (unpack) amx_unpack_pair(w, type, p, K, 0, kb, AMX_B(0)), amx_unpack_pair(w, type, p, K, 1, kb, AMX_B(1));
   for (int64_t i = 0; i < pairs + AMX_LAG; i += 2) {
-    for (int64_t l = i / 2 * share; l < (i / 2 + 1) * share && l < lines; l++) prefetch(next + 64 * l);
+    if (unpack && i + 2 < pairs) amx_unpack_pair(w, type, p, K, i + 2, kb, AMX_B(i + 2));
+    if (unpack && i + 3 < pairs) amx_unpack_pair(w, type, p, K, i + 3, kb, AMX_B(i + 3));
     if (i < pairs)
-      AMX_TWO_GROUPS(AMX_A(xa, type, 2 * i), AMX_A(xa, type, 2 * i + 1), u, 2 * i * kb, kb, 2, 3,
-                     c + i % AMX_RING * 512);
+      AMX_TWO_GROUPS(AMX_A(xa, type, 2 * i), AMX_A(xa, type, 2 * i + 1), AMX_B(i), kb, 2, 3, c + i % AMX_RING * 512);
     if (i >= AMX_LAG) amx_scale(xa, K, w, type, p, 2 * (i - AMX_LAG), c + (i - AMX_LAG) % AMX_RING * 512, acc);
     if (i + 1 < pairs)
-      AMX_TWO_GROUPS(AMX_A(xa, type, 2 * i + 2), AMX_A(xa, type, 2 * i + 3), u, (2 * i + 2) * kb, kb, 6, 7,
+      AMX_TWO_GROUPS(AMX_A(xa, type, 2 * i + 2), AMX_A(xa, type, 2 * i + 3), AMX_B(i + 1), kb, 6, 7,
                      c + (i + 1) % AMX_RING * 512);
     if (i + 1 >= AMX_LAG && i + 1 - AMX_LAG < pairs)
       amx_scale(xa, K, w, type, p, 2 * (i + 1 - AMX_LAG), c + (i + 1 - AMX_LAG) % AMX_RING * 512, acc);
   }
+#undef AMX_B
 }
 
 /* The thread's buffers for the tiles (NULL where out of memory): a panel's unpacked codes (16 K
    bytes), AMX_RING pairs of groups' sums (2 KB each), then x's rows (amx_rows_of). */
 static uint8_t *amx_buffers(int64_t bytes);
 
-/* One type's panels against every row of x on the tiles, split among the team's threads by panel. */
+/* One type's panels against every row of x, split among the team's threads by panel: rows in whole
+   blocks of 16 on the tiles, and a last block of fewer on the tiles too where it has amx_rows rows,
+   on the vector tiles where it has fewer (a block of 16 costs the tiles the same however many of its
+   rows are padding). */
 static void amx_tasks_of(const struct xin *in, int64_t M, int64_t K, int64_t N, int64_t ldy, const uint8_t *w,
                          int type, void *y, int y_bf16) {
-  const int64_t panels = (N + P - 1) / P, blocks = (M + 15) / 16, B = K / G;
+  const int64_t panels = (N + P - 1) / P, B = K / G;
+  const int64_t tiled = M % 16 >= in->amx_rows ? M : M / 16 * 16, blocks = (tiled + 15) / 16;
   uint8_t *u = amx_buffers(16 * K + AMX_RING * 2048 + blocks * B * AMX_ROWS_BYTES);
   int32_t *c = (int32_t *)(u + 16 * K);
   uint8_t *xa = u + 16 * K + AMX_RING * 2048;
   if (u) {
-    amx_rows_of(in, M, K, xa);
+    amx_rows_of(in, tiled, K, xa);
     amx_configure(type == I8_Q6_K ? 16 : 32);
   }
   #pragma omp for schedule(static)
   for (int64_t p = 0; p < panels; p++) {
     if (!u) {  /* the vector tiles instead: the same bits */
-      task8(in, M, K, N, ldy, w, type, p, 1, y, y_bf16);
+      task8(in, M, K, N, ldy, w, type, p, 1, y, y_bf16, 0);
       continue;
     }
-    amx_unpack(w, type, p, K, u);
-    for (int64_t r0 = 0; r0 < M; r0 += 16) {
+    for (int64_t r0 = 0; r0 < tiled; r0 += 16) {
       vf acc[16];
-      /* the next panel fetched during the first block of rows (the later ones read it from L2) */
-      const uint8_t *next = r0 == 0 && p + 1 < panels ? w + (p + 1) * (K / SB) * I8_TYPES[type].bytes : NULL;
       const uint8_t *xr = xa + r0 / 16 * B * AMX_ROWS_BYTES;
-      if (type == I8_Q4_K) amx_block(xr, K, w, I8_Q4_K, p, u, c, next, acc);
-      else if (type == I8_Q6_K) amx_block(xr, K, w, I8_Q6_K, p, u, c, next, acc);
-      else amx_block(xr, K, w, I8_IQ4_XS, p, u, c, next, acc);
-      for (int r = 0; r < 16 && r0 + r < M; r++) {
+      if (type == I8_Q4_K) amx_block(xr, K, w, I8_Q4_K, p, u, c, r0 == 0, acc);
+      else if (type == I8_Q6_K) amx_block(xr, K, w, I8_Q6_K, p, u, c, r0 == 0, acc);
+      else amx_block(xr, K, w, I8_IQ4_XS, p, u, c, r0 == 0, acc);
+      for (int r = 0; r < 16 && r0 + r < tiled; r++) {
         float lanes[P];
         vstore(lanes, acc[r]);
         for (int n = 0; n < P && p * P + n < N; n++) {
@@ -1205,6 +1226,7 @@ static void amx_tasks_of(const struct xin *in, int64_t M, int64_t K, int64_t N, 
         }
       }
     }
+    if (tiled < M) task8(in, M, K, N, ldy, w, type, p, 1, y, y_bf16, tiled);
   }
   if (u) _tile_release();
 }
@@ -1240,7 +1262,7 @@ static void tasks8_of(const struct xin *in, int64_t M, int64_t K, int64_t N, int
   #pragma omp for schedule(static)
   for (int64_t t = 0; t < tasks; t++) {
     const int whole = (t + 1) * NP <= panels;  /* the last task's panels one at a time where they run short */
-    for (int64_t p = t * NP; p < (whole ? t * NP + 1 : panels); p++) task8(in, M, K, N, ldy, w, type, p, whole ? NP : 1, y, y_bf16);
+    for (int64_t p = t * NP; p < (whole ? t * NP + 1 : panels); p++) task8(in, M, K, N, ldy, w, type, p, whole ? NP : 1, y, y_bf16, 0);
   }
 }
 
@@ -1550,7 +1572,7 @@ int blockdot_group(const struct xin *ins, const int64_t *Ms, int64_t K, int64_t 
       if (at >= hi) break;
       const int whole = (k + 1) * t->NP <= t->panels;
       for (int64_t p = k * t->NP; p < (whole ? k * t->NP + 1 : t->panels); p++)
-        task8(t->in, t->M, K, t->rows, N, t->w, t->type, p, whole ? t->NP : 1, t->y, 0);
+        task8(t->in, t->M, K, t->rows, N, t->w, t->type, p, whole ? t->NP : 1, t->y, 0, 0);
     }
   }
   #pragma omp barrier
