@@ -48,9 +48,9 @@ WIDE_MARGIN = 1.3
 DENSE_ROWS = 64
 # blockdot_amx_rows="auto": file-bit panels on AMX tiles from the narrowest of AMX_ROWS from which on
 # the probe times them AMX_MARGIN faster than the vector tiles (a Q4_K matrix, in cache; the tiles'
-# fixed cost per panel and group loses at few rows). The margin is wide because the probe, in cache,
-# flatters the tiles at decode widths: 1.2x at 16 rows there, 0.92x in a 16-sequence decode of a
-# 1B-class Q4_K_M file (notes/amx-tiles.md). Never where the CPU has no tiles.
+# fixed cost per panel and group loses at few rows). The margin leaves room for what a matrix in
+# cache hides: an earlier kernel timed 1.2x there at 16 rows and 0.92x in a 16-sequence decode
+# (notes/amx-tiles.md, which has today's kernel at both). Never where the CPU has no tiles.
 AMX_ROWS = (16, 32, 64)
 AMX_MARGIN = 1.25
 STREAM_MIN, STREAM_MAX = 64 * 2**20, 256 * 2**20  # bytes: the streamed timings' working set (stream_bytes)
