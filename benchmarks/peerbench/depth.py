@@ -8,9 +8,10 @@ the figure compared is the aggregate decode rate: llama-batched-bench's S_TG aga
 sequences over its median decode step (the first decode left out). Each side is a fresh process,
 one at a time, the two interleaved round by round (A B, B A, ...); the report is medians, the
 per-round ratios' spread, and at one sequence each side's share of the machine's read bandwidth
-(a 2-thread sum over 1 GiB, measured each round) counted in the bytes a token reads: every weight
-once (the whole file for llama.cpp, the weights nanoserve holds for nanoserve) plus the K/V of the
-context in the cache's own bytes.
+(a 2-thread sum over 1 GiB, measured each round) counted in the bytes a token reads: the file's
+tensors as precision.py's --bandwidth counts them (realshapes.token_read_bytes: every tensor once,
+one row of an untied embedding, k of X experts), the same for both systems, plus the K/V of the
+context in each system's own cache bytes.
 
 Prompts are different for every sequence (nanoserve: token ids as `decode_step_times` makes them;
 llama-batched-bench: its own), unless --shared-prompt: then every sequence has one prompt
@@ -36,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.peerbench import realshapes
 from benchmarks.peerbench.launcher import ROOT, run_child
 from benchmarks.peerbench.llamacpp import BATCHED_BENCH, parse_batched_bench
 from benchmarks.peerbench.precision import PAIRS, gguf_files, read_bandwidth_gbs
@@ -185,7 +187,7 @@ def main() -> None:
           f"{'n bw%':>7}{'l bw%':>7}{'prefill ratio':>14}")
     rows = []
     for name in args.pairs:
-        file_bytes = files[name].stat().st_size
+        token_bytes = realshapes.token_read_bytes(files[name])["total"]
         for depth in args.depths:
             for kv in args.kv:
                 ours, theirs = got[(name, kv, depth, "nanoserve")], got[(name, kv, depth, "llama.cpp")]
@@ -194,9 +196,9 @@ def main() -> None:
                     per_round = [a["rates"][s] / b["rates"][s] for a, b in zip(ours, theirs, strict=True)]
                     pp_ratio = (statistics.median(x["prefill"][s] for x in ours)
                                 / statistics.median(x["prefill"][s] for x in theirs))
-                    # bytes a token reads at one sequence: the weights once and its context's K/V
-                    n_bytes = ours[0]["weight_bytes"] + depth * ours[0]["kv_bytes_per_token"]
-                    l_bytes = file_bytes + depth * kv_bytes_llama(files[name], kv)
+                    # bytes a token reads at one sequence: the file's tensors once and its context's K/V
+                    n_bytes = token_bytes + depth * ours[0]["kv_bytes_per_token"]
+                    l_bytes = token_bytes + depth * kv_bytes_llama(files[name], kv)
                     n_bw = 100 * n * n_bytes / (bandwidth * 1e9) if s == 1 else float("nan")
                     l_bw = 100 * ll * l_bytes / (bandwidth * 1e9) if s == 1 else float("nan")
                     spread = f"{min(per_round):.2f}-{max(per_round):.2f}"
