@@ -1103,9 +1103,9 @@ static void amx_rows_of(const struct xin *in, int64_t M, int64_t K, uint8_t *xa)
     }
 }
 
-/* Two groups' sums (blocks a and a2 of x's rows, kb = 32 k or Q6_K's 16 from each at offset o and o2)
-   against the panel's unpacked codes at k0 and k0 + kb, into tiles C0 and C1 and from there to c [2][16][16]. */
-#define AMX_TWO_GROUPS(a, a2, b, kb, C0, C1, c)                                                           \
+/* Two groups' sums (x's A tiles a and a2, kb = 32 k or Q6_K's 16 each) against the pair's unpacked
+   codes b (the second group's kb / 4 rows on), into tiles C0 and C1 and from there to c [2][16][16]. */
+#define AMX_TWO_GROUPS(type, a, a2, b, kb, C0, C1, c)                                                     \
   do {                                                                                                   \
     _tile_loadd(0, (a), 32);                                                                             \
     _tile_loadd(1, (b), 64);                                                                             \
@@ -1113,7 +1113,7 @@ static void amx_rows_of(const struct xin *in, int64_t M, int64_t K, uint8_t *xa)
     _tile_loadd(5, (b) + (kb) * 16, 64);                                                                 \
     _tile_zero(C0);                                                                                      \
     _tile_zero(C1);                                                                                      \
-    if (type == I8_Q4_K) {                                                                               \
+    if ((type) == I8_Q4_K) {                                                                             \
       _tile_dpbsud(C0, 0, 1);                                                                            \
       _tile_dpbsud(C1, 4, 5);                                                                            \
     } else { /* Q6_K's and IQ4_XS's codes signed */                                                      \
@@ -1174,10 +1174,11 @@ INLINE void amx_block(const uint8_t *xa, int64_t K, const uint8_t *w, const int 
     if (unpack && i + 2 < pairs) amx_unpack_pair(w, type, p, K, i + 2, kb, AMX_B(i + 2));
     if (unpack && i + 3 < pairs) amx_unpack_pair(w, type, p, K, i + 3, kb, AMX_B(i + 3));
     if (i < pairs)
-      AMX_TWO_GROUPS(AMX_A(xa, type, 2 * i), AMX_A(xa, type, 2 * i + 1), AMX_B(i), kb, 2, 3, c + i % AMX_RING * 512);
+      AMX_TWO_GROUPS(type, AMX_A(xa, type, 2 * i), AMX_A(xa, type, 2 * i + 1), AMX_B(i), kb, 2, 3,
+                     c + i % AMX_RING * 512);
     if (i >= AMX_LAG) amx_scale(xa, K, w, type, p, 2 * (i - AMX_LAG), c + (i - AMX_LAG) % AMX_RING * 512, acc);
     if (i + 1 < pairs)
-      AMX_TWO_GROUPS(AMX_A(xa, type, 2 * i + 2), AMX_A(xa, type, 2 * i + 3), AMX_B(i + 1), kb, 6, 7,
+      AMX_TWO_GROUPS(type, AMX_A(xa, type, 2 * i + 2), AMX_A(xa, type, 2 * i + 3), AMX_B(i + 1), kb, 6, 7,
                      c + (i + 1) % AMX_RING * 512);
     if (i + 1 >= AMX_LAG && i + 1 - AMX_LAG < pairs)
       amx_scale(xa, K, w, type, p, 2 * (i + 1 - AMX_LAG), c + (i + 1 - AMX_LAG) % AMX_RING * 512, acc);

@@ -50,7 +50,7 @@ DENSE_ROWS = 64
 # the probe times them AMX_MARGIN faster than the vector tiles (a Q4_K matrix, in cache; the tiles'
 # fixed cost per panel and group loses at few rows). The margin leaves room for what a matrix in
 # cache hides: an earlier kernel timed 1.2x there at 16 rows and 0.92x in a 16-sequence decode
-# (notes/amx-tiles.md, which has today's kernel at both). Never where the CPU has no tiles.
+# (notes/amx-tiles.md, which has the current kernel at both). Never where the CPU has no tiles.
 AMX_ROWS = (16, 32, 64)
 AMX_MARGIN = 1.25
 STREAM_MIN, STREAM_MAX = 64 * 2**20, 256 * 2**20  # bytes: the streamed timings' working set (stream_bytes)
