@@ -302,8 +302,9 @@ def test_the_probe_table_states_the_code_s_constants():
 
 
 def test_attention_parts_and_the_int16_default():
-    part = int(re.search(r"#define PART (\d+)", FUSED_DECODE_C).group(1))
-    stated = [int(n) for text in DOCS.values() for n in re.findall(r"parts of at most (\d+) keys", flat(text))]
-    assert len(stated) >= 2 and set(stated) == {part}
+    parts = tuple(int(re.search(rf"#define {name} (\d+)", FUSED_DECODE_C).group(1)) for name in ("PART", "PART_MAX", "PARTS"))
+    stated = [tuple(int(n) for n in found) for text in DOCS.values()
+              for found in re.findall(r"parts of at least (\d+) keys and at most (\d+), (\d+) of them", flat(text))]
+    assert len(stated) >= 2 and set(stated) == {parts}
     default = re.search(r"from `blockdot_int16_rows` rows \((\d+) by default\)", flat(DOCS["cpu-kernels.md"]))
     assert int(default.group(1)) == PlanOverrides().blockdot_int16_rows

@@ -149,6 +149,26 @@ def test_contexts_split_over_the_threads_merge_to_transformers_logits(family, ov
     engine.check_invariants()
 
 
+@needs_build
+@pytest.mark.parametrize("head_dim", [8, 64])
+@pytest.mark.parametrize("invariant", [False, True], ids=["decodes", "prompts-too"])
+def test_long_contexts_cut_into_longer_parts_merge_to_transformers_logits(head_dim, invariant):
+    # parts grow with the context (fused_decode.c's parts_of): 1100 keys in 16 parts of 68-69, 8300 in
+    # 17 of at most 512; a step's scratch laid out for the longest row holds the shorter row's parts.
+    # Heads of 64: AVX-512's four-head loops; of 8: the plain ones. The invariant plan runs the prompts'
+    # chunks in C too (a row a task, its parts in turn).
+    hf = make_hf_model("llama", seed=5, head_dim=head_dim, max_position_embeddings=8448)
+    engine = fused_engine(hf, num_kv_blocks=2 * 8448 // 4 + 8, max_model_len=8448, batch_invariant=invariant,
+                          dense_kernel="blockdot" if invariant else "torch")
+    load_engine_weights_into(hf, engine)
+    fused_rows = count_fused_steps(engine)
+    prompts = [[3 + (7 * i) % 90 for i in range(8300)], [5 + (3 * i) % 80 for i in range(1100)]]
+    captured, outputs = run_and_capture(engine, prompts, max_tokens=[3, 3])
+    assert assert_logits_match(hf, captured, outputs) == 6
+    assert 2 in fused_rows  # the two rows' decodes in one C step
+    engine.check_invariants()
+
+
 def do_int16_paths_arithmetic(hf, rounding: bool = True) -> None:
     """Each of hf's decoder linears becomes nanoserve's int4 of its weight (what the engine built
     from the same model holds), computing blockdot's int16 path in float64: x rounded to int16 per

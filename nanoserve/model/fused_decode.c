@@ -22,7 +22,7 @@
  * rounded to nearest even as torch rounds; or llama.cpp's q8_0 / q4_0 blocks of 32 values, quantized
  * as ggml-quants.c's reference rounds: the bytes nanoserve/model/kv_quant.py writes, q, k and v
  * turned first by a Walsh-Hadamard matrix as llama.cpp turns them, the output back: turn). Each row's
- * context is cut into parts of at most PART keys by its own length; each part's softmax is two-pass,
+ * context is cut into parts (parts_of) by its own length; each part's softmax is two-pass,
  * over a per-thread scratch of the scores, and the parts are merged in order. Per layer, for rows r of T:
  *   x = rms_norm(h) * input_norm;  q, k, v = x @ qkv^T (+ qkv_bias);  q, k heads normed (q_norm,
  *   k_norm) and rotated (rotate-half, cos/sin of r's position: the layer's own table where it has
@@ -503,7 +503,7 @@ INLINE void values_run(float *out, const float *p, const void *cache, int64_t at
 }
 
 /* A row's query heads h0 .. h1 - 1 of q [H, D], over keys first .. L - 1 (through the block table), one
-   part of its context (PART): out [H, D] = sum_j e^(s_j - m) v_j per head (each head's the same loops
+   part of its context (parts_of): out [H, D] = sum_j e^(s_j - m) v_j per head (each head's the same loops
    whichever others are done with it), unnormalized, s_j = scale q . k_j, head h
    reading kv head h / (H / Hkv), and part [H, 2] each head's m (the part's largest score; -inf for no
    keys) and sum_j e^(s_j - m), for `merge` to combine the parts; the scores kept in `scores`
@@ -720,20 +720,33 @@ __attribute__((noinline)) static void merge(float *out, const float *o, int64_t 
   for (int64_t i = 0; i < D; i++) out[i] /= total;
 }
 
-/* Keys a part of a context holds, at most. Every row's n visible keys (first .. L - 1) are cut into
-   parts_of(n) parts as even as they go, part t from first + n t / S to first + n (t + 1) / S, each
-   part's softmax taken alone and the parts merged in order (flash-decoding's split): where the cuts
-   fall depends on the row's own context and nothing else, so a row's result is the same bits in a
-   step of one row or of hundreds, as a decode or as a prompt's token, and whichever thread runs it.
-   (Split by the step's width, as before, a row's sums changed with the rows beside it.) Parts also
-   give one row's attention to every thread (a one-row step's tasks are its parts times its kv
-   heads); each costs a merge, so they are not smaller than they need be. Against the split by
-   threads, on a 2-core Zen 4-class EPYC: parts of 32 keys cut from the start (a last part of a few
-   keys) cost 1-2.5% of a decode step at 16-32 rows of 64-token contexts; parts of 128 from the start
-   ran a one-row decode of a few hundred keys 1.07x slower (three parts over two threads); these,
-   64 at most and even, measured within 2% at 1, 16 and 32 rows, as did 128 even. */
+/* How a row's n visible keys (first .. L - 1) are cut into parts_of(n) parts, as even as they go, part
+   t from first + n t / S to first + n (t + 1) / S, each part's softmax taken alone and the parts
+   merged in order (flash-decoding's split): where the cuts fall depends on the row's own context and
+   nothing else, so a row's result is the same bits in a step of one row or of hundreds, as a decode
+   or as a prompt's token, and whichever thread runs it. (Split by the step's width, as before, a
+   row's sums changed with the rows beside it.) Parts also give one row's attention to every thread
+   (a one-row step's tasks are its parts times its kv heads); each costs a merge, so they are not
+   smaller than they need be.
+   A context is cut into PARTS parts of at least PART keys (fewer parts where it is shorter), a long
+   one into parts of at most PART_MAX. Against the split by threads, on a 2-core Zen 4-class EPYC:
+   parts of 32 keys cut from the start (a last part of a few keys) cost 1-2.5% of a decode step at
+   16-32 rows of 64-token contexts; parts of 128 from the start ran a one-row decode of a few hundred
+   keys 1.07x slower (three parts over two threads); parts of at most 64, even, measured within 2% at
+   1, 16 and 32 rows. At depth the parts grow: one row of 8192 keys in parts of 64 read a float16
+   cache at about half the machine's bandwidth, each thread's run of blocks broken every 64 keys by
+   the other's (notes/depth.md); parts of 256-512 took 19-23% off the attention at 4096-16384 keys. */
 #define PART 64
-static inline int64_t parts_of(int64_t n) { return (n + PART - 1) / PART; }
+#define PART_MAX 512
+#define PARTS 16
+static inline int64_t parts_of(int64_t n) {
+  const int64_t even = (n + PARTS - 1) / PARTS, keys = even < PART ? PART : even > PART_MAX ? PART_MAX : even;
+  return (n + keys - 1) / keys;
+}
+/* parts_of(m) <= parts_bound(n) for every m <= n: what a step's scratch is laid out for */
+static inline int64_t parts_bound(int64_t n) {
+  return n <= PART * PARTS ? (n + PART - 1) / PART : n <= PART_MAX * PARTS ? PARTS : (n + PART_MAX - 1) / PART_MAX;
+}
 /* keys first + n t / S .. first + n (t + 1) / S of a row's n from `first`, S = parts_of(n) */
 static inline void part_bounds(int64_t first, int64_t n, int64_t t, int64_t *lo, int64_t *hi) {
   const int64_t S = parts_of(n);
@@ -746,11 +759,11 @@ static inline int64_t first_visible(const struct fused_layer *w, int64_t L) {
 }
 
 /* Floats of scratch `attention` needs for T rows, the longest context max_len, on nthreads threads:
-   each thread's scores [H PART] and one row's parts [parts, H, D + 2]; and, where the step has fewer
+   each thread's scores [H PART_MAX] and one row's parts [parts, H, D + 2]; and, where the step has fewer
    than four rows a thread, every row's parts [T, parts, H, D + 2]. */
 static int64_t attention_scratch(const struct fused_shape *s, int64_t T, int64_t max_len, int64_t nthreads) {
-  const int64_t part = s->H * (s->D + 2), parts = parts_of(max_len);
-  return nthreads * (s->H * PART + parts * part) + (T < 4 * nthreads ? T * parts * part : 0);
+  const int64_t part = s->H * (s->D + 2), parts = parts_bound(max_len);
+  return nthreads * (s->H * PART_MAX + parts * part) + (T < 4 * nthreads ? T * parts * part : 0);
 }
 
 /* A step's attention for one layer w, inside a parallel region: each row's q, k, v
@@ -759,7 +772,7 @@ static int64_t attention_scratch(const struct fused_shape *s, int64_t T, int64_t
    to the cache at its slot (an `omp for` over rows and kv heads; its barrier puts every key of the
    step in the cache before any is read, so a prompt's token reads the tokens before it as a decode
    does), then each row's query heads attended over its context (the last W keys of it in a windowed
-   layer) into att [T, H D], part by part (PART). With at least four rows a thread, an `omp for` over
+   layer) into att [T, H D], part by part (parts_of). With at least four rows a thread, an `omp for` over
    rows, each row's parts in turn; with fewer, one over every row's parts and kv heads (a one-row
    step of 80 keys is six such tasks for two threads, not two parts), then one over rows and
    heads to merge them: the same calls on the same keys either way. scratch: attention_scratch's
@@ -791,9 +804,9 @@ static void attention(const struct fused_shape *s, const struct fused_layer *w, 
     store_kv(w->v_cache, at, v, D, (int)s->kv_kind);
   }
   const int64_t S = omp_get_num_threads(), thread = omp_get_thread_num();
-  const int64_t part = H * (D + 2), maxparts = parts_of(max_len);
-  float *mine = scratch + thread * (H * PART + maxparts * part), *own = mine + H * PART;
-  float *parts = scratch + S * (H * PART + maxparts * part);  /* [T, maxparts, H, D + 2] */
+  const int64_t part = H * (D + 2), maxparts = parts_bound(max_len);
+  float *mine = scratch + thread * (H * PART_MAX + maxparts * part), *own = mine + H * PART_MAX;
+  float *parts = scratch + S * (H * PART_MAX + maxparts * part);  /* [T, maxparts, H, D + 2] */
   if (T >= 4 * S) {
     #pragma omp for schedule(static, 1)  /* a prompt's rows grow longer down the step: dealt round */
     for (int64_t r = 0; r < T; r++) {
