@@ -511,17 +511,24 @@ INLINE void values_run(float *out, const float *p, const void *cache, int64_t at
    slots are consecutive, one cache row Hkv D apart), every head meeting a run while it is in L1: one
    contiguous read of each block's K and V; the blocks ahead are fetched up to `end`, the row's whole
    context (a part's own end stopped it short: parts of two blocks read every block cold). */
-/* The block `PREFETCH_BLOCKS` after the one holding key j, its keys before L, on their way to L2: of
-   each key's cache row the `width` values from kv head g0's (the heads a task reads; the row's other
-   heads are other tasks' and were fetched for nothing). A context's blocks lie anywhere in the pool,
-   so the hardware's prefetcher, which follows a run of addresses, meets each block cold. */
+/* Keys k0 .. k1 - 1 (those before L) of the block `PREFETCH_BLOCKS` after the one holding key j, on
+   their way to L2: of each key's cache row the `width` values from `from` (the heads a loop is about
+   to read; the row's other heads are other tasks' and would be fetched for nothing). A context's
+   blocks lie anywhere in the pool, so the hardware's prefetcher, which follows a run of addresses,
+   meets each block cold. The block ahead is asked for a little at a time, between the loads of the
+   run at hand: a kv head's share before that head's loops read the run in place, a key's row before
+   it is widened. Asked for at once at the start of a run (a float16 block of Llama-3.2-1B's 8 kv
+   heads of 64 is 256 lines), the prefetches filled the line-fill buffers and stalled the thread until
+   most of them had arrived, the memory then idle through the run's arithmetic: spread, the attention
+   of one row at 16384 keys of a float16 cache took 17% less time (notes/depth.md). */
 #define PREFETCH_BLOCKS 2
-INLINE void prefetch_block(const void *cache, const int64_t *table, int64_t j, int64_t L, int64_t bs, int64_t row,
-                           int64_t from, int64_t width, const int kind) {
+INLINE void prefetch_ahead(const void *cache, const int64_t *table, int64_t j, int64_t k0, int64_t k1, int64_t L,
+                           int64_t bs, int64_t row, int64_t from, int64_t width, const int kind) {
   const int64_t b = j / bs + PREFETCH_BLOCKS, keys = L - b * bs < bs ? L - b * bs : bs;
-  if (keys <= 0) return;
-  const char *at = (const char *)cache + kv_bytes(table[b] * bs * row + from, kind);
-  for (int64_t key = 0; key < keys; key++, at += kv_bytes(row, kind))
+  if (k1 > keys) k1 = keys;
+  if (k0 >= k1) return;
+  const char *at = (const char *)cache + kv_bytes((table[b] * bs + k0) * row + from, kind);
+  for (int64_t key = k0; key < k1; key++, at += kv_bytes(row, kind))
     for (int64_t byte = 0; byte < kv_bytes(width, kind); byte += 64) __builtin_prefetch(at + byte, 0, 2);
 }
 
@@ -601,25 +608,26 @@ static void widen_kv(const void *cache, int64_t at, float *out, int64_t n, int k
 }
 
 /* The keys of a run of one block that start at j, up to L; a widened kind's at most RUN_WIDE keys,
-   widened whole into a float32 scratch on the stack before its heads read it. */
+   widened key by key into a float32 scratch on the stack before its heads read it. */
 #define RUN_WIDE 16
 INLINE int64_t run_at(int64_t j, int64_t L, int64_t bs, const int widened) {
   const int64_t run = bs - j % bs < L - j ? bs - j % bs : L - j;
   return widened && run > RUN_WIDE ? RUN_WIDE : run;
 }
 
-/* The `run` keys from j of kv heads g0 .. g0 + ng - 1, the blocks ahead of them prefetched: where the
-   loops read them, from cache offset *at with keys *stride values apart, or, in a widened kind,
-   widened into `wide` [run, ng D] (offset 0, stride ng D): only the heads the task reads. */
+/* The `run` keys from j of kv heads g0 .. g0 + ng - 1: where the loops read them, from cache offset
+   *at with keys *stride values apart, or, in a widened kind, widened into `wide` [run, ng D] (offset 0,
+   stride ng D) a key at a time, the same key of the block ahead prefetched before each: only the
+   heads the task reads. Read in place, the loops prefetch the block ahead themselves, a kv head at a time. */
 INLINE const void *run_rows(const void *cache, const int64_t *table, int64_t j, int64_t run, int64_t end, int64_t bs,
                             int64_t row, int64_t g0, int64_t ng, int64_t D, float *wide, int64_t *at, int64_t *stride,
                             const int kind, const int widened) {
   *at = (table[j / bs] * bs + j % bs) * row + g0 * D, *stride = row;
-  prefetch_block(cache, table, j, end, bs, row, g0 * D, ng * D, kind);
   if (!widened) return cache;
-  if (ng * D == row) widen_kv(cache, *at, wide, run * row, kind);  /* every head: one contiguous run */
-  else
-    for (int64_t key = 0; key < run; key++) widen_kv(cache, *at + key * row, wide + key * ng * D, ng * D, kind);
+  for (int64_t key = 0; key < run; key++) {
+    prefetch_ahead(cache, table, j, j % bs + key, j % bs + key + 1, end, bs, row, g0 * D, ng * D, kind);
+    widen_kv(cache, *at + key * row, wide + key * ng * D, ng * D, kind);
+  }
   *at = 0, *stride = ng * D;
   return wide;
 }
@@ -643,15 +651,21 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
     const void *keys = run_rows(k_cache, table, j, run, end, bs, row, g0, ng, D, wide, &at, &stride, kind, widened);
 #if GROUP16
     if ((read == KV_F32 || read == KV_F16) && D % 64 == 0) {  /* a kv head's key read once for four of its heads */
-      for (int64_t h = h0; h < h1; h += heads4(h, h1, group))
+      for (int64_t h = h0; h < h1; h += heads4(h, h1, group)) {
+        if (!widened && (h == h0 || h % group == 0))
+          prefetch_ahead(k_cache, table, j, 0, bs, end, bs, row, h / group * D, D, kind);
         scores_heads(q + h * D, (int)heads4(h, h1, group), keys, at + (h / group - g0) * D, stride, run, D, s->scale,
                      scores + h * n + j - first, n, read);
+      }
       continue;
     }
 #endif
-    for (int64_t h = h0; h < h1; h++)
+    for (int64_t h = h0; h < h1; h++) {
+      if (!widened && (h == h0 || h % group == 0))
+        prefetch_ahead(k_cache, table, j, 0, bs, end, bs, row, h / group * D, D, kind);
       scores_run(q + h * D, keys, at + (h / group - g0) * D, stride, run, D, s->scale, scores + h * n + j - first,
                  read);
+    }
   }
   for (int64_t h = h0; h < h1; h++) {
     float *p = scores + h * n, max = -INFINITY, total = 0;
@@ -670,14 +684,20 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
     const void *values = run_rows(v_cache, table, j, run, end, bs, row, g0, ng, D, wide, &at, &stride, kind, widened);
 #if GROUP16
     if ((read == KV_F32 || read == KV_F16) && D % 64 == 0) {  /* a kv head's value read once for four of its heads */
-      for (int64_t h = h0; h < h1; h += heads4(h, h1, group))
+      for (int64_t h = h0; h < h1; h += heads4(h, h1, group)) {
+        if (!widened && (h == h0 || h % group == 0))
+          prefetch_ahead(v_cache, table, j, 0, bs, end, bs, row, h / group * D, D, kind);
         values_heads(out + h * D, (int)heads4(h, h1, group), scores + h * n + j - first, n, values,
                      at + (h / group - g0) * D, stride, run, D, read);
+      }
       continue;
     }
 #endif
-    for (int64_t h = h0; h < h1; h++)
+    for (int64_t h = h0; h < h1; h++) {
+      if (!widened && (h == h0 || h % group == 0))
+        prefetch_ahead(v_cache, table, j, 0, bs, end, bs, row, h / group * D, D, kind);
       values_run(out + h * D, scores + h * n + j - first, values, at + (h / group - g0) * D, stride, run, D, read);
+    }
   }
 }
 
