@@ -605,8 +605,8 @@ static void widen_q4_0(const uint8_t *x, float *out, int64_t n) {
 
 /* Whether the loops read a cache of `kind` from a float32 scratch a run at a time, its keys copied or
    widened there first: every kind but bf16's, where the four-head loops do not read it in place
-   (attend). The heads' loops then read one contiguous run from L1 where in place they read a head's few lines of each key, a pattern the hardware's prefetchers do
-   not follow (a 4-layer model in Llama-3.2-1B's attention shape at 4096 keys, float32 and float16
+   (attend). The heads' loops then read one contiguous run from L1 where in place they read a head's
+   few lines of each key, a pattern the hardware's prefetchers do not follow (a 4-layer model in Llama-3.2-1B's attention shape at 4096 keys, float32 and float16
    caches read in place: attention 1.2-1.3x the time of a float16 cache widened first); and float16
    read one value at a time ran 1.3-1.4x slower than float32. */
 #define WIDENED(kind) ((kind) != KV_BF16)
@@ -714,6 +714,18 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
   }
 }
 
+/* A float16, q8_0 or q4_0 cache (kind): read in place by the four-head loops (AVX-512, D a multiple of
+   64), else widened a run at a time; in place, a q8_0 cache's attention at 8192 keys took about a
+   tenth less time */
+INLINE void attend_widenable(const struct fused_shape *s, const float *q, const void *k_cache, const void *v_cache,
+                             const int64_t *table, int64_t first, int64_t L, int64_t end, int64_t h0, int64_t h1,
+                             float *scores, float *out, float *part, const int kind) {
+  if (GROUP16 && s->D % 64 == 0)
+    attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, kind, 1);
+  else
+    attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, kind, 0);
+}
+
 /* One compiled copy of each (noinline): a row's attention is the same instructions whichever loop
    below calls it, so its bits cannot depend on the step around it. */
 __attribute__((noinline)) static void attend(const struct fused_shape *s, const float *q, const void *k_cache,
@@ -722,24 +734,14 @@ __attribute__((noinline)) static void attend(const struct fused_shape *s, const 
                                              float *part) {
   switch (s->kv_kind) {
     case KV_BF16: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_BF16, 0); break;
-    case KV_F16:  /* these three read in place by the four-head loops (AVX-512, D a multiple of 64), else widened a
-                     run at a time; in place, a q8_0 cache's attention at 8192 keys took about a tenth less time */
-      if (GROUP16 && s->D % 64 == 0)
-        attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_F16, 1);
-      else
-        attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_F16, 0);
+    case KV_F16:
+      attend_widenable(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_F16);
       break;
     case KV_Q8_0:
-      if (GROUP16 && s->D % 64 == 0)
-        attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_Q8_0, 1);
-      else
-        attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_Q8_0, 0);
+      attend_widenable(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_Q8_0);
       break;
     case KV_Q4_0:
-      if (GROUP16 && s->D % 64 == 0)
-        attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_Q4_0, 1);
-      else
-        attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_Q4_0, 0);
+      attend_widenable(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_Q4_0);
       break;
     default: attend_as(s, q, k_cache, v_cache, table, first, L, end, h0, h1, scores, out, part, KV_F32, 0);
   }
