@@ -606,8 +606,8 @@ static void widen_q4_0(const uint8_t *x, float *out, int64_t n) {
 /* Whether the loops read a cache of `kind` from a float32 scratch a run at a time, its keys copied or
    widened there first: every kind but bf16's, where the four-head loops do not read it in place
    (attend). The heads' loops then read one contiguous run from L1 where in place they read a head's
-   few lines of each key, a pattern the hardware's prefetchers do not follow (a 4-layer model in Llama-3.2-1B's attention shape at 4096 keys, float32 and float16
-   caches read in place: attention 1.2-1.3x the time of a float16 cache widened first); and float16
+   few lines of each key, a pattern the hardware's prefetchers do not follow (a 4-layer model in
+   Llama-3.2-1B's attention shape at 4096 keys, float32 and float16 caches read in place: attention 1.2-1.3x the time of a float16 cache widened first); and float16
    read one value at a time ran 1.3-1.4x slower than float32. */
 #define WIDENED(kind) ((kind) != KV_BF16)
 
@@ -644,6 +644,13 @@ INLINE const void *run_rows(const void *cache, const int64_t *table, int64_t j, 
   return wide;
 }
 
+/* For loops that read a run in place: the block ahead's share of head h's kv head, asked for as
+   the loops reach the first of the task's heads that read it */
+INLINE void prefetch_head(const void *cache, const int64_t *table, int64_t j, int64_t end, int64_t bs, int64_t row,
+                          int64_t h, int64_t h0, int64_t group, int64_t D, const int kind) {
+  if (h == h0 || h % group == 0) prefetch_ahead(cache, table, j, 0, bs, end, bs, row, h / group * D, D, kind);
+}
+
 /* heads from h (of h .. h1 - 1) that share its kv head, four at most */
 static inline int64_t heads4(int64_t h, int64_t h1, int64_t group) {
   const int64_t end = (h / group + 1) * group < h1 ? (h / group + 1) * group : h1;
@@ -665,8 +672,7 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
 #if GROUP16
     if (read != KV_BF16 && D % 64 == 0) {  /* a kv head's key read once for four of its heads */
       for (int64_t h = h0; h < h1; h += heads4(h, h1, group)) {
-        if (!widened && (h == h0 || h % group == 0))
-          prefetch_ahead(k_cache, table, j, 0, bs, end, bs, row, h / group * D, D, kind);
+        if (!widened) prefetch_head(k_cache, table, j, end, bs, row, h, h0, group, D, kind);
         scores_heads(q + h * D, (int)heads4(h, h1, group), keys, at + (h / group - g0) * D, stride, run, D, s->scale,
                      scores + h * n + j - first, n, read);
       }
@@ -674,8 +680,7 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
     }
 #endif
     for (int64_t h = h0; h < h1; h++) {
-      if (!widened && (h == h0 || h % group == 0))
-        prefetch_ahead(k_cache, table, j, 0, bs, end, bs, row, h / group * D, D, kind);
+      if (!widened) prefetch_head(k_cache, table, j, end, bs, row, h, h0, group, D, kind);
       scores_run(q + h * D, keys, at + (h / group - g0) * D, stride, run, D, s->scale, scores + h * n + j - first,
                  read);
     }
@@ -698,8 +703,7 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
 #if GROUP16
     if (read != KV_BF16 && D % 64 == 0) {  /* a kv head's value read once for four of its heads */
       for (int64_t h = h0; h < h1; h += heads4(h, h1, group)) {
-        if (!widened && (h == h0 || h % group == 0))
-          prefetch_ahead(v_cache, table, j, 0, bs, end, bs, row, h / group * D, D, kind);
+        if (!widened) prefetch_head(v_cache, table, j, end, bs, row, h, h0, group, D, kind);
         values_heads(out + h * D, (int)heads4(h, h1, group), scores + h * n + j - first, n, values,
                      at + (h / group - g0) * D, stride, run, D, read);
       }
@@ -707,8 +711,7 @@ INLINE void attend_as(const struct fused_shape *s, const float *q, const void *k
     }
 #endif
     for (int64_t h = h0; h < h1; h++) {
-      if (!widened && (h == h0 || h % group == 0))
-        prefetch_ahead(v_cache, table, j, 0, bs, end, bs, row, h / group * D, D, kind);
+      if (!widened) prefetch_head(v_cache, table, j, end, bs, row, h, h0, group, D, kind);
       values_run(out + h * D, scores + h * n + j - first, values, at + (h / group - g0) * D, stride, run, D, read);
     }
   }
